@@ -1,0 +1,154 @@
+"""Engine configuration (pydantic v2). Field names follow vLLM's engine args.
+
+Plugin-specific options live in each section's ``settings`` dict and are
+validated by the chosen plugin's own settings model at engine build
+(:func:`kvforge.engine.builder.validate_plugin_settings`).
+
+Load order: a YAML/JSON file, then flat overrides (CLI flags or ``LLM(**kwargs)``).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+
+
+class ModelConfig(_Section):
+    model: str = Field(..., description="Path to a Hugging Face-layout checkpoint directory.")
+    tokenizer: str | None = Field(None, description="Tokenizer directory (default: model).")
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    max_model_len: int | None = Field(None, gt=0, description="Max prompt + output tokens.")
+    load_format: Literal["auto", "safetensors", "dummy"] = "auto"
+    seed: int = 0
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+
+
+class CacheConfig(_Section):
+    allocator: str = "paged"
+    block_size: int = Field(16, gt=0, description="Tokens per KV block.")
+    num_gpu_blocks: int | None = Field(None, gt=0, description="Explicit block count (overrides the budget).")
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1.0)
+    kv_cache_memory_bytes: int | None = Field(
+        None, gt=0, description="KV cache budget in bytes (default: GPU utilization target, or 1 GiB on CPU).")
+    enable_prefix_caching: bool = False
+    settings: dict[str, Any] = Field(default_factory=dict)
+
+
+class SchedulerConfig(_Section):
+    name: str = "fcfs"
+    max_num_seqs: int = Field(256, gt=0)
+    max_num_batched_tokens: int | None = Field(None, gt=0, description="Token budget per step (default: max(2048, max_model_len)).")
+    settings: dict[str, Any] = Field(default_factory=dict)
+
+
+class AttentionConfig(_Section):
+    backend: str = "auto"
+    settings: dict[str, Any] = Field(default_factory=dict)
+
+
+class QuantizationSection(_Section):
+    method: str = "auto"
+    settings: dict[str, Any] = Field(default_factory=dict)
+
+
+class SpeculativeConfig(_Section):
+    method: str | None = None
+    num_speculative_tokens: int = Field(0, ge=0)
+    settings: dict[str, Any] = Field(default_factory=dict)
+
+
+class ParallelConfig(_Section):
+    tensor_parallel_size: int = Field(1, ge=1)
+    pipeline_parallel_size: int = Field(1, ge=1)
+    data_parallel_size: int = Field(1, ge=1)
+    distributed_executor_backend: Literal["mp", "ray"] | None = None
+
+
+class EngineConfig(_Section):
+    """The whole engine configuration.
+
+    Raises:
+        pydantic.ValidationError: on any bad field, naming it (e.g. ``scheduler.max_num_seqs``).
+    """
+
+    model: ModelConfig
+    cache: CacheConfig = Field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    attention: AttentionConfig = Field(default_factory=AttentionConfig)
+    quantization: QuantizationSection = Field(default_factory=QuantizationSection)
+    speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+
+    @model_validator(mode="after")
+    def _check_parallel(self) -> "EngineConfig":
+        p = self.parallel
+        if p.tensor_parallel_size * p.pipeline_parallel_size * p.data_parallel_size != 1:
+            raise ValueError("parallel: multi-GPU execution is not available in this build; "
+                             "set tensor/pipeline/data_parallel_size to 1")
+        return self
+
+    @classmethod
+    def from_sources(cls, file: str | Path | None = None, overrides: dict[str, Any] | None = None) -> "EngineConfig":
+        """Build from an optional YAML/JSON file plus flat or dotted overrides.
+
+        ``overrides`` keys are flat names (``max_num_seqs``, see :data:`FLAT_FIELDS`)
+        or dotted paths (``scheduler.settings.foo``). None values are ignored.
+        """
+        data: dict[str, Any] = load_file(file) if file else {}
+        for key, value in (overrides or {}).items():
+            if value is None:
+                continue
+            path = FLAT_FIELDS.get(key, key).split(".")
+            if len(path) == 1:
+                raise ValueError(f"unknown config option {key!r}; known flat options: "
+                                 f"{', '.join(sorted(FLAT_FIELDS))}")
+            node = data
+            for part in path[:-1]:
+                node = node.setdefault(part, {})
+                if not isinstance(node, dict):
+                    raise ValueError(f"config option {key!r}: {part!r} is not a section")
+            node[path[-1]] = value
+        return cls.model_validate(data)
+
+
+def load_file(path: str | Path) -> dict[str, Any]:
+    """Read a YAML (``.yaml``/``.yml``) or JSON config file into a dict."""
+    p = Path(path)
+    text = p.read_text()
+    if p.suffix in (".yaml", ".yml"):
+        import yaml
+        data = yaml.safe_load(text) or {}
+    else:
+        data = json.loads(text)
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {p}: top level must be a mapping")
+    return data
+
+
+def _flat_fields() -> dict[str, str]:
+    """Flat name -> dotted path, for ``LLM(**kwargs)`` and CLI flags (vLLM's names)."""
+    sections = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
+                "parallel": ParallelConfig}
+    out: dict[str, str] = {}
+    for sec, cls in sections.items():
+        for name in cls.model_fields:
+            if name not in ("settings", "name"):
+                out[name] = f"{sec}.{name}"
+    out.update({
+        "kv_allocator": "cache.allocator",
+        "scheduler": "scheduler.name",
+        "attention_backend": "attention.backend",
+        "quantization": "quantization.method",
+        "speculative_method": "speculative.method",
+        "num_speculative_tokens": "speculative.num_speculative_tokens",
+    })
+    return out
+
+
+FLAT_FIELDS: dict[str, str] = _flat_fields()

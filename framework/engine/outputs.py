@@ -1,0 +1,58 @@
+"""Request outputs with vLLM's field names (``RequestOutput``, ``CompletionOutput``)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Logprob:
+    """Log-probability (natural log) of one token, its 1-based rank, and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+#: Per position: token id -> Logprob (the sampled token plus the top ``logprobs``).
+SampleLogprobs = list[dict[int, Logprob]]
+#: Per prompt position; the first entry is None (no logits precede the first token).
+PromptLogprobs = list["dict[int, Logprob] | None"]
+
+
+@dataclass
+class CompletionOutput:
+    """One of the ``n`` completions of a request.
+
+    ``finish_reason`` is None while running, then ``"stop"`` (EOS, stop token or
+    string), ``"length"`` (max_tokens or max_model_len), ``"abort"`` or ``"error"``.
+    ``stop_reason`` is the stop string or token id that matched, if any.
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: SampleLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """Output of a request so far (``finished`` tells whether it is final).
+
+    ``error`` carries the message when ``finish_reason == "error"`` (kvforge extension).
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    prompt_logprobs: PromptLogprobs | None
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    error: str | None = None
+    metrics: dict[str, float] = field(default_factory=dict)

@@ -1,0 +1,109 @@
+"""The request: the one object that crosses plugin boundaries (DESIGN.md)."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kvforge.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    """WAITING -> RUNNING <-> PREEMPTED -> one FINISHED_* state."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH_CAPPED = "length"
+    FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"
+
+    @property
+    def finished(self) -> bool:
+        return self.name.startswith("FINISHED")
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.value if self.finished else None
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence being generated (a request with ``n > 1`` becomes n of these).
+
+    Attributes:
+        request_id: unique engine-wide (children of an n>1 request get ``"{parent}#{i}"``).
+        parent_id / index: the user's request id and this completion's index.
+        prompt_token_ids / output_token_ids: token ids (ints).
+        num_computed_tokens: tokens whose KV is in the cache; catches up to ``num_tokens``.
+        max_tokens: resolved cap on output tokens.
+        eos_token_ids: ids that end generation unless ``ignore_eos``.
+        generator: per-request torch.Generator when ``sampling_params.seed`` is set.
+        priority: lower value = more important (vLLM convention).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    max_tokens: int
+    eos_token_ids: frozenset[int] = frozenset()
+    parent_id: str | None = None
+    index: int = 0
+    priority: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    stop_reason: int | str | None = None
+    error: str | None = None
+    num_preemptions: int = 0
+    generator: torch.Generator | None = None
+    first_token_time: float | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_id_at(self, i: int) -> int:
+        p = len(self.prompt_token_ids)
+        return self.prompt_token_ids[i] if i < p else self.output_token_ids[i - p]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+
+def check_stop(request: Request, max_model_len: int) -> RequestStatus | None:
+    """Token-level stop check after a token was appended (stop strings are the
+    detokenizer's job). Returns the finished status to apply, or None.
+
+    Order (as in vLLM): min_tokens gates EOS/stop ids; then EOS, stop_token_ids,
+    then max_tokens / max_model_len.
+    """
+    sp = request.sampling_params
+    last = request.output_token_ids[-1]
+    if request.num_output_tokens >= sp.min_tokens:
+        if not sp.ignore_eos and last in request.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if last in sp.stop_token_ids:
+            request.stop_reason = last
+            return RequestStatus.FINISHED_STOPPED
+    if request.num_output_tokens >= request.max_tokens or request.num_tokens >= max_model_len:
+        return RequestStatus.FINISHED_LENGTH_CAPPED
+    return None

@@ -1,0 +1,120 @@
+"""Sampling parameters, with vLLM's field names and defaults."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+_GREEDY_EPS = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request. Field names and meanings follow vLLM.
+
+    Attributes:
+        n: number of independent completions (>= 1).
+        temperature: softmax temperature (>= 0); below 1e-5 means greedy.
+        top_p: nucleus mass in (0, 1] (Holtzman et al. 2020).
+        top_k: keep the k most likely tokens; 0 or -1 disables.
+        min_p: keep tokens with p >= min_p * p_max, in [0, 1].
+        presence_penalty, frequency_penalty: OpenAI-style, in [-2, 2], on generated tokens.
+        repetition_penalty: CTRL-style (Keskar et al. 2019), > 0, on prompt and generated tokens.
+        seed: per-request RNG seed; results then do not depend on batch mates.
+        stop: strings that end generation (not included unless include_stop_str_in_output).
+        stop_token_ids: extra token ids that end generation (included in the output).
+        ignore_eos: keep generating after EOS.
+        max_tokens: generated tokens cap (None = up to max_model_len).
+        min_tokens: EOS and stop_token_ids are masked until this many tokens exist.
+        logprobs: return this many top log-probabilities per generated token (plus the sampled one).
+        prompt_logprobs: the same for prompt tokens.
+        logit_bias: token id -> additive bias applied to logits.
+        skip_special_tokens, spaces_between_special_tokens: detokenizer options.
+
+    Raises:
+        ValueError: naming the field, for any value out of range.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    detokenize: bool = True
+    extra_args: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logit_bias:
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        self._verify()
+
+    def _verify(self) -> None:
+        def bad(name: str, msg: str) -> ValueError:
+            return ValueError(f"{name} {msg}, got {getattr(self, name)!r}")
+
+        if not isinstance(self.n, int) or self.n < 1:
+            raise bad("n", "must be an integer >= 1")
+        if self.temperature < 0:
+            raise bad("temperature", "must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise bad("top_p", "must be in (0, 1]")
+        if self.top_k < -1:
+            raise bad("top_k", "must be -1 or 0 (disabled) or >= 1")
+        if not 0 <= self.min_p <= 1:
+            raise bad("min_p", "must be in [0, 1]")
+        if not -2 <= self.presence_penalty <= 2:
+            raise bad("presence_penalty", "must be in [-2, 2]")
+        if not -2 <= self.frequency_penalty <= 2:
+            raise bad("frequency_penalty", "must be in [-2, 2]")
+        if self.repetition_penalty <= 0:
+            raise bad("repetition_penalty", "must be > 0")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise bad("max_tokens", "must be >= 1")
+        if self.min_tokens < 0:
+            raise bad("min_tokens", "must be >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise bad("logprobs", "must be >= 0")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            raise bad("prompt_logprobs", "must be >= 0")
+        if any(not s for s in self.stop):
+            raise bad("stop", "must not contain empty strings")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "must be non-negative")
+
+    def verify_vocab(self, vocab_size: int) -> None:
+        """Check token ids against the model's vocabulary; raise ValueError naming the field."""
+        if self.logit_bias:
+            bad = [t for t in self.logit_bias if not 0 <= t < vocab_size]
+            if bad:
+                raise ValueError(f"logit_bias has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+        bad = [t for t in self.stop_token_ids if t >= vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids has ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+    def clone(self, **changes: Any) -> "SamplingParams":
+        from dataclasses import replace
+        return replace(self, **changes)

@@ -1,0 +1,17 @@
+"""One small abstract interface per extension point.
+
+Every interface carries ``KVFORGE_HOOK_API``; see :mod:`kvforge.hookspecs`.
+"""
+from kvforge.interfaces.attention import (AttentionBackend, AttentionInputs, AttentionLayer,
+                                          AttentionRequirements)
+from kvforge.interfaces.drafter import Drafter
+from kvforge.interfaces.kv_cache import KVAllocator
+from kvforge.interfaces.model import ForwardMetadata, Model, ModelContext
+from kvforge.interfaces.quantization import LinearMethod, QuantizationConfig
+from kvforge.interfaces.scheduler import Scheduler, SchedulerOutput
+
+__all__ = [
+    "AttentionBackend", "AttentionInputs", "AttentionLayer", "AttentionRequirements", "Drafter",
+    "KVAllocator", "ForwardMetadata", "Model", "ModelContext", "LinearMethod",
+    "QuantizationConfig", "Scheduler", "SchedulerOutput",
+]

@@ -1,0 +1,44 @@
+"""Quantization interface: a config chooses a :class:`LinearMethod` per linear layer."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from kvforge.hookspecs import KVFORGE_HOOK_API
+
+
+class LinearMethod(ABC):
+    """Owns a linear layer's weight format: creates its parameters, runs the GEMM,
+    and converts the loaded tensors once after loading (repacking, transposes)."""
+
+    @abstractmethod
+    def create_weights(self, layer: torch.nn.Module, input_size: int, output_sizes: list[int],
+                       params_dtype: torch.dtype) -> None:
+        """Register parameters on ``layer``. ``output_sizes`` lists the fused
+        outputs (e.g. [q, k, v]); each parameter gets ``weight_loader(param,
+        tensor, shard_index)`` and attribute ``output_dim`` (the dimension that
+        ``output_sizes`` split), ``packed_factor`` if packed along it."""
+
+    @abstractmethod
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x`` [T, input_size] (activation dtype) -> [T, sum(output_sizes)]."""
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        """Called once after every checkpoint tensor was loaded."""
+
+
+class QuantizationConfig(ABC):
+    """Built by a quantizer factory from the checkpoint's ``quantization_config``."""
+
+    KVFORGE_HOOK_API = KVFORGE_HOOK_API
+    name: str
+
+    @abstractmethod
+    def get_linear_method(self, prefix: str) -> LinearMethod:
+        """Method for the linear layer with checkpoint prefix ``prefix`` (e.g.
+        ``model.layers.0.self_attn.qkv_proj``)."""
+
+    def validate(self, dtype: torch.dtype, device: torch.device) -> list[str]:
+        """Reasons this method cannot run with this activation dtype on this device."""
+        return []

@@ -1,0 +1,78 @@
+"""Scheduler interface: decides, each step, which requests run and how many tokens each."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Iterable
+
+from kvforge.hookspecs import KVFORGE_HOOK_API
+
+if TYPE_CHECKING:
+    from kvforge.engine.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerOutput:
+    """What one engine step runs.
+
+    Attributes:
+        scheduled: requests to run this step, in batch order.
+        num_scheduled_tokens: request_id -> number of new tokens (>= 1) to compute
+            this step, starting at ``request.num_computed_tokens``. A prompt chunk
+            and a decode token are the same thing here (DESIGN.md, core loop).
+        preempted: requests preempted this step (their blocks are already freed).
+        finished: requests the scheduler ended this step without running them
+            (e.g. a prompt that can never fit); they carry ``status`` and ``error``.
+    """
+
+    scheduled: list["Request"] = field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    preempted: list["Request"] = field(default_factory=list)
+    finished: list["Request"] = field(default_factory=list)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+
+class Scheduler(ABC):
+    """Continuous-batching scheduler (Orca, Yu et al. OSDI'22; vLLM's V1 unified form).
+
+    A scheduler owns the waiting and running queues and asks its
+    :class:`~kvforge.interfaces.KVAllocator` for blocks; it must keep, every
+    step, ``len(scheduled) <= max_num_seqs`` and
+    ``total_num_scheduled_tokens <= max_num_batched_tokens``.
+    """
+
+    KVFORGE_HOOK_API = KVFORGE_HOOK_API
+
+    @abstractmethod
+    def add_request(self, request: "Request") -> None:
+        """Queue a validated request (status WAITING)."""
+
+    @abstractmethod
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's requests and token counts; allocate their KV slots."""
+
+    @abstractmethod
+    def update(self, output: SchedulerOutput, sampled: dict[str, list[int]]) -> list["Request"]:
+        """Advance ``num_computed_tokens`` by the scheduled counts, append ``sampled``
+        token ids (request_id -> new tokens; absent for a mid-prompt chunk), apply
+        token-level stop checks (EOS, stop_token_ids, max_tokens, max_model_len)
+        and free finished requests' blocks.
+
+        Returns: the requests that finished during this update.
+        """
+
+    @abstractmethod
+    def finish_requests(self, request_ids: Iterable[str], status: "RequestStatus") -> list["Request"]:
+        """End requests from outside (abort, stop string, error); free their blocks.
+        Unknown or already finished ids are ignored. Returns the requests ended."""
+
+    @abstractmethod
+    def has_unfinished_requests(self) -> bool:
+        """True while any request is waiting, running or preempted."""
+
+    def stats(self) -> dict[str, float]:
+        """Counters for metrics: num_running, num_waiting, num_preemptions..."""
+        return {}

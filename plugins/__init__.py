@@ -1,0 +1,1 @@
+"""Built-in kvforge plugins. Loaded only through the `kvforge.plugins` entry points."""
