@@ -1,0 +1,193 @@
+"""LLMEngine: the step loop (schedule -> allocate -> forward -> sample -> update)."""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Iterable
+
+import torch
+
+from kvforge.config import EngineConfig
+from kvforge.engine.builder import EngineParts, build_engine_parts
+from kvforge.engine.output_processor import OutputProcessor
+from kvforge.engine.outputs import RequestOutput
+from kvforge.engine.request import Request, RequestStatus
+from kvforge.engine.sampler import Sampler, compute_prompt_logprobs
+from kvforge.engine.sampling_params import SamplingParams
+from kvforge.engine.tokenizer import eos_token_ids, load_tokenizer
+from kvforge.plugin_manager import Registry, load_registry
+
+log = logging.getLogger("kvforge")
+
+#: A prompt: text, a list of token ids, or ``{"prompt_token_ids": [...]}`` / ``{"prompt": "..."}``.
+PromptType = Any
+
+
+class LLMEngine:
+    """Continuous-batching engine over plugin-supplied parts.
+
+    Build with ``LLMEngine(EngineConfig)``; plugin hooks run once, here.
+    Not thread-safe: one caller drives ``add_request``/``step``.
+    """
+
+    def __init__(self, config: EngineConfig, registry: Registry | None = None) -> None:
+        config = config.model_copy(deep=True)
+        self.registry = registry if registry is not None else load_registry()
+        parts: EngineParts = build_engine_parts(config, self.registry)
+        self.parts = parts
+        self.config = parts.config
+        self.scheduler = parts.scheduler
+        self.allocator = parts.allocator
+        self.max_model_len = parts.max_model_len
+        self.vocab_size = parts.hf_config.vocab_size
+        self.tokenizer = load_tokenizer(config.model.tokenizer or config.model.model)
+        self.eos_token_ids = eos_token_ids(self.tokenizer, config.model.model)
+        from kvforge.engine.model_runner import ModelRunner
+        self.runner = ModelRunner(parts.model, parts.backend, parts.allocator, parts.kv_caches, parts.device)
+        gen = torch.Generator(device=parts.device).manual_seed(config.model.seed)
+        self.sampler = Sampler(self.vocab_size, gen)
+        self.outputs = OutputProcessor(self.tokenizer)
+        self._live: dict[str, Request] = {}  # child request_id -> request
+        self._pending: list[RequestOutput] = []
+
+    @classmethod
+    def from_kwargs(cls, model: str, config_file: str | None = None, **kwargs: Any) -> "LLMEngine":
+        """``LLMEngine.from_kwargs("dir", max_num_seqs=4, scheduler="fcfs")``: flat vLLM-style options."""
+        return cls(EngineConfig.from_sources(config_file, {"model": model, **kwargs}))
+
+    # -- requests -------------------------------------------------------------------------
+    def _prompt_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                ids = prompt["prompt_token_ids"]
+                text = prompt.get("prompt")
+            elif "prompt" in prompt:
+                return self._prompt_ids(prompt["prompt"])
+            else:
+                raise ValueError("prompt: a dict prompt needs 'prompt' or 'prompt_token_ids'")
+        else:
+            ids, text = prompt, None
+        if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise ValueError("prompt_token_ids: must be a list of ints")
+        return text, list(ids)
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
+                    priority: int = 0, arrival_time: float | None = None) -> None:
+        """Validate and queue one request. Nothing changes unless validation passes.
+
+        Raises:
+            ValueError: naming the field: duplicate request_id, empty prompt, token ids
+                outside the vocabulary, prompt + max_tokens > max_model_len, bad logit_bias.
+        """
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
+        if request_id in self.outputs.parents:
+            raise ValueError(f"request_id {request_id!r} is already in flight")
+        text, ids = self._prompt_ids(prompt)
+        if not ids:
+            raise ValueError("prompt: must not be empty (it encodes to zero tokens)")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt_token_ids: ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
+        params.verify_vocab(self.vocab_size)
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
+        if len(ids) + max_tokens > self.max_model_len:
+            raise ValueError(f"max_tokens: prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds "
+                             f"max_model_len ({self.max_model_len})")
+        if max_tokens < 1:
+            raise ValueError(f"prompt: {len(ids)} tokens leave no room to generate within max_model_len "
+                             f"({self.max_model_len})")
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        children = []
+        for i in range(params.n):
+            cid = request_id if params.n == 1 else f"{request_id}#{i}"
+            gen = None
+            if params.seed is not None:
+                gen = torch.Generator(device=self.parts.device).manual_seed(params.seed + i)
+            children.append(Request(cid, list(ids), params, max_tokens, self.eos_token_ids, parent_id=request_id,
+                                    index=i, priority=priority, arrival_time=arrival + i * 1e-9, generator=gen))
+        if any(c.request_id in self._live for c in children):
+            raise ValueError(f"request_id {request_id!r} collides with an in-flight request")
+        self.outputs.add(request_id, text, children)
+        for c in children:
+            self._live[c.request_id] = c
+            self.scheduler.add_request(c)
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> None:
+        """Abort requests by user id; their blocks return to the allocator now.
+        Their final outputs (finish_reason ``abort``) come from the next ``step()``."""
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        for rid in ids:
+            parent = self.outputs.parents.get(rid)
+            if parent is None:
+                continue
+            self.scheduler.finish_requests([c.request.request_id for c in parent.children],
+                                           RequestStatus.FINISHED_ABORTED)
+            self._pending.append(self._emit(rid))
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.outputs.parents) or bool(self._pending)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.outputs.parents)
+
+    # -- the step -------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One engine iteration. Returns outputs of requests that changed (new tokens or finished)."""
+        results = self._pending
+        self._pending = []
+        so = self.scheduler.schedule()
+        touched: dict[str, None] = {}
+        for req in so.finished:
+            touched[req.parent_id] = None
+        sampled: dict[str, list[int]] = {}
+        sout = None
+        if so.scheduled:
+            try:
+                ex = self.runner.execute(so)
+                for rid, (_, logits) in ex.prompt_logits.items():
+                    req = self._live[rid]
+                    first = ex.prompt_logits[rid][0]
+                    targets = req.prompt_token_ids[first:first + logits.shape[0]]
+                    entries = compute_prompt_logprobs(logits, targets, req.sampling_params.prompt_logprobs)
+                    self.outputs.add_prompt_logprobs(req, entries)
+                if ex.sample_requests:
+                    sout = self.sampler(ex.logits, ex.sample_requests)
+                    for req, tok in zip(ex.sample_requests, sout.sampled_token_ids):
+                        sampled[req.request_id] = [tok]
+            except Exception as e:  # a failure fails this step's requests only; the engine stays up
+                log.exception("engine step failed")
+                failed = self.scheduler.finish_requests([r.request_id for r in so.scheduled],
+                                                        RequestStatus.FINISHED_ERROR)
+                for r in failed:
+                    r.error = f"engine error: {type(e).__name__}: {e}"
+                    touched[r.parent_id] = None
+                so.scheduled = []
+                sampled = {}
+        self.scheduler.update(so, sampled)
+        if sout is not None:
+            for i, req in enumerate(ex.sample_requests):
+                touched[req.parent_id] = None
+                stop = self.outputs.process_tokens(req, len(sampled[req.request_id]),
+                                                   [sout.logprobs[i]], [sout.sampled_logprobs[i]])
+                if stop is not None and not req.is_finished:
+                    req.stop_reason = stop
+                    self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
+        for pid in touched:
+            if pid in self.outputs.parents:
+                results.append(self._emit(pid))
+        for req in list(self._live.values()):
+            if req.is_finished:
+                del self._live[req.request_id]
+        return results
+
+    def _emit(self, parent_id: str) -> RequestOutput:
+        out = self.outputs.make_output(parent_id)
+        self.outputs.release_if_finished(parent_id)
+        return out
+
+    def stats(self) -> dict[str, float]:
+        return {**self.scheduler.stats(), **self.allocator.stats()}

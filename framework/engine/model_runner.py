@@ -1,0 +1,103 @@
+"""Model runner: turns a SchedulerOutput into one flattened forward and the logits to sample."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvforge.engine.request import Request
+from kvforge.interfaces import (AttentionBackend, AttentionInputs, ForwardMetadata, KVAllocator, Model,
+                                SchedulerOutput)
+
+
+@dataclass
+class ExecuteOutput:
+    """``logits`` float32 [N, V] for ``sample_requests`` (requests whose step reaches
+    their last known token); ``prompt_logits`` request_id -> (first prompt position
+    predicted, float32 [P, V]) for requests asking prompt_logprobs."""
+
+    logits: torch.Tensor
+    sample_requests: list[Request]
+    prompt_logits: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
+
+
+class ModelRunner:
+    """Owns the model, the attention backend and the per-layer KV cache tensors.
+
+    Args:
+        kv_caches: one tensor per layer, shape ``backend.kv_cache_shape(...)``.
+    """
+
+    def __init__(self, model: Model, backend: AttentionBackend, allocator: KVAllocator,
+                 kv_caches: list[torch.Tensor], device: torch.device) -> None:
+        self.model = model
+        self.backend = backend
+        self.allocator = allocator
+        self.kv_caches = kv_caches
+        self.device = device
+        self.block_size = allocator.block_size
+
+    def _prepare(self, out: SchedulerOutput):
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        qsl = [0]
+        ctx_lens: list[int] = []
+        tables: list[list[int]] = []
+        bs = self.block_size
+        for req in out.scheduled:
+            n = out.num_scheduled_tokens[req.request_id]
+            start = req.num_computed_tokens
+            table = self.allocator.get_block_table(req.request_id)
+            toks = req.all_token_ids
+            ids.extend(toks[start:start + n])
+            for p in range(start, start + n):
+                pos.append(p)
+                slots.append(table[p // bs] * bs + p % bs)
+            qsl.append(qsl[-1] + n)
+            ctx_lens.append(start)
+            tables.append(table)
+        width = max(len(t) for t in tables)
+        table_t = torch.full((len(tables), width), 0, dtype=torch.int32)
+        for i, t in enumerate(tables):
+            table_t[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
+        qlens = [qsl[i + 1] - qsl[i] for i in range(len(ctx_lens))]
+        dev = self.device
+        ctx_t = torch.tensor(ctx_lens, dtype=torch.int32)
+        inputs = AttentionInputs(
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+            context_lens=ctx_t.to(dev),
+            seq_lens=(ctx_t + torch.tensor(qlens, dtype=torch.int32)).to(dev),
+            block_table=table_t.to(dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            max_query_len=max(qlens),
+            max_seq_len=max(c + q for c, q in zip(ctx_lens, qlens)),
+            query_lens_cpu=qlens,
+            context_lens_cpu=ctx_lens,
+            block_size=bs,
+        )
+        return (torch.tensor(ids, dtype=torch.int64, device=dev), torch.tensor(pos, dtype=torch.int64, device=dev),
+                inputs, qsl)
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> ExecuteOutput:
+        """Run one forward over all scheduled tokens (no padding)."""
+        input_ids, positions, inputs, qsl = self._prepare(out)
+        meta = ForwardMetadata(self.backend.build_metadata(inputs), self.kv_caches)
+        hidden = self.model(input_ids, positions, meta)
+        rows: list[int] = []
+        sample_reqs: list[Request] = []
+        prompt_logits: dict[str, tuple[int, torch.Tensor]] = {}
+        for i, req in enumerate(out.scheduled):
+            n = out.num_scheduled_tokens[req.request_id]
+            start = req.num_computed_tokens
+            if start + n >= req.num_tokens:
+                rows.append(qsl[i + 1] - 1)
+                sample_reqs.append(req)
+            if req.sampling_params.prompt_logprobs is not None and start < req.num_prompt_tokens - 1:
+                # position p predicts prompt token p + 1; stop at the last prompt token.
+                hi = min(start + n, req.num_prompt_tokens - 1)
+                h = hidden[qsl[i]: qsl[i] + (hi - start)]
+                prompt_logits[req.request_id] = (start + 1, self.model.compute_logits(h))
+        logits = self.model.compute_logits(hidden[rows]) if rows else hidden.new_empty((0, 0)).float()
+        return ExecuteOutput(logits, sample_reqs, prompt_logits)

@@ -1,0 +1,122 @@
+"""Turns per-step token ids into RequestOutputs: detokenization, stop strings,
+logprobs, and fan-in of the ``n`` child sequences of one user request."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from kvforge.engine.detokenizer import IncrementalDetokenizer
+from kvforge.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from kvforge.engine.request import Request
+
+
+@dataclass
+class _Child:
+    request: Request
+    detok: IncrementalDetokenizer
+    logprobs: list[dict[int, Logprob]] | None
+    cumulative_logprob: float = 0.0
+
+
+@dataclass
+class _Parent:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    children: list[_Child]
+    arrival_time: float
+    prompt_logprobs: list | None = None
+    error: str | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class OutputProcessor:
+    """Holds per-request output state; all methods are O(new tokens)."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.parents: dict[str, _Parent] = {}
+        self.child_to_parent: dict[str, str] = {}
+
+    def add(self, request_id: str, prompt: str | None, children: list[Request]) -> None:
+        first = children[0]
+        kids = [_Child(c, IncrementalDetokenizer(self.tokenizer, c.prompt_token_ids, c.sampling_params),
+                       [] if c.sampling_params.logprobs is not None else None) for c in children]
+        p = _Parent(request_id, prompt, first.prompt_token_ids, kids, first.arrival_time)
+        if first.sampling_params.prompt_logprobs is not None:
+            p.prompt_logprobs = [None]
+        self.parents[request_id] = p
+        for c in children:
+            self.child_to_parent[c.request_id] = request_id
+
+    def parent_of(self, child_id: str) -> _Parent | None:
+        pid = self.child_to_parent.get(child_id)
+        return self.parents.get(pid) if pid is not None else None
+
+    def _child(self, req: Request) -> _Child:
+        parent = self.parent_of(req.request_id)
+        return next(c for c in parent.children if c.request is req)
+
+    def add_prompt_logprobs(self, req: Request, entries: list[dict[int, Logprob]]) -> None:
+        parent = self.parent_of(req.request_id)
+        if parent is None or parent.prompt_logprobs is None or req.index != 0:
+            return
+        need = len(parent.prompt_token_ids) - len(parent.prompt_logprobs)
+        for e in entries[:max(0, need)]:
+            for tid, lp in e.items():
+                lp.decoded_token = self._child(req).detok.decoded_token(tid)
+            parent.prompt_logprobs.append(e)
+
+    def process_tokens(self, req: Request, num_new: int, logprobs: list[dict[int, Logprob] | None],
+                       sampled_logprobs: list[float]) -> str | None:
+        """Detokenize ``req``'s last ``num_new`` output tokens.
+
+        Returns the stop string matched, if any; the request's ``output_token_ids``
+        are then truncated to end at the token that completed it.
+        """
+        child = self._child(req)
+        new = req.output_token_ids[len(req.output_token_ids) - num_new:]
+        if req.first_token_time is None and new:
+            req.first_token_time = time.monotonic()
+        stop, consumed = child.detok.update(new)
+        if stop is not None and consumed < num_new:
+            del req.output_token_ids[len(req.output_token_ids) - (num_new - consumed):]
+        for i in range(consumed):
+            child.cumulative_logprob += sampled_logprobs[i] if i < len(sampled_logprobs) else 0.0
+            if child.logprobs is not None and i < len(logprobs) and logprobs[i] is not None:
+                entry = logprobs[i]
+                for tid, lp in entry.items():
+                    lp.decoded_token = child.detok.decoded_token(tid)
+                child.logprobs.append(entry)
+        return stop
+
+    def make_output(self, parent_id: str, now: float | None = None) -> RequestOutput:
+        p = self.parents[parent_id]
+        outs = []
+        for c in p.children:
+            r = c.request
+            outs.append(CompletionOutput(
+                index=r.index, text=c.detok.output_text, token_ids=list(r.output_token_ids),
+                cumulative_logprob=c.cumulative_logprob if c.logprobs is not None else None,
+                logprobs=list(c.logprobs) if c.logprobs is not None else None,
+                finish_reason=r.status.finish_reason, stop_reason=r.stop_reason))
+        finished = all(c.request.is_finished for c in p.children)
+        errors = [c.request.error for c in p.children if c.request.error]
+        first = min((c.request.first_token_time for c in p.children if c.request.first_token_time),
+                    default=None)
+        metrics = {"arrival_time": p.arrival_time}
+        if first is not None:
+            metrics["first_token_time"] = first
+        if finished:
+            metrics["finished_time"] = now or time.monotonic()
+        return RequestOutput(p.request_id, p.prompt, p.prompt_token_ids,
+                             list(p.prompt_logprobs) if p.prompt_logprobs is not None else None, outs,
+                             finished, num_cached_tokens=p.children[0].request.num_cached_tokens,
+                             error=errors[0] if errors else None, metrics=metrics)
+
+    def release_if_finished(self, parent_id: str) -> None:
+        p = self.parents.get(parent_id)
+        if p is not None and all(c.request.is_finished for c in p.children):
+            for c in p.children:
+                self.child_to_parent.pop(c.request.request_id, None)
+            del self.parents[parent_id]

@@ -1,0 +1,66 @@
+"""Checkpoint loading: safetensors (single file or sharded with an index) or dummy weights."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from safetensors import safe_open
+
+
+def safetensors_files(model_dir: str | Path) -> list[Path]:
+    """The checkpoint's ``*.safetensors`` files, from ``model.safetensors.index.json`` if present.
+
+    Raises:
+        FileNotFoundError: no safetensors file in ``model_dir``.
+    """
+    d = Path(model_dir)
+    index = d / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [d / s for s in shards]
+    files = sorted(d.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"model: no *.safetensors files in {d}")
+    return files
+
+
+def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, tensor)`` for every tensor of the checkpoint, one shard at a time (CPU)."""
+    for f in safetensors_files(model_dir):
+        with safe_open(str(f), framework="pt", device="cpu") as sf:
+            for name in sf.keys():
+                yield name, sf.get_tensor(name)
+
+
+def load_weights(model: torch.nn.Module, model_dir: str, load_format: str, seed: int) -> None:
+    """Fill ``model``'s parameters.
+
+    ``load_format``: ``auto``/``safetensors`` reads the checkpoint and checks that
+    every parameter was filled; ``dummy`` draws uniform(-1e-3, 1e-3) values with
+    the real shapes (for benchmarks), as vLLM does.
+
+    Raises:
+        ValueError: a checkpoint tensor is unknown, mis-shaped, or a parameter is missing.
+    """
+    if load_format == "dummy":
+        g = torch.Generator(device="cpu").manual_seed(seed)
+        for p in model.parameters():
+            if p.is_floating_point():
+                cpu = torch.empty(p.shape, dtype=torch.float32).uniform_(-1e-3, 1e-3, generator=g)
+                p.data.copy_(cpu)
+        for m in model.modules():
+            if hasattr(m, "method"):
+                m.method.process_weights_after_loading(m)
+        return
+    loaded = model.load_weights(iter_safetensors(model_dir))
+    expected = getattr(model, "expected_weights", None)
+    if expected is not None:
+        missing = sorted(expected() - loaded)
+        if missing:
+            raise ValueError(f"checkpoint {model_dir} is missing tensors for: {', '.join(missing[:8])}"
+                             + (" ..." if len(missing) > 8 else ""))
+    for m in model.modules():
+        if hasattr(m, "method"):
+            m.method.process_weights_after_loading(m)

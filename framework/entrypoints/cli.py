@@ -1,0 +1,150 @@
+"""``kvforge`` command line: ``generate`` and ``plugins``."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from typing import Any
+
+from kvforge.config import FLAT_FIELDS, EngineConfig
+
+
+def _add_engine_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="checkpoint directory (Hugging Face layout)")
+    p.add_argument("--config", help="YAML or JSON engine config; flags override it")
+    for name in sorted(FLAT_FIELDS):
+        if name == "model":
+            continue
+        p.add_argument(f"--{name.replace('_', '-')}", dest=f"cfg_{name}", default=None,
+                       help=f"sets {FLAT_FIELDS[name]}")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="any config path, e.g. scheduler.settings.foo=1 (value parsed as JSON if it can be)")
+
+
+def _parse_value(raw: str) -> Any:
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        return raw
+
+
+def engine_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """Flags -> overrides for :meth:`EngineConfig.from_sources`."""
+    out: dict[str, Any] = {"model": args.model}
+    for k, v in vars(args).items():
+        if k.startswith("cfg_") and v is not None:
+            out[k[4:]] = _parse_value(v) if v not in ("auto",) else v
+    for item in args.set:
+        if "=" not in item:
+            raise SystemExit(f"--set expects KEY=VALUE, got {item!r}")
+        k, v = item.split("=", 1)
+        out[k] = _parse_value(v)
+    return out
+
+
+def _sampling_from_args(args: argparse.Namespace):
+    from kvforge import SamplingParams
+    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                          max_tokens=args.max_tokens, seed=args.seed_sampling, n=args.n,
+                          stop=args.stop or None, logprobs=args.logprobs, ignore_eos=args.ignore_eos,
+                          repetition_penalty=args.repetition_penalty)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from kvforge.entrypoints.llm import LLM
+    sp = _sampling_from_args(args)
+    overrides = engine_overrides(args)
+    model = overrides.pop("model")
+    llm = LLM(model, config=args.config, **overrides)
+    outs = llm.generate(args.prompts, sp, use_tqdm=not args.json)
+    if args.json:
+        print(json.dumps([dataclasses.asdict(o) for o in outs], indent=2, default=str))
+    else:
+        for o in outs:
+            for c in o.outputs:
+                print(f"{o.prompt}{c.text}")
+                if o.error:
+                    print(f"[error: {o.error}]", file=sys.stderr)
+                print(f"[{len(c.token_ids)} tokens, finish_reason={c.finish_reason}]", file=sys.stderr)
+    return 0
+
+
+def cmd_plugins(args: argparse.Namespace) -> int:
+    from kvforge.plugin_manager import load_registry
+    reg = load_registry()
+    rows = [(s.kind, s.name, s.plugin, s.distribution, s.version, s.hook_api) for s in reg.all()]
+    rows.sort()
+    head = ("KIND", "NAME", "PLUGIN", "DISTRIBUTION", "VERSION", "HOOK API")
+    widths = [max(len(str(r[i])) for r in rows + [head]) for i in range(len(head))]
+    for r in [head] + rows:
+        print("  ".join(str(x).ljust(w) for x, w in zip(r, widths)).rstrip())
+    if args.explain:
+        _explain(args, reg)
+    return 0
+
+
+def _explain(args: argparse.Namespace, reg) -> None:
+    """Show why each attention backend is or is not eligible for ``auto`` on this machine."""
+    import torch
+    from transformers import AutoConfig
+
+    from kvforge.engine.builder import resolve_device, resolve_dtype
+    from kvforge.interfaces import AttentionRequirements
+    if not args.model:
+        print("\n(--explain needs --model to know head sizes and dtype)")
+        return
+    cfg = EngineConfig.from_sources(args.config, {"model": args.model})
+    hf = AutoConfig.from_pretrained(args.model, local_files_only=True)
+    dev = resolve_device(cfg.model.device)
+    dtype = resolve_dtype(cfg.model.dtype, hf)
+    nh = hf.num_attention_heads
+    req = AttentionRequirements(dtype, getattr(hf, "head_dim", None) or hf.hidden_size // nh, nh,
+                                getattr(hf, "num_key_value_heads", None) or nh, cfg.cache.block_size, dtype)
+    print(f"\nattention backends for {args.model} on {dev} ({dtype}):")
+    for name in reg.names("attention"):
+        spec = reg.get("attention", name)
+        reasons = spec.factory.validate(req, dev)
+        prio = spec.capabilities.get("priority", 0)
+        print(f"  {name} (priority {prio}): " + ("ok" if not reasons else "rejected: " + "; ".join(reasons)))
+    del torch
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvforge", description="kvforge: plugin-based LLM inference")
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate text for prompts")
+    _add_engine_flags(g)
+    g.add_argument("prompts", nargs="+", metavar="PROMPT")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--n", type=int, default=1)
+    g.add_argument("--stop", action="append")
+    g.add_argument("--logprobs", type=int, default=None)
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--sampling-seed", dest="seed_sampling", type=int, default=None)
+    g.add_argument("--json", action="store_true", help="print full RequestOutputs as JSON")
+    g.set_defaults(func=cmd_generate)
+    pl = sub.add_parser("plugins", help="list installed plugins")
+    pl.add_argument("--explain", action="store_true", help="show why each attention backend can or cannot run")
+    pl.add_argument("--model", help="model directory for --explain")
+    pl.add_argument("--config")
+    pl.set_defaults(func=cmd_plugins)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, RuntimeError) as e:
+        print(f"kvforge: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""Offline batch API, shaped like vLLM's ``LLM``."""
+from __future__ import annotations
+
+import itertools
+from typing import Any, Sequence
+
+from tqdm.auto import tqdm
+
+from kvforge.config import EngineConfig
+from kvforge.engine.llm_engine import LLMEngine, PromptType
+from kvforge.engine.outputs import RequestOutput
+from kvforge.engine.sampling_params import SamplingParams
+
+
+class LLM:
+    """``LLM(model="dir", dtype="float32", max_num_seqs=8, scheduler="fcfs", ...)``.
+
+    Keyword arguments are the flat config fields (see ``kvforge.config.FLAT_FIELDS``:
+    ``dtype``, ``max_model_len``, ``block_size``, ``num_gpu_blocks``, ``max_num_seqs``,
+    ``max_num_batched_tokens``, ``seed``, ``scheduler``, ``attention_backend``,
+    ``kv_allocator``, ``quantization``, ...) or dotted paths (``scheduler.settings.x``);
+    ``config`` may name a YAML/JSON file that they override.
+
+    Raises:
+        ValueError / pydantic.ValidationError: naming the bad field.
+    """
+
+    def __init__(self, model: str, config: str | None = None, **kwargs: Any) -> None:
+        self.llm_engine = LLMEngine(EngineConfig.from_sources(config, {"model": model, **kwargs}))
+        self._counter = itertools.count()
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """Generate for every prompt; returns one finished RequestOutput per prompt, in order.
+
+        ``prompts``: a string, a ``{"prompt_token_ids": [...]}`` dict, or a list of them.
+        ``sampling_params``: one for all, or one per prompt (default: ``SamplingParams()``).
+
+        Raises:
+            ValueError: bad prompt or params (nothing is queued then).
+        """
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"sampling_params: got {len(params)} for {len(prompts)} prompts")
+        prios = list(priority) if priority is not None else [0] * len(prompts)
+        engine = self.llm_engine
+        ids = [f"llm-{next(self._counter)}" for _ in prompts]
+        added: list[str] = []
+        try:
+            for rid, prompt, sp, pr in zip(ids, prompts, params, prios):
+                engine.add_request(rid, prompt, sp, priority=pr)
+                added.append(rid)
+        except Exception:
+            engine.abort_request(added)  # all-or-nothing: leave no half-submitted batch behind
+            while engine.has_unfinished_requests() and any(r in engine.outputs.parents for r in added):
+                engine.step()
+            raise
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        pending = set(ids)
+        while pending:
+            for out in engine.step():
+                if out.finished and out.request_id in pending:
+                    finished[out.request_id] = out
+                    pending.discard(out.request_id)
+                    bar.update(1)
+        bar.close()
+        return [finished[i] for i in ids]

@@ -1,0 +1,57 @@
+"""Linear layers whose weight format is owned by the quantization method."""
+from __future__ import annotations
+
+import torch
+
+from kvforge.interfaces import LinearMethod, QuantizationConfig
+
+
+class FusedLinear(torch.nn.Module):
+    """``y = x W^T + b`` for one or several fused projections (e.g. q|k|v, gate|up).
+
+    Args:
+        input_size: in features.
+        output_sizes: out features of each fused projection; checkpoint tensors are
+            loaded per projection with ``load(name, tensor, shard_index)``.
+        bias: whether the layer has a bias (dense, in ``params_dtype``).
+        quant_config: chooses the :class:`LinearMethod` for ``prefix``.
+    Shapes: x [T, input_size] -> [T, sum(output_sizes)].
+    """
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool, quant_config: QuantizationConfig,
+                 prefix: str, params_dtype: torch.dtype) -> None:
+        super().__init__()
+        self.input_size = input_size
+        self.output_sizes = list(output_sizes)
+        self.prefix = prefix
+        self.method: LinearMethod = quant_config.get_linear_method(prefix)
+        self.method.create_weights(self, input_size, self.output_sizes, params_dtype)
+        offsets = [0]
+        for s in self.output_sizes:
+            offsets.append(offsets[-1] + s)
+        self._offsets = offsets
+        if bias:
+            self.bias = torch.nn.Parameter(torch.zeros(offsets[-1], dtype=params_dtype), requires_grad=False)
+        else:
+            self.register_parameter("bias", None)
+
+    def load(self, param_name: str, tensor: torch.Tensor, shard: int | None) -> None:
+        """Load checkpoint tensor ``tensor`` into parameter ``param_name`` (shard None = whole)."""
+        param = getattr(self, param_name, None)
+        if param is None:
+            raise ValueError(f"{self.prefix}: no parameter {param_name!r} in this layer's weight format")
+        if param_name == "bias":
+            lo, hi = (0, self._offsets[-1]) if shard is None else self._offsets[shard:shard + 2]
+            if tensor.shape != (hi - lo,):
+                raise ValueError(f"{self.prefix}.bias: expected shape {(hi - lo,)}, got {tuple(tensor.shape)}")
+            param.data[lo:hi].copy_(tensor)
+            return
+        if len(self.output_sizes) == 1:
+            shard = None
+        try:
+            param.weight_loader(param, tensor.to(param.dtype) if param.is_floating_point() else tensor, shard)
+        except ValueError as e:
+            raise ValueError(f"{self.prefix}.{param_name}: {e}") from e
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.method.apply(self, x, self.bias)

@@ -1,0 +1,203 @@
+"""`llama` model plugin: Llama 2/3 (incl. llama3 rope scaling), Mistral, TinyLlama.
+
+Follows Hugging Face transformers' ``modeling_llama`` (the numerical reference)
+in kvforge's flattened varlen layout: q/k/v and gate/up projections are fused
+(``qkv_proj``, ``gate_up_proj``) and filled from the HF tensors at load time.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+from kvforge import hookimpl
+from kvforge.interfaces import AttentionLayer, ForwardMetadata, Model, ModelContext
+from kvforge.layers.activation import silu_and_mul
+from kvforge.layers.attention import PagedAttention
+from kvforge.layers.layernorm import RMSNorm
+from kvforge.layers.linear import FusedLinear
+from kvforge.layers.rotary import RotaryEmbedding
+
+KVFORGE_HOOK_API = "1"
+
+#: HF projection name -> (fused module name, shard index).
+STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+
+def head_dim_of(cfg) -> int:
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+class LlamaAttention(torch.nn.Module):
+    qkv_bias_default = False
+    o_bias_default = False
+
+    def __init__(self, cfg, ctx: ModelContext, layer_idx: int, prefix: str) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = head_dim_of(cfg)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        qkv_bias, o_bias = self.biases(cfg)
+        self.qkv_proj = FusedLinear(cfg.hidden_size, [self.q_size, self.kv_size, self.kv_size], qkv_bias,
+                                    ctx.quant_config, f"{prefix}.qkv_proj", ctx.dtype)
+        self.o_proj = FusedLinear(self.q_size, [cfg.hidden_size], o_bias, ctx.quant_config,
+                                  f"{prefix}.o_proj", ctx.dtype)
+        self.rotary = RotaryEmbedding(cfg, self.head_dim, cfg.max_position_embeddings)
+        window = self.sliding_window(cfg, layer_idx)
+        self.attn = PagedAttention(ctx.attention_backend, AttentionLayer(
+            layer_idx, self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5, window))
+
+    def biases(self, cfg) -> tuple[bool, bool]:
+        b = bool(getattr(cfg, "attention_bias", False))
+        return b, b
+
+    def sliding_window(self, cfg, layer_idx: int) -> int | None:
+        return getattr(cfg, "sliding_window", None)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: ForwardMetadata) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        t = x.shape[0]
+        q, k = self.rotary(positions, q.view(t, self.num_heads, self.head_dim),
+                           k.view(t, self.num_kv_heads, self.head_dim))
+        out = self.attn(q.reshape(t, -1), k.reshape(t, -1), v, meta)
+        return self.o_proj(out)
+
+
+class LlamaMLP(torch.nn.Module):
+    def __init__(self, cfg, ctx: ModelContext, prefix: str) -> None:
+        super().__init__()
+        bias = bool(getattr(cfg, "mlp_bias", False))
+        act = getattr(cfg, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act {act!r} is not supported (only 'silu')")
+        self.gate_up_proj = FusedLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, bias, ctx.quant_config,
+                                        f"{prefix}.gate_up_proj", ctx.dtype)
+        self.down_proj = FusedLinear(cfg.intermediate_size, [cfg.hidden_size], bias, ctx.quant_config,
+                                     f"{prefix}.down_proj", ctx.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(torch.nn.Module):
+    attention_cls = LlamaAttention
+
+    def __init__(self, cfg, ctx: ModelContext, layer_idx: int, prefix: str) -> None:
+        super().__init__()
+        self.self_attn = self.attention_cls(cfg, ctx, layer_idx, f"{prefix}.self_attn")
+        self.mlp = LlamaMLP(cfg, ctx, f"{prefix}.mlp")
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype)
+
+    def forward(self, positions, x, residual, meta):
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaModel(torch.nn.Module):
+    def __init__(self, cfg, ctx: ModelContext, layer_cls: type) -> None:
+        super().__init__()
+        self.embed_tokens = torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=ctx.dtype)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = torch.nn.ModuleList(
+            layer_cls(cfg, ctx, i, f"model.layers.{i}") for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype)
+
+    def forward(self, input_ids, positions, meta):
+        x, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, meta)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class LlamaForCausalLM(Model):
+    """Llama-family causal LM. Shapes: input_ids/positions int64 [T] -> hidden [T, hidden_size]."""
+
+    layer_cls = LlamaDecoderLayer
+
+    def __init__(self, hf_config, ctx: ModelContext) -> None:
+        super().__init__()
+        self.config = hf_config
+        self.model = LlamaModel(hf_config, ctx, self.layer_cls)
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head = self.model.embed_tokens
+        else:
+            self.lm_head = torch.nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False,
+                                           dtype=ctx.dtype)
+            self.lm_head.weight.requires_grad_(False)
+
+    def forward(self, input_ids, positions, metadata):
+        return self.model(input_ids, positions, metadata)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(hidden_states, self.lm_head.weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load HF-named tensors; raise ValueError naming any unknown or mis-shaped tensor."""
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            module_path, pname = name.rsplit(".", 1)
+            parent, _, proj = module_path.rpartition(".")
+            shard = None
+            if proj in STACKED:
+                proj, shard = STACKED[proj]
+                module_path = f"{parent}.{proj}"
+            try:
+                module = self.get_submodule(module_path)
+            except AttributeError:
+                raise ValueError(f"checkpoint tensor {name!r} does not belong to {type(self).__name__}") from None
+            if isinstance(module, FusedLinear):
+                module.load(pname, tensor, shard)
+                loaded.add(f"{module_path}.{pname}" + (f"#{shard}" if shard is not None else ""))
+                continue
+            param = getattr(module, pname, None)
+            if not isinstance(param, torch.nn.Parameter):
+                raise ValueError(f"checkpoint tensor {name!r} does not belong to {type(self).__name__}")
+            if param.shape != tensor.shape:
+                raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                 f"expected {tuple(param.shape)}")
+            param.data.copy_(tensor)
+            loaded.add(name)
+        return loaded
+
+    def expected_weights(self) -> set[str]:
+        """Names ``load_weights`` must have reported for a complete checkpoint."""
+        names: set[str] = set()
+        for mname, module in self.named_modules():
+            if isinstance(module, FusedLinear):
+                for pname, _ in module.named_parameters(recurse=False):
+                    if pname == "bias" or len(module.output_sizes) == 1:
+                        names.add(f"{mname}.{pname}")
+                    else:
+                        names.update(f"{mname}.{pname}#{i}" for i in range(len(module.output_sizes)))
+        for pname, _ in self.named_parameters():
+            mod = pname.rsplit(".", 1)[0]
+            if not isinstance(self.get_submodule(mod), FusedLinear):
+                names.add(pname)
+        if self.tie_word_embeddings:
+            names.discard("lm_head.weight")
+        return names
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral: Llama layout with an optional sliding attention window."""
+
+
+@hookimpl
+def kvforge_register_models(register) -> None:
+    register("LlamaForCausalLM", LlamaForCausalLM)
+    register("MistralForCausalLM", MistralForCausalLM)
