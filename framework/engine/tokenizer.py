@@ -1,0 +1,54 @@
+"""Tokenizer loading and end-of-sequence id discovery."""
+from __future__ import annotations
+
+import json
+import os
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    from transformers import PreTrainedTokenizerBase
+
+
+def load_tokenizer(path: str, **kwargs: Any) -> "PreTrainedTokenizerBase":
+    """Load the Hugging Face tokenizer stored in the local directory ``path``.
+
+    Calls ``AutoTokenizer.from_pretrained(path, local_files_only=True, **kwargs)``,
+    so nothing is fetched from the network.
+
+    Raises:
+        ValueError: naming ``path`` when the tokenizer cannot be loaded.
+    """
+    from transformers import AutoTokenizer
+
+    kwargs.setdefault("local_files_only", True)
+    try:
+        return AutoTokenizer.from_pretrained(path, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - any failure becomes one clear error
+        raise ValueError(f"could not load a tokenizer from {path!r}: {type(exc).__name__}: {exc}") from exc
+
+
+def _as_id_set(value: Any) -> set[int]:
+    if value is None:
+        return set()
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return {int(v) for v in value if v is not None}
+    return {int(value)}
+
+
+def eos_token_ids(tokenizer: Any, model_dir: str) -> frozenset[int]:
+    """Every token id that ends a sequence for this model.
+
+    The union of ``tokenizer.eos_token_id`` and the ``eos_token_id`` entry (an int or
+    a list of ints) of ``model_dir/generation_config.json`` when that file exists.
+    A missing or unreadable generation config only contributes nothing.
+    """
+    ids = _as_id_set(getattr(tokenizer, "eos_token_id", None))
+    cfg_path = os.path.join(model_dir, "generation_config.json") if model_dir else ""
+    if cfg_path and os.path.isfile(cfg_path):
+        try:
+            with open(cfg_path, encoding="utf-8") as f:
+                cfg = json.load(f)
+            ids |= _as_id_set(cfg.get("eos_token_id"))
+        except (OSError, ValueError, TypeError, AttributeError):
+            pass
+    return frozenset(ids)
