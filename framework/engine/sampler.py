@@ -1,0 +1,261 @@
+"""Turns one step's logits into next tokens (and log-probabilities), vLLM V1 semantics.
+
+Per row, on a float32 copy of the logits, in this order:
+
+1. ``logit_bias`` (additive);
+2. ``min_tokens``: while fewer tokens than ``min_tokens`` were generated, EOS (unless
+   ``ignore_eos``) and ``stop_token_ids`` are set to -inf;
+3. repetition penalty over prompt + output tokens (CTRL / Hugging Face style);
+4. frequency and presence penalties over output tokens (OpenAI formula);
+5. greedy rows (temperature < 1e-5) take the argmax; the others are divided by the
+   temperature, filtered by top-k, top-p, min-p (Hugging Face's warper order and keep rules)
+   and sampled with the exponential race (Gumbel-max) trick.
+
+Returned log-probabilities are those of the raw incoming logits (vLLM V1's default
+``raw_logprobs``), not of the processed distribution. The tensor kernels are in
+:mod:`kvforge.engine.sampling_ops`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvforge.engine.outputs import Logprob
+from kvforge.engine.request import Request
+from kvforge.engine.sampling_ops import (
+    apply_frequency_presence_penalties,
+    apply_logit_bias,
+    apply_repetition_penalty,
+    apply_temperature,
+    apply_token_mask,
+    apply_top_k_top_p_min_p,
+    exponential_race_sample,
+    logprobs_with_ranks,
+    pad_token_lists,
+)
+
+__all__ = ["SamplerOutput", "Sampler", "compute_prompt_logprobs"]
+
+_PROMPT_CHUNK = 512  # prompt positions per log-softmax chunk
+
+
+@dataclass
+class SamplerOutput:
+    """What the sampler returns for a batch of N requests.
+
+    Attributes:
+        sampled_token_ids: one token id per row.
+        logprobs: per row, None if that request's ``sampling_params.logprobs`` is None, else
+            token id -> :class:`Logprob` for the sampled token plus the top-``logprobs`` tokens
+            (raw log-softmax, 1-based rank).
+        sampled_logprobs: raw log-probability of each sampled token (for cumulative_logprob).
+    """
+
+    sampled_token_ids: list[int]
+    logprobs: list[dict[int, Logprob] | None]
+    sampled_logprobs: list[float]
+
+
+def _long(values: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
+
+
+def _float(values: list[float], device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
+def _build_dict(token_id: int, token_lp: float, token_rank: int, top_ids: list[int],
+                top_lps: list[float], top_ranks: list[int]) -> dict[int, Logprob]:
+    """Sampled/target token first, then the top tokens in descending order."""
+    out = {token_id: Logprob(token_lp, token_rank)}
+    for tid, lp, rank in zip(top_ids, top_lps, top_ranks):
+        if tid not in out:
+            out[tid] = Logprob(lp, rank)
+    return out
+
+
+class Sampler:
+    """Samples one token per request from a batch of logits (vLLM V1-compatible semantics).
+
+    Args:
+        vocab_size: the tokenizer's vocabulary size; logits columns beyond it (a padded
+            lm_head) are dropped before anything else.
+        generator: RNG for requests without a seed; must live on the logits' device.
+            None uses torch's global RNG for that device.
+    """
+
+    def __init__(self, vocab_size: int, generator: torch.Generator | None = None):
+        self.vocab_size = vocab_size
+        self.generator = generator
+
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+        """Sample the next token of every request.
+
+        Args:
+            logits: float32 ``[N, V]`` (N = len(requests)), on CPU or CUDA; row i belongs to
+                ``requests[i]``. ``V >= vocab_size``; extra columns are ignored. Not modified.
+            requests: the requests; their ``generator`` (if any) must be on ``logits.device``.
+
+        Returns:
+            :class:`SamplerOutput` with plain Python values.
+        """
+        n = len(requests)
+        if logits.dim() != 2 or logits.shape[0] != n:
+            raise ValueError(f"logits must be [len(requests)={n}, V], got {tuple(logits.shape)}")
+        if n == 0:
+            return SamplerOutput([], [], [])
+        raw = logits[:, : self.vocab_size]
+        work = raw.to(torch.float32, copy=True)
+        device = work.device
+        vocab = work.shape[1]
+        params = [r.sampling_params for r in requests]
+
+        self._apply_logits_processors(work, requests, device, vocab)
+
+        greedy_rows = [i for i, sp in enumerate(params) if sp.greedy]
+        random_rows = [i for i, sp in enumerate(params) if not sp.greedy]
+        if not random_rows:
+            tokens = work.argmax(dim=-1)
+        else:
+            tokens = torch.empty(n, dtype=torch.int64, device=device)
+            if greedy_rows:
+                g_idx = _long(greedy_rows, device)
+                tokens.index_copy_(0, g_idx, work.index_select(0, g_idx).argmax(dim=-1))
+            r_idx = None if len(random_rows) == n else _long(random_rows, device)
+            sub = work if r_idx is None else work.index_select(0, r_idx)
+            sampled = self._sample(sub, [requests[i] for i in random_rows], device)
+            if r_idx is None:
+                tokens = sampled
+            else:
+                tokens.index_copy_(0, r_idx, sampled)
+
+        return self._finish(raw, tokens, params)
+
+    # --- logits processing -------------------------------------------------------------
+
+    @staticmethod
+    def _apply_logits_processors(work: torch.Tensor, requests: list[Request], device: torch.device,
+                                 vocab: int) -> None:
+        """Steps 1-4 (bias, min_tokens, repetition, frequency/presence), in place on ``work``."""
+        bias_r: list[int] = []
+        bias_c: list[int] = []
+        bias_v: list[float] = []
+        mask_r: list[int] = []
+        mask_c: list[int] = []
+        rep_rows: list[int] = []
+        fp_rows: list[int] = []
+        for i, req in enumerate(requests):
+            sp = req.sampling_params
+            if sp.logit_bias:
+                for tok, val in sp.logit_bias.items():
+                    if 0 <= tok < vocab:
+                        bias_r.append(i)
+                        bias_c.append(tok)
+                        bias_v.append(val)
+            if len(req.output_token_ids) < sp.min_tokens:
+                banned = set(sp.stop_token_ids)
+                if not sp.ignore_eos:
+                    banned.update(req.eos_token_ids)
+                for tok in banned:
+                    if 0 <= tok < vocab:
+                        mask_r.append(i)
+                        mask_c.append(tok)
+            if sp.repetition_penalty != 1.0:
+                rep_rows.append(i)
+            if sp.frequency_penalty != 0.0 or sp.presence_penalty != 0.0:
+                fp_rows.append(i)
+
+        if bias_r:
+            apply_logit_bias(work, _long(bias_r, device), _long(bias_c, device), _float(bias_v, device))
+        if mask_r:
+            apply_token_mask(work, _long(mask_r, device), _long(mask_c, device))
+        if rep_rows:
+            ids = pad_token_lists([requests[i].all_token_ids for i in rep_rows], vocab, device)
+            pen = _float([requests[i].sampling_params.repetition_penalty for i in rep_rows], device)
+            apply_repetition_penalty(work, _long(rep_rows, device), ids, pen)
+        if fp_rows:
+            ids = pad_token_lists([list(requests[i].output_token_ids) for i in fp_rows], vocab, device)
+            freq = _float([requests[i].sampling_params.frequency_penalty for i in fp_rows], device)
+            pres = _float([requests[i].sampling_params.presence_penalty for i in fp_rows], device)
+            apply_frequency_presence_penalties(work, _long(fp_rows, device), ids, freq, pres)
+
+    def _sample(self, work: torch.Tensor, requests: list[Request], device: torch.device) -> torch.Tensor:
+        """Step 5 for non-greedy rows: temperature, top-k/top-p/min-p, exponential race.
+
+        ``work`` is float32 ``[R, V]`` (the non-greedy rows); returns int64 ``[R]``.
+        """
+        params = [r.sampling_params for r in requests]
+        vocab = work.shape[1]
+        work = apply_temperature(work, _float([sp.temperature for sp in params], device))
+        ks = [sp.top_k if 0 < sp.top_k < vocab else 0 for sp in params]
+        top_k = _long(ks, device) if any(ks) else None
+        top_p = _float([sp.top_p for sp in params], device, torch.float64) \
+            if any(sp.top_p < 1.0 for sp in params) else None
+        min_p = _float([sp.min_p for sp in params], device) if any(sp.min_p > 0.0 for sp in params) else None
+        if top_k is not None or top_p is not None or min_p is not None:
+            work = apply_top_k_top_p_min_p(work, top_k, top_p, min_p)
+        probs = work.softmax(dim=-1)
+        return exponential_race_sample(probs, [r.generator for r in requests], self.generator)
+
+    # --- outputs -----------------------------------------------------------------------
+
+    @staticmethod
+    def _finish(raw: torch.Tensor, tokens: torch.Tensor, params: list) -> SamplerOutput:
+        """Raw logprobs of the sampled tokens (+ top-k dicts where asked); one host transfer."""
+        raw = raw.to(torch.float32)
+        device = raw.device
+        lp_rows = [i for i, sp in enumerate(params) if sp.logprobs is not None]
+        sampled_lp = raw.gather(1, tokens.unsqueeze(1)).squeeze(1) - torch.logsumexp(raw, dim=-1)
+        if not lp_rows:
+            tok_list, lp_list = torch.stack([tokens.to(torch.float64), sampled_lp.to(torch.float64)]).tolist()
+            return SamplerOutput([int(t) for t in tok_list], [None] * len(params), lp_list)
+
+        idx = _long(lp_rows, device)
+        num_top = max(params[i].logprobs for i in lp_rows)
+        tok_lp, tok_rank, top_ids, top_lp, top_rank = logprobs_with_ranks(
+            raw.index_select(0, idx), tokens.index_select(0, idx), num_top)
+        # Keep the sampled logprob identical to the one in the returned dict.
+        sampled_lp = sampled_lp.index_copy(0, idx, tok_lp)
+        tok_list = tokens.tolist()
+        lp_list = sampled_lp.tolist()
+        tok_rank_l, top_ids_l, top_lp_l, top_rank_l = (
+            tok_rank.tolist(), top_ids.tolist(), top_lp.tolist(), top_rank.tolist())
+
+        out: list[dict[int, Logprob] | None] = [None] * len(params)
+        for j, i in enumerate(lp_rows):
+            k = params[i].logprobs
+            out[i] = _build_dict(tok_list[i], lp_list[i], tok_rank_l[j],
+                                 top_ids_l[j][:k], top_lp_l[j][:k], top_rank_l[j][:k])
+        return SamplerOutput(tok_list, out, lp_list)
+
+
+def compute_prompt_logprobs(logits: torch.Tensor, target_ids: list[int], num_logprobs: int
+                            ) -> list[dict[int, Logprob]]:
+    """Log-probabilities of prompt tokens (vLLM ``prompt_logprobs``), from raw logits.
+
+    Args:
+        logits: float32 ``[P, V]``; row i is the model's prediction for ``target_ids[i]``.
+        target_ids: P token ids.
+        num_logprobs: how many top tokens to add per position (0 = the target only).
+
+    Returns:
+        P dicts token id -> :class:`Logprob`, each holding the target token (first) plus the
+        top ``num_logprobs`` tokens, with raw log-softmax values and 1-based ranks.
+    """
+    if logits.shape[0] != len(target_ids):
+        raise ValueError(f"logits has {logits.shape[0]} rows but {len(target_ids)} target ids")
+    if not target_ids:
+        return []
+    targets = _long(list(target_ids), logits.device)
+    out: list[dict[int, Logprob]] = []
+    # Chunk over positions so long prompts do not materialise a second full [P, V] tensor.
+    for start in range(0, len(target_ids), _PROMPT_CHUNK):
+        end = min(start + _PROMPT_CHUNK, len(target_ids))
+        tok_lp, tok_rank, top_ids, top_lp, top_rank = logprobs_with_ranks(
+            logits[start:end].to(torch.float32), targets[start:end], num_logprobs)
+        tok_lp_l, tok_rank_l = tok_lp.tolist(), tok_rank.tolist()
+        top_ids_l, top_lp_l, top_rank_l = top_ids.tolist(), top_lp.tolist(), top_rank.tolist()
+        out.extend(_build_dict(int(target_ids[start + j]), tok_lp_l[j], tok_rank_l[j],
+                               top_ids_l[j], top_lp_l[j], top_rank_l[j]) for j in range(end - start))
+    return out
