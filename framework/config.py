@@ -37,11 +37,12 @@ class CacheConfig(_Section):
     kv_cache_memory_bytes: int | None = Field(
         None, gt=0, description="KV cache budget in bytes (default: GPU utilization target, or 1 GiB on CPU).")
     enable_prefix_caching: bool = False
+    swap_space_bytes: int = Field(0, ge=0, description="CPU memory for swapped-out KV blocks (preemption_mode swap).")
     settings: dict[str, Any] = Field(default_factory=dict)
 
 
 class SchedulerConfig(_Section):
-    name: str = "fcfs"
+    name: str = "chunked_prefill"
     max_num_seqs: int = Field(256, gt=0)
     max_num_batched_tokens: int | None = Field(None, gt=0, description="Token budget per step (default: max(2048, max_model_len)).")
     settings: dict[str, Any] = Field(default_factory=dict)

@@ -57,7 +57,7 @@ def kvforge_register_kv_allocators(register: RegisterFn) -> None:
 def kvforge_register_schedulers(register: RegisterFn) -> None:
     """Register schedulers, chosen by ``scheduler.name``.
 
-    ``factory(scheduler_config, allocator, settings, max_model_len) -> kvforge.interfaces.Scheduler``.
+    ``factory(scheduler_config, allocator, settings, ctx: SchedulerContext) -> kvforge.interfaces.Scheduler``.
     """
 
 

@@ -11,7 +11,7 @@ from pydantic import BaseModel, ValidationError
 
 from kvforge.config import EngineConfig
 from kvforge.interfaces import (AttentionBackend, AttentionRequirements, KVAllocator, Model, ModelContext,
-                                QuantizationConfig, Scheduler)
+                                QuantizationConfig, Scheduler, SchedulerContext)
 from kvforge.plugin_manager import PluginSpec, Registry
 
 log = logging.getLogger("kvforge")
@@ -95,6 +95,7 @@ class EngineParts:
     allocator: KVAllocator
     scheduler: Scheduler
     kv_caches: list[torch.Tensor]
+    cpu_caches: list[torch.Tensor]
     max_model_len: int
     choices: dict[str, str]
 
@@ -198,10 +199,15 @@ def build_engine_parts(config: EngineConfig, registry: Registry) -> EngineParts:
     allocator: KVAllocator = alloc_spec.factory(num_blocks, config.cache.block_size, alloc_settings, config.cache)
     shape = backend.kv_cache_shape(num_blocks, config.cache.block_size, num_kv_heads, head_dim)
     kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(hf_config.num_hidden_layers)]
-    scheduler: Scheduler = sched_spec.factory(config.scheduler, allocator, sched_settings, max_model_len)
+    num_cpu_blocks = config.cache.swap_space_bytes // block_bytes
+    cpu_caches = [torch.zeros(backend.kv_cache_shape(num_cpu_blocks, config.cache.block_size, num_kv_heads, head_dim),
+                              dtype=dtype, device="cpu", pin_memory=device.type == "cuda")
+                  for _ in range(hf_config.num_hidden_layers)] if num_cpu_blocks else []
+    scheduler: Scheduler = sched_spec.factory(config.scheduler, allocator, sched_settings,
+                                              SchedulerContext(max_model_len, num_cpu_blocks))
     choices = {"model": arch, "scheduler": sched_spec.name, "kv_allocator": alloc_spec.name,
                "attention": attn_spec.name, "quantizer": quant_spec.name}
     log.info("kvforge engine: %s on %s %s, %d KV blocks of %d tokens", choices, device, dtype, num_blocks,
              config.cache.block_size)
     return EngineParts(config, hf_config, device, dtype, model, backend, allocator, scheduler, kv_caches,
-                       max_model_len, choices)
+                       cpu_caches, max_model_len, choices)

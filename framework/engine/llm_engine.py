@@ -43,7 +43,8 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(config.model.tokenizer or config.model.model)
         self.eos_token_ids = eos_token_ids(self.tokenizer, config.model.model)
         from kvforge.engine.model_runner import ModelRunner
-        self.runner = ModelRunner(parts.model, parts.backend, parts.allocator, parts.kv_caches, parts.device)
+        self.runner = ModelRunner(parts.model, parts.backend, parts.allocator, parts.kv_caches, parts.device,
+                                  parts.cpu_caches)
         gen = torch.Generator(device=parts.device).manual_seed(config.model.seed)
         self.sampler = Sampler(self.vocab_size, gen)
         self.outputs = OutputProcessor(self.tokenizer)
@@ -100,6 +101,9 @@ class LLMEngine:
         if max_tokens < 1:
             raise ValueError(f"prompt: {len(ids)} tokens leave no room to generate within max_model_len "
                              f"({self.max_model_len})")
+        salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+        if salt is not None and not isinstance(salt, str):
+            raise ValueError("cache_salt: must be a string")
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         children = []
         for i in range(params.n):
@@ -108,7 +112,8 @@ class LLMEngine:
             if params.seed is not None:
                 gen = torch.Generator(device=self.parts.device).manual_seed(params.seed + i)
             children.append(Request(cid, list(ids), params, max_tokens, self.eos_token_ids, parent_id=request_id,
-                                    index=i, priority=priority, arrival_time=arrival + i * 1e-9, generator=gen))
+                                    index=i, priority=priority, arrival_time=arrival + i * 1e-9, generator=gen,
+                                    cache_salt=salt))
         if any(c.request_id in self._live for c in children):
             raise ValueError(f"request_id {request_id!r} collides with an in-flight request")
         self.outputs.add(request_id, text, children)
@@ -145,6 +150,8 @@ class LLMEngine:
             touched[req.parent_id] = None
         sampled: dict[str, list[int]] = {}
         sout = None
+        if not so.scheduled and (so.swap_out or so.swap_in):
+            self.runner.swap(so.swap_out, to_cpu=True)
         if so.scheduled:
             try:
                 ex = self.runner.execute(so)

@@ -29,11 +29,13 @@ class ModelRunner:
     """
 
     def __init__(self, model: Model, backend: AttentionBackend, allocator: KVAllocator,
-                 kv_caches: list[torch.Tensor], device: torch.device) -> None:
+                 kv_caches: list[torch.Tensor], device: torch.device,
+                 cpu_caches: list[torch.Tensor] | None = None) -> None:
         self.model = model
         self.backend = backend
         self.allocator = allocator
         self.kv_caches = kv_caches
+        self.cpu_caches = cpu_caches or []
         self.device = device
         self.block_size = allocator.block_size
 
@@ -79,9 +81,23 @@ class ModelRunner:
         return (torch.tensor(ids, dtype=torch.int64, device=dev), torch.tensor(pos, dtype=torch.int64, device=dev),
                 inputs, qsl)
 
+    def swap(self, pairs: list[tuple[int, int]], to_cpu: bool) -> None:
+        """Copy whole blocks between device and CPU caches: (src, dst) block-id pairs."""
+        if not pairs:
+            return
+        dim = self.backend.block_dim
+        src_ids = torch.tensor([p[0] for p in pairs], dtype=torch.int64)
+        dst_ids = torch.tensor([p[1] for p in pairs], dtype=torch.int64)
+        for dev_cache, cpu_cache in zip(self.kv_caches, self.cpu_caches):
+            src, dst = (dev_cache, cpu_cache) if to_cpu else (cpu_cache, dev_cache)
+            blocks = src.index_select(dim, src_ids.to(src.device))
+            dst.index_copy_(dim, dst_ids.to(dst.device), blocks.to(dst.device))
+
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ExecuteOutput:
-        """Run one forward over all scheduled tokens (no padding)."""
+        """Apply the step's swaps, then run one forward over all scheduled tokens (no padding)."""
+        self.swap(out.swap_out, to_cpu=True)
+        self.swap(out.swap_in, to_cpu=False)
         input_ids, positions, inputs, qsl = self._prepare(out)
         meta = ForwardMetadata(self.backend.build_metadata(inputs), self.kv_caches)
         hidden = self.model(input_ids, positions, meta)

@@ -63,6 +63,7 @@ class Request:
     num_preemptions: int = 0
     generator: torch.Generator | None = None
     first_token_time: float | None = None
+    cache_salt: str | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -79,6 +80,15 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    def token_slice(self, lo: int, hi: int) -> list[int]:
+        """Token ids [lo, hi) across prompt and output without building the full list."""
+        p = len(self.prompt_token_ids)
+        if hi <= p:
+            return self.prompt_token_ids[lo:hi]
+        if lo >= p:
+            return self.output_token_ids[lo - p:hi - p]
+        return self.prompt_token_ids[lo:] + self.output_token_ids[:hi - p]
 
     def token_id_at(self, i: int) -> int:
         p = len(self.prompt_token_ids)

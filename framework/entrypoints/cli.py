@@ -1,4 +1,4 @@
-"""``kvforge`` command line: ``generate`` and ``plugins``."""
+"""``kvforge`` command line: ``generate``, ``plugins``, ``serve`` and ``bench serve``."""
 from __future__ import annotations
 
 import argparse
@@ -110,6 +110,36 @@ def _explain(args: argparse.Namespace, reg) -> None:
     del torch
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from kvforge.entrypoints.openai.api_server import run_server
+    return run_server(args, engine_overrides(args))
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    from kvforge.bench.serve import run_bench_serve
+    return run_bench_serve(args)
+
+
+def _add_serve_parsers(sub) -> None:
+    """``kvforge serve`` and ``kvforge bench serve`` (reuses a ``bench`` group if one exists)."""
+    from kvforge.bench.serve import add_bench_serve_args
+    from kvforge.entrypoints.openai.cli_args import add_serve_args
+    sv = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    _add_engine_flags(sv)
+    add_serve_args(sv)
+    sv.set_defaults(func=cmd_serve)
+    bench = sub.choices.get("bench")
+    if bench is None:
+        bench = sub.add_parser("bench", help="benchmarks")
+        bench.set_defaults(func=lambda a: (bench.print_help(), 2)[1])
+    bench_sub = next((a for a in bench._actions if isinstance(a, argparse._SubParsersAction)), None)
+    if bench_sub is None:
+        bench_sub = bench.add_subparsers(dest="bench_command")
+    bs = bench_sub.add_parser("serve", help="benchmark a running server (Poisson arrivals, streaming)")
+    add_bench_serve_args(bs)
+    bs.set_defaults(func=cmd_bench_serve)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvforge", description="kvforge: plugin-based LLM inference")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -134,6 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--model", help="model directory for --explain")
     pl.add_argument("--config")
     pl.set_defaults(func=cmd_plugins)
+    _add_serve_parsers(sub)
     return parser
 
 

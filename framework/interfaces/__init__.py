@@ -8,10 +8,10 @@ from kvforge.interfaces.drafter import Drafter
 from kvforge.interfaces.kv_cache import KVAllocator
 from kvforge.interfaces.model import ForwardMetadata, Model, ModelContext
 from kvforge.interfaces.quantization import LinearMethod, QuantizationConfig
-from kvforge.interfaces.scheduler import Scheduler, SchedulerOutput
+from kvforge.interfaces.scheduler import Scheduler, SchedulerContext, SchedulerOutput
 
 __all__ = [
     "AttentionBackend", "AttentionInputs", "AttentionLayer", "AttentionRequirements", "Drafter",
     "KVAllocator", "ForwardMetadata", "Model", "ModelContext", "LinearMethod",
-    "QuantizationConfig", "Scheduler", "SchedulerOutput",
+    "QuantizationConfig", "Scheduler", "SchedulerContext", "SchedulerOutput",
 ]

@@ -75,6 +75,9 @@ class AttentionBackend(ABC):
 
     KVFORGE_HOOK_API = KVFORGE_HOOK_API
     name: str = "?"
+    #: Dimension of the cache tensor indexed by block id (the engine copies whole
+    #: blocks along it to swap KV to and from CPU memory).
+    block_dim: int = 1
 
     @classmethod
     @abstractmethod
@@ -94,6 +97,10 @@ class AttentionBackend(ABC):
     def forward(self, layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, metadata: Any) -> torch.Tensor:
         """Write the step's ``k``/``v`` into ``kv_cache`` at ``slot_mapping`` and attend.
+
+        Contract: all of the step's new K/V are written before any cache read,
+        so a request may attend to blocks another request of the same step fills
+        (two requests sharing a freshly cached prefix).
 
         Args:
             q: [T, num_heads, head_size]; k, v: [T, num_kv_heads, head_size] (model dtype).

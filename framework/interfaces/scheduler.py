@@ -23,16 +23,37 @@ class SchedulerOutput:
         preempted: requests preempted this step (their blocks are already freed).
         finished: requests the scheduler ended this step without running them
             (e.g. a prompt that can never fit); they carry ``status`` and ``error``.
+        swap_out: (device block, CPU block) pairs to copy out before the forward.
+        swap_in: (CPU block, device block) pairs to copy in before the forward.
+            A step never carries both (a scheduler must not resume and swap out
+            in one step), so block ids freed by one are safe to reuse.
+        on_step_done: callbacks the scheduler runs at the end of ``update``.
     """
 
     scheduled: list["Request"] = field(default_factory=list)
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     preempted: list["Request"] = field(default_factory=list)
     finished: list["Request"] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    on_step_done: list = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
         return sum(self.num_scheduled_tokens.values())
+
+
+@dataclass(frozen=True)
+class SchedulerContext:
+    """Engine facts a scheduler factory receives besides its config section.
+
+    Attributes:
+        max_model_len: max prompt + output tokens of a request.
+        num_cpu_blocks: size of the CPU swap pool in blocks (0 = no swap space).
+    """
+
+    max_model_len: int
+    num_cpu_blocks: int = 0
 
 
 class Scheduler(ABC):

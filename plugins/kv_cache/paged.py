@@ -1,65 +1,150 @@
-"""`paged` KV allocator: fixed-size blocks, a free list, reference counts and
-per-request block tables (PagedAttention, Kwon et al., SOSP'23)."""
+"""`paged` KV allocator: fixed-size blocks, a free list, reference counts,
+per-request block tables (PagedAttention, Kwon et al., SOSP'23) and optional
+automatic prefix caching with LRU eviction of free cached blocks.
+
+Free blocks wait in one LRU queue; a free block that still holds a cached
+prefix keeps its hash until it is handed out again (an eviction). A finished
+request returns its blocks tail first, so the ends of chains are evicted
+before the shared heads.
+"""
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
+
+from pydantic import BaseModel, ConfigDict
 
 from kvforge import hookimpl
 from kvforge.interfaces import KVAllocator
+from kvforge_plugins.kv_cache.block_hash import BlockHash, extend_hashes
 
 KVFORGE_HOOK_API = "1"
 
 
+class PagedSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
 class PagedAllocator(KVAllocator):
-    """Block-id allocator. Blocks are reference counted so that later features
-    (prefix sharing, forks) can share a physical block between requests.
+    """Block-id allocator with optional prefix caching.
 
     Args:
         num_blocks: physical blocks in the cache.
         block_size: tokens per block.
+        enable_prefix_caching: share full blocks between requests by chained hash.
     """
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"num_blocks and block_size must be > 0, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(num_blocks))
+        self.enable_prefix_caching = enable_prefix_caching
+        self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self._ref = [0] * num_blocks
+        self._block_hash: list[BlockHash | None] = [None] * num_blocks
+        self._cached: dict[BlockHash, int] = {}
         self._tables: dict[str, list[int]] = {}
+        self._req_hashes: dict[str, list[BlockHash]] = {}
+        self._num_registered: dict[str, int] = {}
+        self._pending_hits: dict[str, list[int]] = {}
+        self.queries = 0
+        self.hits = 0
+        self.evictions = 0
 
+    # -- prefix cache -----------------------------------------------------------------
+    def _hashes(self, request) -> list[BlockHash]:
+        hs = self._req_hashes.setdefault(request.request_id, [])
+        salt = (getattr(request, "cache_salt", None) or "").encode()
+        extend_hashes(hs, request.token_slice, request.num_tokens, self.block_size, salt)
+        return hs
+
+    def get_computed_tokens(self, request) -> int:
+        self._pending_hits.pop(request.request_id, None)
+        if not self.enable_prefix_caching or request.request_id in self._tables:
+            return 0
+        if request.sampling_params.prompt_logprobs is not None:
+            return 0  # cached positions would have no logits to report
+        hashes = self._hashes(request)
+        # Leave at least one token to compute so the step yields logits.
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hit: list[int] = []
+        for h in hashes[:max_blocks]:
+            b = self._cached.get(h)
+            if b is None:
+                break
+            hit.append(b)
+        self.queries += request.num_tokens
+        self.hits += len(hit) * self.block_size
+        if hit:
+            self._pending_hits[request.request_id] = hit
+        return len(hit) * self.block_size
+
+    def _register_full_blocks(self, request, table: list[int], num_tokens: int) -> None:
+        start = self._num_registered.get(request.request_id, 0)
+        full = min(num_tokens // self.block_size, len(table))
+        if full <= start:
+            return
+        hashes = self._hashes(request)
+        for i in range(start, full):
+            b, h = table[i], hashes[i]
+            if self._block_hash[b] is None and h not in self._cached:
+                self._block_hash[b] = h
+                self._cached[h] = b
+        self._num_registered[request.request_id] = full
+
+    # -- interface --------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
         return len(self._free)
 
-    def blocks_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
-
     def allocate_slots(self, request, num_new_tokens: int, num_lookahead_tokens: int = 0) -> list[int] | None:
-        table = self._tables.get(request.request_id, [])
+        rid = request.request_id
+        table = self._tables.get(rid)
+        hits = self._pending_hits.get(rid, []) if table is None else []
+        have = len(table) if table is not None else len(hits)
         total = request.num_computed_tokens + num_new_tokens + num_lookahead_tokens
-        need = self.blocks_needed(total) - len(table)
-        if need <= 0:
-            return []
-        if need > len(self._free):
+        need = max(0, -(-total // self.block_size) - have)
+        reclaimed = sum(1 for b in hits if self._ref[b] == 0)
+        if need > len(self._free) - reclaimed:
             return None
-        new = [self._free.popleft() for _ in range(need)]
-        for b in new:
+        if table is None:
+            table = self._tables[rid] = []
+            for b in hits:
+                if self._ref[b] == 0:
+                    del self._free[b]
+                self._ref[b] += 1
+                table.append(b)
+            self._pending_hits.pop(rid, None)
+            self._num_registered[rid] = len(hits)
+        new = []
+        for _ in range(need):
+            b, _ = self._free.popitem(last=False)
+            h = self._block_hash[b]
+            if h is not None:  # evict the cached prefix this free block still held
+                del self._cached[h]
+                self._block_hash[b] = None
+                self.evictions += 1
             self._ref[b] = 1
-        self._tables.setdefault(request.request_id, table).extend(new)
+            new.append(b)
+        table.extend(new)
+        if self.enable_prefix_caching:
+            self._register_full_blocks(request, table, request.num_computed_tokens + num_new_tokens)
         return new
 
     def free(self, request) -> None:
-        table = self._tables.pop(request.request_id, None)
+        rid = request.request_id
+        self._pending_hits.pop(rid, None)
+        self._req_hashes.pop(rid, None)
+        self._num_registered.pop(rid, None)
+        table = self._tables.pop(rid, None)
         if not table:
             return
-        # Free tail first so a future prefix cache evicts chain tails first.
-        for b in reversed(table):
+        for b in reversed(table):  # tail first: evicted before the shared head
             self._ref[b] -= 1
             if self._ref[b] < 0:
-                raise RuntimeError(f"block {b} freed twice (request {request.request_id})")
+                raise RuntimeError(f"block {b} freed twice (request {rid})")
             if self._ref[b] == 0:
-                self._free.append(b)
+                self._free[b] = None
 
     def get_block_table(self, request_id: str) -> list[int]:
         return self._tables.get(request_id, [])
@@ -67,14 +152,29 @@ class PagedAllocator(KVAllocator):
     def ref_count(self, block_id: int) -> int:
         return self._ref[block_id]
 
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
+
+    def reset_prefix_cache(self) -> None:
+        """Drop every cached hash of free blocks (e.g. after weights change)."""
+        for b in list(self._free):
+            h = self._block_hash[b]
+            if h is not None:
+                del self._cached[h]
+                self._block_hash[b] = None
+
+    def stats(self) -> dict[str, float]:
+        return {"kv_cache_usage": 1.0 - len(self._free) / self.num_blocks,
+                "prefix_cache_queries": self.queries, "prefix_cache_hits": self.hits,
+                "prefix_cache_hit_rate": self.hits / self.queries if self.queries else 0.0,
+                "prefix_cache_evictions": self.evictions}
+
 
 def make_paged(num_blocks: int, block_size: int, settings, cache_config) -> PagedAllocator:
-    if cache_config.enable_prefix_caching:
-        raise ValueError("cache.enable_prefix_caching: the `paged` allocator in this build has no "
-                         "prefix cache yet; set enable_prefix_caching to false")
-    return PagedAllocator(num_blocks, block_size)
+    return PagedAllocator(num_blocks, block_size, cache_config.enable_prefix_caching)
 
 
 @hookimpl
 def kvforge_register_kv_allocators(register) -> None:
-    register("paged", make_paged, prefix_caching=False)
+    register("paged", make_paged, PagedSettings, prefix_caching=True)

@@ -1,0 +1,108 @@
+"""Prometheus metrics of a serving engine (prometheus_client).
+
+Series (names follow vLLM's ``vllm:*`` metrics with the ``kvforge:`` prefix; every
+series has the label ``model_name``):
+
+* gauges ``kvforge:num_requests_running``, ``kvforge:num_requests_waiting``,
+  ``kvforge:kv_cache_usage_perc`` (0..1), ``kvforge:prefix_cache_hit_rate`` (0..1; 0
+  when the allocator reports none) — read from the engine's latest ``stats()`` snapshot;
+* histograms ``kvforge:time_to_first_token_seconds`` (TTFT),
+  ``kvforge:time_per_output_token_seconds`` (TPOT: decode time / (output tokens - 1)),
+  ``kvforge:e2e_request_latency_seconds`` (arrival to finish);
+* counters ``kvforge:prompt_tokens_total``, ``kvforge:generation_tokens_total`` (tokens),
+  ``kvforge:request_success_total{finished_reason}`` (finished requests by reason).
+
+Each :class:`EngineMetrics` owns a private ``CollectorRegistry``, so several engines
+(e.g. in tests) never clash on series names. All methods are thread-safe.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from kvforge.engine.outputs import RequestOutput
+
+#: ``Content-Type`` of :meth:`EngineMetrics.render`'s output.
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                 7.5, 10.0, 20.0, 40.0, 80.0)
+_TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+                 2.5, 5.0)
+_E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                120.0, 240.0, 480.0)
+
+
+class EngineMetrics:
+    """The serving metrics of one engine.
+
+    Args:
+        model_name: value of the ``model_name`` label.
+        stats_fn: returns the engine's latest stats dict (``num_running``, ``num_waiting``,
+            ``kv_cache_usage``, ``prefix_cache_hit_rate``, ...); called at scrape time.
+    """
+
+    def __init__(self, model_name: str, stats_fn: Callable[[], dict[str, float]] | None = None) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._stats_fn = stats_fn or (lambda: {})
+        labels = {"model_name": model_name}
+        reg = self.registry
+
+        def gauge(name: str, doc: str, key: str) -> None:
+            g = Gauge(name, doc, ["model_name"], registry=reg).labels(**labels)
+            g.set_function(lambda: float(self._stats_fn().get(key, 0.0) or 0.0))
+
+        gauge("kvforge:num_requests_running", "Sequences in the running batch.", "num_running")
+        gauge("kvforge:num_requests_waiting", "Sequences waiting to be scheduled.", "num_waiting")
+        gauge("kvforge:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1).", "kv_cache_usage")
+        gauge("kvforge:prefix_cache_hit_rate", "Prefix cache hit rate (0..1; 0 without prefix caching).",
+              "prefix_cache_hit_rate")
+        self.ttft = Histogram("kvforge:time_to_first_token_seconds", "Time to first token (s).",
+                              ["model_name"], buckets=_TTFT_BUCKETS, registry=reg).labels(**labels)
+        self.tpot = Histogram("kvforge:time_per_output_token_seconds", "Time per output token after the "
+                              "first (s).", ["model_name"], buckets=_TPOT_BUCKETS, registry=reg).labels(**labels)
+        self.e2e = Histogram("kvforge:e2e_request_latency_seconds", "Request latency, arrival to finish (s).",
+                             ["model_name"], buckets=_E2E_BUCKETS, registry=reg).labels(**labels)
+        self.prompt_tokens = Counter("kvforge:prompt_tokens", "Prompt tokens accepted.", ["model_name"],
+                                     registry=reg).labels(**labels)
+        self.generation_tokens = Counter("kvforge:generation_tokens", "Tokens generated.", ["model_name"],
+                                         registry=reg).labels(**labels)
+        self._success = Counter("kvforge:request_success", "Finished requests by finish reason.",
+                                ["model_name", "finished_reason"], registry=reg)
+        self._labels = labels
+
+    def on_request_added(self, num_prompt_tokens: int) -> None:
+        """Count an accepted request's prompt tokens."""
+        self.prompt_tokens.inc(num_prompt_tokens)
+
+    def on_tokens(self, num_tokens: int) -> None:
+        """Count newly generated tokens."""
+        if num_tokens > 0:
+            self.generation_tokens.inc(num_tokens)
+
+    def on_request_finished(self, out: RequestOutput) -> None:
+        """Observe TTFT / TPOT / E2E of a finished request from ``out.metrics`` (monotonic seconds).
+
+        TTFT is observed whenever a first token exists; TPOT and E2E only for requests that
+        ended normally (``stop`` / ``length``), so aborts and errors do not skew latency.
+        """
+        reasons = {c.finish_reason for c in out.outputs if c.finish_reason}
+        reason = "error" if "error" in reasons else ("abort" if "abort" in reasons else
+                                                      ("length" if reasons == {"length"} else "stop"))
+        self._success.labels(finished_reason=reason, **self._labels).inc()
+        m = out.metrics or {}
+        arrival, first, done = m.get("arrival_time"), m.get("first_token_time"), m.get("finished_time")
+        if arrival is not None and first is not None:
+            self.ttft.observe(max(0.0, first - arrival))
+        if reason not in ("stop", "length") or arrival is None or done is None:
+            return
+        self.e2e.observe(max(0.0, done - arrival))
+        num_out = max((len(c.token_ids) for c in out.outputs), default=0)
+        if first is not None and num_out > 1:
+            self.tpot.observe(max(0.0, done - first) / (num_out - 1))
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every series."""
+        return generate_latest(self.registry)

@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP server (``kvforge serve``): see :mod:`.api_server`."""

@@ -1,0 +1,167 @@
+"""The OpenAI-compatible HTTP server (FastAPI + uvicorn): app factory and ``kvforge serve``.
+
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
+``GET /health``, ``GET /metrics`` (Prometheus), ``POST /tokenize``, ``POST /detokenize``.
+With ``--api-key`` every route except ``/health`` and ``/metrics`` needs
+``Authorization: Bearer KEY`` (401 otherwise). ``X-Request-Id`` names a request (a
+duplicate in-flight id is a 400) and is echoed in the response.
+
+Shutdown (SIGTERM / SIGINT): uvicorn stops accepting connections and waits for in-flight
+responses, then the engine drains and stops; the process exits 0.
+"""
+from __future__ import annotations
+
+import argparse
+import hmac
+import logging
+import time
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from kvforge.engine.async_engine import AsyncLLMEngine
+from kvforge.engine.metrics import CONTENT_TYPE, EngineMetrics
+from kvforge.engine.tokenizer import load_tokenizer
+from kvforge.entrypoints.openai import serving_chat, serving_completion
+from kvforge.entrypoints.openai.errors import OpenAIError, error_response, install_handlers
+from kvforge.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                                  TokenizeRequest)
+from kvforge.entrypoints.openai.serving_common import ServerContext
+
+log = logging.getLogger("kvforge.server")
+_OPEN_PATHS = frozenset({"/health", "/metrics", "/ping"})
+
+
+def build_app(engine: AsyncLLMEngine, served_model_names: list[str] | None = None,
+              api_key: str | None = None, chat_template: str | None = None,
+              drain_timeout: float | None = 30.0) -> FastAPI:
+    """The FastAPI app serving ``engine`` (started on app startup, drained on shutdown).
+
+    Args:
+        engine: an :class:`AsyncLLMEngine` (not yet started, or started).
+        served_model_names: names accepted as ``model`` (default: the model directory path).
+        api_key: required bearer token, or None for no authentication.
+        chat_template: Jinja chat template text overriding the tokenizer's.
+        drain_timeout: seconds the engine waits for in-flight requests at shutdown.
+    """
+    core = engine.engine
+    cfg = core.config.model
+    names = list(served_model_names or [cfg.model])
+    if engine.metrics is None:
+        engine.metrics = EngineMetrics(names[0], engine.stats)
+    ctx = ServerContext(engine=engine, tokenizer=load_tokenizer(cfg.tokenizer or cfg.model),
+                        served_model_names=names, max_model_len=core.max_model_len,
+                        vocab_size=core.vocab_size, chat_template=chat_template, model_path=cfg.model,
+                        api_key=api_key)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        engine.start()
+        try:
+            yield
+        finally:
+            await engine.shutdown(drain_timeout)
+            ctx.executor.shutdown(wait=False)
+
+    app = FastAPI(title="kvforge", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.ctx = ctx
+    app.state.engine = engine
+    install_handlers(app)
+
+    @app.middleware("http")
+    async def authenticate(request: Request, call_next):
+        if api_key and request.url.path not in _OPEN_PATHS and request.method != "OPTIONS":
+            auth = request.headers.get("authorization", "")
+            token = auth[7:] if auth[:7].lower() == "bearer " else ""
+            if not hmac.compare_digest(token.encode(), api_key.encode()):
+                msg = "missing API key" if not auth else "incorrect API key"
+                return error_response(OpenAIError(f"Authorization: {msg}", 401, param=None,
+                                                  code="invalid_api_key"))
+        return await call_next(request)
+
+    async def body(raw: Request, model_cls):
+        data = await raw.body()
+        return model_cls.model_validate_json(data or b"")
+
+    @app.post("/v1/completions")
+    async def completions(raw: Request):
+        return await serving_completion.create_completion(ctx, await body(raw, CompletionRequest), raw)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(raw: Request):
+        return await serving_chat.create_chat_completion(ctx, await body(raw, ChatCompletionRequest), raw)
+
+    @app.get("/v1/models")
+    async def models():
+        created = int(time.time())
+        data = [{"id": n, "object": "model", "created": created, "owned_by": "kvforge", "root": cfg.model,
+                 "parent": None, "max_model_len": ctx.max_model_len} for n in names]
+        return {"object": "list", "data": data}
+
+    @app.get("/health")
+    async def health():
+        if not engine.is_running:
+            return JSONResponse({"status": "unhealthy"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(engine.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.post("/tokenize")
+    async def tokenize(raw: Request):
+        req = await body(raw, TokenizeRequest)
+        ctx.check_model(req.model)
+        if req.messages is not None:
+            text = await ctx.run_tokenizer(serving_chat.render_chat, ctx, req.messages, req.add_generation_prompt)
+            ids = await ctx.encode(text, False)
+        else:
+            ids = await ctx.encode(req.prompt, req.add_special_tokens)
+        return {"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(raw: Request):
+        req = await body(raw, DetokenizeRequest)
+        ctx.check_model(req.model)
+        bad = [t for t in req.tokens if not 0 <= t < ctx.vocab_size]
+        if bad:
+            raise OpenAIError(f"tokens: ids outside the vocabulary [0, {ctx.vocab_size}): {bad[:5]}", 400)
+        text = await ctx.run_tokenizer(ctx.tokenizer.decode, req.tokens)
+        return {"prompt": text}
+
+    return app
+
+
+# -- command line -----------------------------------------------------------------------------
+def run_server(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
+    """Build the engine and serve until SIGTERM/SIGINT; returns the exit status (0 after a
+    graceful shutdown)."""
+    import os
+    import signal
+
+    import uvicorn
+
+    from kvforge.engine.llm_engine import LLMEngine
+    from kvforge.config import EngineConfig
+
+    chat_template = None
+    if args.chat_template:
+        with open(args.chat_template, encoding="utf-8") as f:
+            chat_template = f.read()
+    api_key = args.api_key or os.environ.get("KVFORGE_API_KEY") or None
+    engine = AsyncLLMEngine(LLMEngine(EngineConfig.from_sources(args.config, overrides)))
+    app = build_app(engine, args.served_model_name, api_key, chat_template, args.drain_timeout)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=args.drain_timeout, timeout_keep_alive=5)
+    server = uvicorn.Server(config)
+    # uvicorn re-raises the signal it caught once it has shut down; these handlers make that
+    # a no-op so a graceful shutdown ends with exit status 0.
+    previous = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        server.run()
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+    return 0 if server.started else 1

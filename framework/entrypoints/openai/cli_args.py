@@ -1,0 +1,17 @@
+"""Flags of ``kvforge serve`` (kept free of heavy imports so the CLI stays fast)."""
+from __future__ import annotations
+
+import argparse
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    """Server flags (the engine flags are added by the CLI's ``_add_engine_flags``)."""
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (env KVFORGE_API_KEY)")
+    p.add_argument("--served-model-name", action="append", default=None, metavar="NAME",
+                   help="model name clients use (repeatable; default: the --model path)")
+    p.add_argument("--chat-template", default=None, metavar="FILE", help="Jinja chat template file")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds to wait for in-flight requests on shutdown (default 30)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])

@@ -1,0 +1,159 @@
+"""``POST /v1/chat/completions``.
+
+The prompt is the conversation rendered by the chat template — ``--chat-template FILE``
+if given, else the tokenizer's own — with ``tokenizer.apply_chat_template``
+(transformers' sandboxed Jinja). A model with neither gets a 400. Streaming follows
+OpenAI: a first chunk per choice carries ``delta.role``, then ``delta.content`` pieces,
+then a chunk with the choice's ``finish_reason`` (exactly one per choice).
+"""
+from __future__ import annotations
+
+from typing import Any, AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from kvforge.engine.outputs import Logprob
+from kvforge.entrypoints.openai import serving_common as sc
+from kvforge.entrypoints.openai.errors import OpenAIError
+from kvforge.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
+
+
+def conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as the plain dicts chat templates expect (text parts joined by newlines)."""
+    out = []
+    for m in messages:
+        d = {k: v for k, v in m.model_dump(exclude_none=True).items() if k != "content"}
+        d["content"] = m.text()
+        out.append(d)
+    return out
+
+
+def render_chat(ctx: sc.ServerContext, messages: list[ChatMessage], add_generation_prompt: bool,
+                continue_final_message: bool = False, template: str | None = None,
+                tools: list | None = None, kwargs: dict | None = None) -> str:
+    """The prompt text for ``messages``.
+
+    Raises:
+        OpenAIError: 400 when no chat template is available or the template fails.
+    """
+    template = template or ctx.chat_template or getattr(ctx.tokenizer, "chat_template", None)
+    if not template:
+        raise OpenAIError("messages: this model has no chat template; start the server with "
+                          "--chat-template FILE or use /v1/completions", 400, param="messages",
+                          code="no_chat_template")
+    try:
+        return ctx.tokenizer.apply_chat_template(
+            conversation(messages), tokenize=False, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, chat_template=template, tools=tools,
+            **(kwargs or {}))
+    except Exception as e:  # noqa: BLE001 - jinja errors, raise_exception() in templates
+        raise OpenAIError(f"messages: the chat template failed: {type(e).__name__}: {e}", 400,
+                          param="messages") from e
+
+
+def _logprobs_content(ctx: sc.ServerContext, ids: list[int], entries: list[dict[int, Logprob]],
+                      k: int) -> list[dict[str, Any]]:
+    content = []
+    for tid, entry in zip(ids, entries):
+        lp = entry.get(tid) if entry else None
+        text = sc.token_text(ctx.tokenizer, tid, lp)
+        top = []
+        for t, e in sc.sorted_top(entry or {}, k):
+            tt = sc.token_text(ctx.tokenizer, t, e)
+            top.append({"token": tt, "logprob": sc.clamp(e.logprob), "bytes": sc.token_bytes(ctx.tokenizer, t, tt)})
+        content.append({"token": text, "logprob": sc.clamp(lp.logprob) if lp is not None else sc.LOGPROB_FLOOR,
+                        "bytes": sc.token_bytes(ctx.tokenizer, tid, text), "top_logprobs": top})
+    return content
+
+
+async def create_chat_completion(ctx: sc.ServerContext, req: ChatCompletionRequest, raw: Request):
+    """Handle one chat completions request; returns a JSON or SSE response."""
+    ctx.check_model(req.model)
+    rid = sc.request_id(raw, req.request_id, "chatcmpl")
+    prompt = await ctx.run_tokenizer(render_chat, ctx, req.messages, req.add_generation_prompt,
+                                     req.continue_final_message, req.chat_template,
+                                     req.tools if req.tool_choice != "none" else None,
+                                     req.chat_template_kwargs)
+    ids = await ctx.encode(prompt, req.add_special_tokens)
+    if not ids:
+        raise OpenAIError("messages: the rendered prompt is empty", 400, param="messages")
+    explicit_field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    max_tokens = sc.resolve_max_tokens(ctx, len(ids), req.max_output_tokens, True, "messages", explicit_field)
+    num_lps = (req.top_logprobs or 0) if req.logprobs else None
+    params = sc.sampling_params(req, max_tokens, num_lps)
+    streams = await sc.add_all(ctx, [(rid, sc.engine_prompt(ids, prompt, req.cache_salt), params)], req.priority)
+    echo = ""
+    if req.echo and req.messages[-1].role == "assistant":
+        echo = req.messages[-1].text()
+    headers = {sc.REQUEST_ID_HEADER: rid}
+    if req.stream:
+        return sc.SSEResponse(_stream(ctx, req, rid, len(ids), params, streams[0], echo), headers=headers)
+    try:
+        (out,) = await sc.race_disconnect(raw, sc.final_outputs(streams))
+    finally:
+        streams[0].abort()
+    choices = []
+    for c in out.outputs:
+        logprobs = None
+        if req.logprobs:
+            logprobs = {"content": _logprobs_content(ctx, c.token_ids, c.logprobs or [], req.top_logprobs or 0)}
+        choices.append({"index": c.index, "message": {"role": "assistant", "content": echo + c.text},
+                        "logprobs": logprobs, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+    body = {"id": rid, "object": "chat.completion", "created": sc.now(), "model": ctx.model_name,
+            "system_fingerprint": None, "choices": choices,
+            "usage": sc.usage(len(ids), sum(len(c.token_ids) for c in out.outputs))}
+    return JSONResponse(body, headers=headers)
+
+
+async def _stream(ctx: sc.ServerContext, req: ChatCompletionRequest, rid: str, num_prompt: int, params,
+                  stream, echo: str) -> AsyncIterator[str]:
+    created = sc.now()
+    opts = req.stream_options
+    include_usage = bool(opts and opts.include_usage)
+    continuous = bool(opts and opts.continuous_usage_stats)
+    trackers = [sc.ChoiceDelta(params) for _ in range(req.n)]
+    completion_tokens = 0
+
+    def chunk(choices: list[dict], usage: dict | None = None) -> str:
+        body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": ctx.model_name,
+                "system_fingerprint": None, "choices": choices}
+        if include_usage:
+            body["usage"] = usage
+        return sc.sse(body)
+
+    try:
+        first = {"role": "assistant", "content": echo}
+        yield chunk([{"index": i, "delta": first, "logprobs": None, "finish_reason": None}
+                     for i in range(req.n)], sc.usage(num_prompt, 0) if continuous else None)
+        async for _, out in sc.merge_streams([stream]):
+            completion_tokens = sum(len(c.token_ids) for c in out.outputs)
+            if out.error or any(c.finish_reason == "error" for c in out.outputs):
+                yield sc.error_event(OpenAIError(out.error or "engine error", 500, code="engine_error"))
+                yield sc.SSE_DONE
+                return
+            choices = []
+            for c in out.outputs:
+                tr = trackers[c.index]
+                if tr.finished:
+                    continue
+                text, new_ids, new_lps, fin = tr.update(c)
+                if not (text or new_ids or fin):
+                    continue
+                logprobs = None
+                if req.logprobs:
+                    logprobs = {"content": _logprobs_content(ctx, new_ids, new_lps or [], req.top_logprobs or 0)}
+                delta = {"content": text} if (text or not fin) else {}
+                choices.append({"index": c.index, "delta": delta, "logprobs": logprobs,
+                                "finish_reason": c.finish_reason if fin else None,
+                                "stop_reason": c.stop_reason if fin else None})
+            if choices:
+                yield chunk(choices, sc.usage(num_prompt, completion_tokens) if continuous else None)
+        if include_usage:
+            yield sc.sse({"id": rid, "object": "chat.completion.chunk", "created": created,
+                          "model": ctx.model_name, "system_fingerprint": None, "choices": [],
+                          "usage": sc.usage(num_prompt, completion_tokens)})
+        yield sc.SSE_DONE
+    except Exception as e:  # noqa: BLE001 - headers are out: report in-band
+        yield sc.error_event(e)
+        yield sc.SSE_DONE

@@ -1,0 +1,369 @@
+"""Shared pieces of the completion and chat handlers: server context, sampling-parameter
+mapping, length checks, streaming deltas, SSE framing, disconnect handling, logprobs."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+from fastapi import Request
+from starlette.responses import StreamingResponse
+
+from kvforge.engine.async_engine import AsyncLLMEngine, EngineClosedError, EngineError, RequestStream
+from kvforge.engine.detokenizer import decode_single_token
+from kvforge.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from kvforge.engine.sampling_params import SamplingParams
+from kvforge.entrypoints.openai.errors import OpenAIError
+from kvforge.entrypoints.openai.protocol import _SamplingFields
+
+#: Log-probabilities are clamped to this floor so ``-inf`` stays valid JSON (as vLLM does).
+LOGPROB_FLOOR = -9999.0
+REQUEST_ID_HEADER = "X-Request-Id"
+
+
+@dataclass
+class ServerContext:
+    """What the handlers share.
+
+    Attributes:
+        engine: the running :class:`AsyncLLMEngine`.
+        tokenizer: the server's own tokenizer instance (the engine thread uses another).
+        served_model_names: names accepted in ``model`` (the first is reported).
+        max_model_len: prompt + output token limit (tokens).
+        chat_template: ``--chat-template`` text, overriding the tokenizer's.
+        model_path: checkpoint directory.
+    """
+
+    engine: AsyncLLMEngine
+    tokenizer: Any
+    served_model_names: list[str]
+    max_model_len: int
+    vocab_size: int
+    chat_template: str | None = None
+    model_path: str = ""
+    api_key: str | None = None
+    executor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, "kvforge-tokenize"))
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+    def check_model(self, model: str | None) -> None:
+        """Raise 400 ``model_not_found`` for a model this server does not serve."""
+        if model is not None and model not in self.served_model_names:
+            raise OpenAIError(f"model: the model {model!r} does not exist; this server serves "
+                              f"{', '.join(repr(n) for n in self.served_model_names)}", 400,
+                              param="model", code="model_not_found")
+
+    async def run_tokenizer(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run a (possibly slow) tokenizer call off the event loop, one at a time."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.executor, lambda: fn(*args, **kwargs))
+
+    async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return await self.run_tokenizer(self.tokenizer.encode, text, add_special_tokens=add_special_tokens)
+
+
+def request_id(raw: Request, body_id: str | None, prefix: str) -> str:
+    """The request id: the ``X-Request-Id`` header, else the body's ``request_id``, else a fresh one."""
+    rid = raw.headers.get(REQUEST_ID_HEADER) or body_id
+    if rid is not None:
+        if not 0 < len(rid) <= 256:
+            raise OpenAIError(f"{REQUEST_ID_HEADER}: must be 1..256 characters", 400, param=REQUEST_ID_HEADER)
+        return rid
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def resolve_max_tokens(ctx: ServerContext, num_prompt: int, requested: int | None, explicit: bool,
+                       prompt_field: str, max_field: str) -> int:
+    """Check a prompt of ``num_prompt`` tokens against ``max_model_len`` and return the
+    output budget (tokens). An explicit ``max_tokens`` that does not fit is a 400; a default
+    one is clamped to the room left; None means "up to max_model_len"."""
+    room = ctx.max_model_len - num_prompt
+    if room < 1:
+        raise OpenAIError(f"{prompt_field}: this model's maximum context length is {ctx.max_model_len} "
+                          f"tokens, but the prompt has {num_prompt} tokens", 400, param=prompt_field,
+                          code="context_length_exceeded")
+    if requested is None:
+        return room
+    if requested > room:
+        if not explicit:
+            return room
+        raise OpenAIError(f"{max_field}: this model's maximum context length is {ctx.max_model_len} tokens, "
+                          f"but {num_prompt} prompt tokens + {requested} {max_field} = "
+                          f"{num_prompt + requested}", 400, param=max_field, code="context_length_exceeded")
+    return requested
+
+
+def sampling_params(req: _SamplingFields, max_tokens: int, logprobs: int | None,
+                    prompt_logprobs: int | None = None) -> SamplingParams:
+    """Map the shared request fields onto :class:`SamplingParams` (vLLM's defaults where unset)."""
+    kw: dict[str, Any] = dict(
+        n=req.n, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+        seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
+        max_tokens=max_tokens, min_tokens=req.min_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        skip_special_tokens=req.skip_special_tokens,
+        spaces_between_special_tokens=req.spaces_between_special_tokens,
+        logit_bias={int(k): v for k, v in req.logit_bias.items()} if req.logit_bias else None)
+    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
+        value = getattr(req, name)
+        if value is not None:
+            kw[name] = value
+    if req.min_tokens > max_tokens:
+        raise OpenAIError(f"min_tokens: must be <= max_tokens ({max_tokens}), got {req.min_tokens}", 400)
+    try:
+        return SamplingParams(**kw)
+    except ValueError as e:
+        raise OpenAIError(str(e), 400) from e
+
+
+def engine_prompt(ids: list[int], text: str | None, cache_salt: str | None) -> dict[str, Any]:
+    p: dict[str, Any] = {"prompt_token_ids": ids}
+    if text is not None:
+        p["prompt"] = text
+    if cache_salt is not None:
+        p["cache_salt"] = cache_salt
+    return p
+
+
+async def add_all(ctx: ServerContext, items: list[tuple[str, dict, SamplingParams]],
+                  priority: int) -> list[RequestStream]:
+    """Add several engine requests; all-or-nothing (a rejection aborts the ones added)."""
+    streams: list[RequestStream] = []
+    try:
+        for rid, prompt, params in items:
+            streams.append(await ctx.engine.add_request(rid, prompt, params, priority=priority))
+    except BaseException as e:
+        for s in streams:
+            s.abort()
+        if isinstance(e, ValueError):
+            raise OpenAIError(str(e), 400) from e
+        if isinstance(e, EngineClosedError):
+            raise OpenAIError(str(e), 503) from e
+        if isinstance(e, EngineError):
+            raise OpenAIError(str(e), 500, code="engine_error") from e
+        raise
+    return streams
+
+
+def check_failed(out: RequestOutput) -> None:
+    """Raise the OpenAI error for an output that ended in ``error`` or ``abort``."""
+    reasons = {c.finish_reason for c in out.outputs}
+    if "error" in reasons or out.error:
+        raise OpenAIError(out.error or "engine error", 500, code="engine_error")
+    if "abort" in reasons:
+        raise OpenAIError("request aborted (server shutting down)", 503)
+
+
+async def final_outputs(streams: list[RequestStream]) -> list[RequestOutput]:
+    """Wait for every stream's final output; aborts them all if cancelled or failed."""
+    async def last(s: RequestStream) -> RequestOutput:
+        out = None
+        async for out in s:
+            pass
+        return out
+
+    try:
+        outs = await asyncio.gather(*(last(s) for s in streams))
+    except EngineClosedError as e:
+        raise OpenAIError(str(e), 503) from e
+    except EngineError as e:
+        raise OpenAIError(str(e), 500, code="engine_error") from e
+    finally:
+        for s in streams:
+            s.abort()
+    for o in outs:
+        check_failed(o)
+    return outs
+
+
+async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several streams as ``(stream index, output)``; aborts all on early exit."""
+    try:
+        if len(streams) == 1:
+            async for out in streams[0]:
+                yield 0, out
+            return
+        q: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, s: RequestStream) -> None:
+            try:
+                async for out in s:
+                    q.put_nowait((i, out, None))
+                q.put_nowait((i, None, None))
+            except Exception as e:  # noqa: BLE001 - forwarded to the consumer
+                q.put_nowait((i, None, e))
+
+        tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+        try:
+            remaining = len(streams)
+            while remaining:
+                i, out, err = await q.get()
+                if err is not None:
+                    raise err
+                if out is None:
+                    remaining -= 1
+                    continue
+                yield i, out
+        finally:
+            for t in tasks:
+                t.cancel()
+    finally:
+        for s in streams:
+            s.abort()
+
+
+async def race_disconnect(raw: Request, coro: Awaitable[Any]) -> Any:
+    """Run ``coro``; if the client disconnects first, cancel it (its streams abort) and
+    raise :class:`OpenAIError` 499."""
+    task = asyncio.ensure_future(coro)
+
+    async def watch() -> None:
+        while True:
+            msg = await raw.receive()
+            if msg.get("type") == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    try:
+        await task
+    except BaseException:  # noqa: BLE001 - the client is gone; nothing to report
+        pass
+    raise OpenAIError("client disconnected", 499)
+
+
+# -- streaming --------------------------------------------------------------------------------
+def dumps(obj: Any) -> str:
+    """Compact JSON; raises on NaN/inf (log-probabilities are clamped before)."""
+    return json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+
+
+def sse(obj: Any) -> str:
+    return f"data: {dumps(obj)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+class SSEResponse(StreamingResponse):
+    """``text/event-stream`` response that always closes its body iterator, so a request
+    whose client vanished before or during streaming is aborted."""
+
+    media_type = "text/event-stream"
+
+    async def __call__(self, scope, receive, send) -> None:  # type: ignore[override]
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+
+def stop_holdback(text: str, stops: list[str]) -> int:
+    """Length of the longest end of ``text`` that is a proper prefix of a stop string
+    (characters that a later stop match could still remove, so they are not sent yet)."""
+    best = 0
+    for stop in stops:
+        for k in range(min(len(stop) - 1, len(text)), best, -1):
+            if text.endswith(stop[:k]):
+                best = k
+                break
+    return best
+
+
+class ChoiceDelta:
+    """Streaming state of one choice: what text and tokens were sent already.
+
+    Deltas come from the detokenizer's cumulative ``CompletionOutput.text``; while a
+    choice runs with stop strings (not included in the output), text that might be the
+    start of a stop string is held back until the choice finishes.
+    """
+
+    def __init__(self, params: SamplingParams) -> None:
+        self.stops = list(params.stop or []) if not params.include_stop_str_in_output else []
+        self.sent_chars = 0
+        self.sent_tokens = 0
+        self.sent_logprobs = 0
+        self.finished = False
+
+    def update(self, c: CompletionOutput) -> tuple[str, list[int], list[dict[int, Logprob]] | None, bool]:
+        """``(new text, new token ids, new logprob entries or None, just finished)``."""
+        done = c.finish_reason is not None
+        text = c.text
+        end = len(text) if done or not self.stops else len(text) - stop_holdback(text, self.stops)
+        new_text = text[self.sent_chars:end] if end > self.sent_chars else ""
+        self.sent_chars = max(self.sent_chars, end)
+        new_ids = c.token_ids[self.sent_tokens:]
+        self.sent_tokens = len(c.token_ids)
+        new_lps = None
+        if c.logprobs is not None:
+            new_lps = c.logprobs[self.sent_logprobs:]
+            self.sent_logprobs = len(c.logprobs)
+        just_finished = done and not self.finished
+        self.finished = self.finished or done
+        return new_text, new_ids, new_lps, just_finished
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def now() -> int:
+    """Unix time (s) for ``created``."""
+    return int(time.time())
+
+
+def error_event(exc: BaseException) -> str:
+    """An SSE error event (vLLM sends these for failures after the 200 headers went out)."""
+    if isinstance(exc, OpenAIError):
+        return sse(exc.body())
+    status = 503 if isinstance(exc, EngineClosedError) else 500
+    return sse(OpenAIError(str(exc), status, code="engine_error" if status == 500 else None).body())
+
+
+# -- logprobs -----------------------------------------------------------------------------------
+def clamp(lp: float) -> float:
+    """A JSON-safe log-probability: NaN and values below ``LOGPROB_FLOOR`` become the floor."""
+    return lp if lp == lp and lp > LOGPROB_FLOOR else LOGPROB_FLOOR
+
+
+def token_text(tokenizer: Any, token_id: int, lp: Logprob | None = None) -> str:
+    if lp is not None and lp.decoded_token is not None:
+        return lp.decoded_token
+    return decode_single_token(tokenizer, token_id)
+
+
+def token_bytes(tokenizer: Any, token_id: int, text: str) -> list[int]:
+    """UTF-8 bytes of a token; a byte-fallback piece ``<0xNN>`` gives its single byte."""
+    if "\ufffd" in text:
+        piece = tokenizer.convert_ids_to_tokens(token_id)
+        if isinstance(piece, str) and len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            try:
+                return [int(piece[3:5], 16)]
+            except ValueError:
+                pass
+    return list(text.encode("utf-8"))
+
+
+def sorted_top(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
+    """The ``k`` most likely tokens of one position, by rank."""
+    items = [(t, lp) for t, lp in entry.items() if lp.rank is not None and lp.rank <= k]
+    items.sort(key=lambda x: (x[1].rank, -x[1].logprob))
+    return items[:k]

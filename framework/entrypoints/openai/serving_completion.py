@@ -1,0 +1,183 @@
+"""``POST /v1/completions`` (OpenAI's legacy text completions, with vLLM's extensions).
+
+A batch prompt (list of strings or of token-id lists) becomes one engine request per
+prompt; choice ``index`` is ``prompt_index * n + i``. ``echo`` prepends the prompt (and,
+with ``logprobs``, the prompt tokens' log-probabilities, the first being null).
+"""
+from __future__ import annotations
+
+from typing import Any, AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from kvforge.engine.outputs import Logprob, RequestOutput
+from kvforge.entrypoints.openai import serving_common as sc
+from kvforge.entrypoints.openai.errors import OpenAIError
+from kvforge.entrypoints.openai.protocol import CompletionRequest
+
+
+async def _prompts(ctx: sc.ServerContext, req: CompletionRequest) -> list[tuple[str | None, list[int]]]:
+    p = req.prompt
+    if isinstance(p, str):
+        texts: list[Any] = [p]
+    elif all(isinstance(x, int) for x in p):
+        texts = [p]
+    else:
+        texts = list(p)
+    out = []
+    for i, item in enumerate(texts):
+        if isinstance(item, str):
+            ids = await ctx.encode(item, req.add_special_tokens)
+            out.append((item, ids))
+        else:
+            bad = [t for t in item if not 0 <= t < ctx.vocab_size]
+            if bad:
+                where = "prompt" if len(texts) == 1 else f"prompt[{i}]"
+                raise OpenAIError(f"{where}: token ids outside the vocabulary [0, {ctx.vocab_size}): {bad[:5]}",
+                                  400, param="prompt")
+            out.append((None, list(item)))
+    return out
+
+
+def _logprobs_obj(ctx: sc.ServerContext, ids: list[int], entries: list[dict[int, Logprob] | None],
+                  offset: int) -> dict[str, Any]:
+    """OpenAI legacy logprobs: tokens, token_logprobs, top_logprobs, text_offset (characters)."""
+    tokens, token_lps, tops, offsets = [], [], [], []
+    for tid, entry in zip(ids, entries):
+        lp = entry.get(tid) if entry else None
+        text = sc.token_text(ctx.tokenizer, tid, lp)
+        tokens.append(text)
+        token_lps.append(sc.clamp(lp.logprob) if lp is not None else None)
+        if entry:
+            tops.append({sc.token_text(ctx.tokenizer, t, e): sc.clamp(e.logprob) for t, e in entry.items()})
+        else:
+            tops.append(None)
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+async def create_completion(ctx: sc.ServerContext, req: CompletionRequest, raw: Request):
+    """Handle one completions request; returns a JSON or SSE response."""
+    ctx.check_model(req.model)
+    rid = sc.request_id(raw, req.request_id, "cmpl")
+    prompts = await _prompts(ctx, req)
+    explicit = "max_tokens" in req.model_fields_set and req.max_tokens is not None
+    items = []
+    for i, (text, ids) in enumerate(prompts):
+        field = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+        max_tokens = sc.resolve_max_tokens(ctx, len(ids), req.max_tokens, explicit, field, "max_tokens")
+        prompt_lps = req.logprobs if (req.echo and req.logprobs is not None) else None
+        params = sc.sampling_params(req, max_tokens, req.logprobs, prompt_lps)
+        sub = rid if len(prompts) == 1 else f"{rid}-{i}"
+        items.append((sub, sc.engine_prompt(ids, text, req.cache_salt), params))
+    streams = await sc.add_all(ctx, items, req.priority)
+    headers = {sc.REQUEST_ID_HEADER: rid}
+    if req.stream:
+        return sc.SSEResponse(_stream(ctx, req, rid, prompts, items, streams), headers=headers)
+    try:
+        outs = await sc.race_disconnect(raw, sc.final_outputs(streams))
+    finally:
+        for s in streams:
+            s.abort()
+    return JSONResponse(_full_response(ctx, req, rid, outs), headers=headers)
+
+
+def _prompt_text(ctx: sc.ServerContext, out: RequestOutput) -> str:
+    if out.prompt is not None:
+        return out.prompt
+    return ctx.tokenizer.decode(out.prompt_token_ids)
+
+
+def _echo_logprobs(ctx: sc.ServerContext, out: RequestOutput) -> tuple[list[int], list]:
+    entries = list(out.prompt_logprobs or [None] * len(out.prompt_token_ids))
+    entries += [None] * (len(out.prompt_token_ids) - len(entries))
+    return list(out.prompt_token_ids), entries[:len(out.prompt_token_ids)]
+
+
+def _full_response(ctx: sc.ServerContext, req: CompletionRequest, rid: str,
+                   outs: list[RequestOutput]) -> dict[str, Any]:
+    choices = []
+    prompt_tokens = completion_tokens = 0
+    for pi, out in enumerate(outs):
+        prompt_tokens += len(out.prompt_token_ids)
+        prefix = _prompt_text(ctx, out) if req.echo else ""
+        for c in out.outputs:
+            completion_tokens += len(c.token_ids)
+            logprobs = None
+            if req.logprobs is not None:
+                ids, entries = (_echo_logprobs(ctx, out) if req.echo else ([], []))
+                ids = ids + list(c.token_ids)
+                entries = entries + list(c.logprobs or [])
+                logprobs = _logprobs_obj(ctx, ids, entries, 0)
+            choices.append({"index": pi * req.n + c.index, "text": prefix + c.text, "logprobs": logprobs,
+                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+    return {"id": rid, "object": "text_completion", "created": sc.now(), "model": ctx.model_name,
+            "system_fingerprint": None, "choices": choices,
+            "usage": sc.usage(prompt_tokens, completion_tokens)}
+
+
+async def _stream(ctx: sc.ServerContext, req: CompletionRequest, rid: str, prompts, items,
+                  streams) -> AsyncIterator[str]:
+    created = sc.now()
+    opts = req.stream_options
+    include_usage = bool(opts and opts.include_usage)
+    continuous = bool(opts and opts.continuous_usage_stats)
+    trackers = [[sc.ChoiceDelta(params) for _ in range(req.n)] for _, _, params in items]
+    echoed = [[False] * req.n for _ in items]
+    offsets = [[0] * req.n for _ in items]
+    completion_tokens = [0] * len(items)
+    prompt_tokens = sum(len(ids) for _, ids in prompts)
+
+    def chunk(choices: list[dict], usage: dict | None = None) -> str:
+        body = {"id": rid, "object": "text_completion", "created": created, "model": ctx.model_name,
+                "system_fingerprint": None, "choices": choices}
+        if include_usage:
+            body["usage"] = usage
+        return sc.sse(body)
+
+    try:
+        async for pi, out in sc.merge_streams(streams):
+            completion_tokens[pi] = sum(len(c.token_ids) for c in out.outputs)
+            if out.error or any(c.finish_reason == "error" for c in out.outputs):
+                yield sc.error_event(OpenAIError(out.error or "engine error", 500, code="engine_error"))
+                yield sc.SSE_DONE
+                return
+            choices = []
+            for c in out.outputs:
+                tr = trackers[pi][c.index]
+                if tr.finished:
+                    continue
+                text, new_ids, new_lps, fin = tr.update(c)
+                prefix = ""
+                lp_ids: list[int] = []
+                lp_entries: list = []
+                if req.echo and not echoed[pi][c.index]:
+                    echoed[pi][c.index] = True
+                    prefix = _prompt_text(ctx, out)
+                    if req.logprobs is not None:
+                        lp_ids, lp_entries = _echo_logprobs(ctx, out)
+                if not (text or prefix or new_ids or fin):
+                    continue
+                logprobs = None
+                if req.logprobs is not None:
+                    lp_ids += list(new_ids)
+                    lp_entries += list(new_lps or [])
+                    logprobs = _logprobs_obj(ctx, lp_ids, lp_entries, offsets[pi][c.index])
+                    offsets[pi][c.index] += sum(len(t) for t in logprobs["tokens"])
+                choices.append({"index": pi * req.n + c.index, "text": prefix + text, "logprobs": logprobs,
+                                "finish_reason": c.finish_reason if fin else None,
+                                "stop_reason": c.stop_reason if fin else None})
+            if choices:
+                usage = sc.usage(prompt_tokens, sum(completion_tokens)) if continuous else None
+                yield chunk(choices, usage)
+        if include_usage:
+            body = {"id": rid, "object": "text_completion", "created": created, "model": ctx.model_name,
+                    "system_fingerprint": None, "choices": [],
+                    "usage": sc.usage(prompt_tokens, sum(completion_tokens))}
+            yield sc.sse(body)
+        yield sc.SSE_DONE
+    except Exception as e:  # noqa: BLE001 - headers are out: report in-band
+        yield sc.error_event(e)
+        yield sc.SSE_DONE

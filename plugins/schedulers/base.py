@@ -1,0 +1,224 @@
+"""QueueScheduler: the shared machinery of the built-in schedulers.
+
+One step (vLLM V1's unified scheduling, Sarathi-Serve's stall-free batching when
+chunking is on, Agrawal et al. OSDI'24):
+
+1. running requests that are decoding get their token first;
+2. running requests still in prefill get chunks from what budget is left;
+3. waiting requests are admitted in ``waiting_order()`` while the token budget,
+   ``max_num_seqs`` and free blocks allow.
+
+When the allocator runs out of blocks, ``pick_victim()`` chooses whom to
+preempt and the preemption policy (recompute or swap) decides what happens to
+its KV. Subclasses change only the policies.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from kvforge.engine.request import Request, RequestStatus, check_stop
+from kvforge.interfaces import KVAllocator, Scheduler, SchedulerContext, SchedulerOutput
+from kvforge_plugins.schedulers.preemption import RecomputePolicy, SwapPolicy
+
+
+class QueueSettings(BaseModel):
+    """Settings shared by the built-in schedulers (``scheduler.settings``)."""
+
+    model_config = ConfigDict(extra="forbid")
+    preemption_mode: Literal["recompute", "swap"] = "recompute"
+    long_prefill_token_threshold: int = Field(
+        0, ge=0, description="Max prefill tokens one request may take per step (0 = no cap).")
+
+
+class QueueScheduler(Scheduler):
+    """Args:
+        max_num_seqs: max requests per step; max_num_batched_tokens: max new tokens per step.
+        enable_chunking: split prompts across steps (else a prompt runs whole or waits).
+    """
+
+    enable_chunking = True
+
+    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+                 allocator: KVAllocator, settings: QueueSettings | None = None, num_cpu_blocks: int = 0) -> None:
+        settings = settings or QueueSettings()
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.allocator = allocator
+        self.long_prefill_token_threshold = settings.long_prefill_token_threshold
+        self.preemption = SwapPolicy(num_cpu_blocks) if settings.preemption_mode == "swap" else RecomputePolicy()
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+        self.num_recomputed_tokens = 0
+
+    # -- policies (override in subclasses) ------------------------------------------------
+    def waiting_order(self) -> list[Request]:
+        """Admission order. Default: arrival (FCFS); preempted requests keep their place."""
+        return sorted(self.waiting, key=lambda r: r.arrival_time)
+
+    def pick_victim(self) -> Request:
+        """Request to preempt when blocks run out. Default: the latest arrival."""
+        return max(self.running, key=lambda r: r.arrival_time)
+
+    # -- interface ------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _chunk(self, remaining: int, budget: int) -> int:
+        n = min(remaining, budget)
+        if self.long_prefill_token_threshold and remaining > 1:
+            n = min(n, self.long_prefill_token_threshold)
+        return n
+
+    def _allocate_or_preempt(self, req: Request, n: int, out: SchedulerOutput) -> bool:
+        """Allocate ``n`` new tokens' slots for a running request, preempting as needed.
+        Returns False if ``req`` itself was preempted or failed."""
+        while self.allocator.allocate_slots(req, n) is None:
+            if len(self.running) == 1:
+                self._fail(req, f"KV cache exhausted: this request alone needs more than the "
+                                f"{self.allocator.num_blocks} blocks the cache holds", out)
+                return False
+            victim = self.pick_victim()
+            self._preempt(victim, out)
+            if victim is req:
+                return False
+        return True
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        # 1) + 2): running decodes first, then running prefills (chunks).
+        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        for req in decodes + prefills:
+            if budget <= 0:
+                break
+            if req not in self.running:  # preempted as a victim earlier in this loop
+                continue
+            n = self._chunk(req.num_tokens - req.num_computed_tokens, budget)
+            if not self.enable_chunking and n < req.num_tokens - req.num_computed_tokens:
+                continue
+            if not self._allocate_or_preempt(req, n, out):
+                continue
+            out.scheduled.append(req)
+            out.num_scheduled_tokens[req.request_id] = n
+            budget -= n
+        budget = self.max_num_batched_tokens - out.total_num_scheduled_tokens
+        # 3) waiting requests; never in a step that preempted (keeps swap-in and swap-out apart).
+        if out.preempted:
+            return out
+        for req in self.waiting_order():
+            if len(self.running) >= self.max_num_seqs or budget <= 0:
+                break
+            fresh = req.num_computed_tokens == 0
+            if fresh:
+                reason = self._never_fits(req)
+                if reason:
+                    self.waiting.remove(req)
+                    self._fail(req, reason, out)
+                    continue
+                cached = self.allocator.get_computed_tokens(req)
+                req.num_computed_tokens = req.num_cached_tokens = cached
+            remaining = req.num_tokens - req.num_computed_tokens
+            n = self._chunk(remaining, budget)
+            if (not self.enable_chunking and n < remaining) or self.allocator.allocate_slots(req, n) is None:
+                if fresh:  # forget the prefix-cache hit; it is looked up again next time
+                    req.num_computed_tokens = req.num_cached_tokens = 0
+                break  # keep the order: later requests do not overtake
+            self.waiting.remove(req)
+            self.preemption.on_resume(req, self.allocator, out)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append(req)
+            out.num_scheduled_tokens[req.request_id] = n
+            budget -= n
+        return out
+
+    def _never_fits(self, req: Request) -> str | None:
+        blocks = -(-req.num_tokens // self.allocator.block_size)
+        if blocks > self.allocator.num_blocks:
+            return f"prompt needs {blocks} KV blocks but the cache has {self.allocator.num_blocks}"
+        if not self.enable_chunking and req.num_tokens > self.max_num_batched_tokens:
+            return (f"prompt of {req.num_tokens} tokens exceeds max_num_batched_tokens="
+                    f"{self.max_num_batched_tokens} and this scheduler does not chunk prefills")
+        return None
+
+    def update(self, output: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
+        finished: list[Request] = []
+        for req in output.scheduled:
+            if req.is_finished:
+                continue
+            req.num_computed_tokens += output.num_scheduled_tokens[req.request_id]
+            for tok in sampled.get(req.request_id, ()):
+                req.output_token_ids.append(tok)
+                status = check_stop(req, self.max_model_len)
+                if status is not None:
+                    self._finish(req, status)
+                    finished.append(req)
+                    break
+        for fn in output.on_step_done:
+            fn()
+        return finished
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+        done = []
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None or req.is_finished:
+                continue
+            if req in self.waiting:
+                self.waiting.remove(req)
+            self._finish(req, status)
+            done.append(req)
+        return done
+
+    def stats(self) -> dict[str, float]:
+        return {"num_running": len(self.running), "num_waiting": len(self.waiting),
+                "num_preemptions": self.num_preemptions, "num_recomputed_tokens": self.num_recomputed_tokens}
+
+    # -- helpers --------------------------------------------------------------------------
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        req.status = status
+        if req in self.running:
+            self.running.remove(req)
+        self.allocator.free(req)
+        self.preemption.release(req)
+        self.requests.pop(req.request_id, None)
+
+    def _fail(self, req: Request, why: str, out: SchedulerOutput) -> None:
+        req.error = why
+        self._finish(req, RequestStatus.FINISHED_ERROR)
+        out.finished.append(req)
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.running.remove(req)
+        if req in out.scheduled:
+            out.scheduled.remove(req)
+            out.num_scheduled_tokens.pop(req.request_id, None)
+        computed = req.num_computed_tokens
+        self.preemption.preempt(req, self.allocator, out)
+        self.num_recomputed_tokens += computed - req.num_computed_tokens
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.append(req)
+        out.preempted.append(req)
+
+
+def queue_factory(cls: type[QueueScheduler]):
+    """Factory matching the scheduler hook's signature for a QueueScheduler subclass."""
+
+    def make(scheduler_config, allocator: KVAllocator, settings, ctx: SchedulerContext) -> QueueScheduler:
+        return cls(scheduler_config.max_num_seqs, scheduler_config.max_num_batched_tokens, ctx.max_model_len,
+                   allocator, settings, ctx.num_cpu_blocks)
+
+    return make
