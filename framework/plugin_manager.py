@@ -151,7 +151,10 @@ def load_registry(extra_plugins: Iterable[tuple[str, Any]] = ()) -> Registry:
         api = _check_api(name, dist, obj)
         if pm.get_plugin(name) is not None:
             raise PluginError(f"two plugins share the entry-point name {name!r} (one is from {dist})")
-        pm.register(obj, name=name)
+        try:
+            pm.register(obj, name=name)
+        except pluggy.PluginValidationError as e:
+            raise PluginError(f"plugin {name!r} (distribution {dist}) has an invalid hook implementation: {e}") from e
         meta[name] = (dist, version, api)
         registry.loaded_plugins.append((name, dist, version, api))
     try:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any, Iterable
 
 import torch
@@ -18,6 +19,15 @@ from kvforge.engine.tokenizer import eos_token_ids, load_tokenizer
 from kvforge.plugin_manager import Registry, load_registry
 
 log = logging.getLogger("kvforge")
+
+@dataclass
+class PreparedRequest:
+    """A validated request, ready for :meth:`LLMEngine.enqueue`."""
+
+    request_id: str
+    prompt: str | None
+    children: list[Request]
+
 
 #: A prompt: text, a list of token ids, or ``{"prompt_token_ids": [...]}`` / ``{"prompt": "..."}``.
 PromptType = Any
@@ -82,11 +92,25 @@ class LLMEngine:
             ValueError: naming the field: duplicate request_id, empty prompt, token ids
                 outside the vocabulary, prompt + max_tokens > max_model_len, bad logit_bias.
         """
+        self.enqueue(self.prepare_request(request_id, prompt, params, priority, arrival_time))
+
+    def prepare_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
+                        priority: int = 0, arrival_time: float | None = None) -> "PreparedRequest":
+        """Validate a request and build its sequences without touching engine state
+        (so a batch can be validated whole before any of it is queued).
+
+        Raises:
+            ValueError: as :meth:`add_request`.
+        """
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError("request_id: must be a non-empty string")
         if request_id in self.outputs.parents:
             raise ValueError(f"request_id {request_id!r} is already in flight")
+        if isinstance(prompt, str) and not prompt:
+            raise ValueError("prompt: must not be empty")
         text, ids = self._prompt_ids(prompt)
         if not ids:
             raise ValueError("prompt: must not be empty (it encodes to zero tokens)")
@@ -108,16 +132,22 @@ class LLMEngine:
         children = []
         for i in range(params.n):
             cid = request_id if params.n == 1 else f"{request_id}#{i}"
+            if cid in self._live:
+                raise ValueError(f"request_id {request_id!r} collides with an in-flight request")
             gen = None
             if params.seed is not None:
                 gen = torch.Generator(device=self.parts.device).manual_seed(params.seed + i)
             children.append(Request(cid, list(ids), params, max_tokens, self.eos_token_ids, parent_id=request_id,
                                     index=i, priority=priority, arrival_time=arrival + i * 1e-9, generator=gen,
                                     cache_salt=salt))
-        if any(c.request_id in self._live for c in children):
-            raise ValueError(f"request_id {request_id!r} collides with an in-flight request")
-        self.outputs.add(request_id, text, children)
-        for c in children:
+        return PreparedRequest(request_id, text, children)
+
+    def enqueue(self, prepared: "PreparedRequest") -> None:
+        """Queue a request built by :meth:`prepare_request`."""
+        if prepared.request_id in self.outputs.parents:
+            raise ValueError(f"request_id {prepared.request_id!r} is already in flight")
+        self.outputs.add(prepared.request_id, prepared.prompt, prepared.children)
+        for c in prepared.children:
             self._live[c.request_id] = c
             self.scheduler.add_request(c)
 

@@ -1,6 +1,7 @@
 """Sampling parameters, with vLLM's field names and defaults."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,6 +71,10 @@ class SamplingParams:
         def bad(name: str, msg: str) -> ValueError:
             return ValueError(f"{name} {msg}, got {getattr(self, name)!r}")
 
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            if not isinstance(getattr(self, name), (int, float)) or not math.isfinite(getattr(self, name)):
+                raise bad(name, "must be a finite number")
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", "must be an integer >= 1")
         if self.temperature < 0:

@@ -11,7 +11,7 @@ from kvforge.config import FLAT_FIELDS, EngineConfig
 
 
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="checkpoint directory (Hugging Face layout)")
+    p.add_argument("--model", help="checkpoint directory (Hugging Face layout); or model.model in --config")
     p.add_argument("--config", help="YAML or JSON engine config; flags override it")
     for name in sorted(FLAT_FIELDS):
         if name == "model":
@@ -31,7 +31,7 @@ def _parse_value(raw: str) -> Any:
 
 def engine_overrides(args: argparse.Namespace) -> dict[str, Any]:
     """Flags -> overrides for :meth:`EngineConfig.from_sources`."""
-    out: dict[str, Any] = {"model": args.model}
+    out: dict[str, Any] = {"model.model": args.model} if args.model else {}
     for k, v in vars(args).items():
         if k.startswith("cfg_") and v is not None:
             out[k[4:]] = _parse_value(v) if v not in ("auto",) else v
@@ -54,9 +54,7 @@ def _sampling_from_args(args: argparse.Namespace):
 def cmd_generate(args: argparse.Namespace) -> int:
     from kvforge.entrypoints.llm import LLM
     sp = _sampling_from_args(args)
-    overrides = engine_overrides(args)
-    model = overrides.pop("model")
-    llm = LLM(model, config=args.config, **overrides)
+    llm = LLM(config=args.config, **engine_overrides(args))
     outs = llm.generate(args.prompts, sp, use_tqdm=not args.json)
     if args.json:
         print(json.dumps([dataclasses.asdict(o) for o in outs], indent=2, default=str))
@@ -164,6 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--model", help="model directory for --explain")
     pl.add_argument("--config")
     pl.set_defaults(func=cmd_plugins)
+    from kvforge.bench import add_bench_subparsers
+    add_bench_subparsers(sub)  # `bench ab`, `bench calibrate`; `bench serve` joins the same group below
     _add_serve_parsers(sub)
     return parser
 

@@ -25,8 +25,10 @@ class LLM:
         ValueError / pydantic.ValidationError: naming the bad field.
     """
 
-    def __init__(self, model: str, config: str | None = None, **kwargs: Any) -> None:
-        self.llm_engine = LLMEngine(EngineConfig.from_sources(config, {"model": model, **kwargs}))
+    def __init__(self, model: str | None = None, config: str | None = None, **kwargs: Any) -> None:
+        if model is not None:
+            kwargs["model.model"] = model
+        self.llm_engine = LLMEngine(EngineConfig.from_sources(config, kwargs))
         self._counter = itertools.count()
 
     def get_tokenizer(self):
@@ -57,16 +59,11 @@ class LLM:
         prios = list(priority) if priority is not None else [0] * len(prompts)
         engine = self.llm_engine
         ids = [f"llm-{next(self._counter)}" for _ in prompts]
-        added: list[str] = []
-        try:
-            for rid, prompt, sp, pr in zip(ids, prompts, params, prios):
-                engine.add_request(rid, prompt, sp, priority=pr)
-                added.append(rid)
-        except Exception:
-            engine.abort_request(added)  # all-or-nothing: leave no half-submitted batch behind
-            while engine.has_unfinished_requests() and any(r in engine.outputs.parents for r in added):
-                engine.step()
-            raise
+        # Validate the whole batch first: a bad prompt queues nothing.
+        prepared = [engine.prepare_request(rid, prompt, sp, priority=pr)
+                    for rid, prompt, sp, pr in zip(ids, prompts, params, prios)]
+        for p in prepared:
+            engine.enqueue(p)
         finished: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
         pending = set(ids)

@@ -180,7 +180,7 @@ class LlamaForCausalLM(Model):
         for mname, module in self.named_modules():
             if isinstance(module, FusedLinear):
                 for pname, _ in module.named_parameters(recurse=False):
-                    if pname == "bias" or len(module.output_sizes) == 1:
+                    if len(module.output_sizes) == 1:
                         names.add(f"{mname}.{pname}")
                     else:
                         names.update(f"{mname}.{pname}#{i}" for i in range(len(module.output_sizes)))

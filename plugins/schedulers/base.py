@@ -105,7 +105,7 @@ class QueueScheduler(Scheduler):
             if req not in self.running:  # preempted as a victim earlier in this loop
                 continue
             n = self._chunk(req.num_tokens - req.num_computed_tokens, budget)
-            if not self.enable_chunking and n < req.num_tokens - req.num_computed_tokens:
+            if n < req.num_tokens - req.num_computed_tokens and not self._may_chunk(req):
                 continue
             if not self._allocate_or_preempt(req, n, out):
                 continue
@@ -121,7 +121,7 @@ class QueueScheduler(Scheduler):
                 break
             fresh = req.num_computed_tokens == 0
             if fresh:
-                reason = self._never_fits(req)
+                reason = self._never_fits(req) if req.num_preemptions == 0 else None
                 if reason:
                     self.waiting.remove(req)
                     self._fail(req, reason, out)
@@ -130,7 +130,7 @@ class QueueScheduler(Scheduler):
                 req.num_computed_tokens = req.num_cached_tokens = cached
             remaining = req.num_tokens - req.num_computed_tokens
             n = self._chunk(remaining, budget)
-            if (not self.enable_chunking and n < remaining) or self.allocator.allocate_slots(req, n) is None:
+            if (n < remaining and not self._may_chunk(req)) or self.allocator.allocate_slots(req, n) is None:
                 if fresh:  # forget the prefix-cache hit; it is looked up again next time
                     req.num_computed_tokens = req.num_cached_tokens = 0
                 break  # keep the order: later requests do not overtake
@@ -142,6 +142,11 @@ class QueueScheduler(Scheduler):
             out.num_scheduled_tokens[req.request_id] = n
             budget -= n
         return out
+
+    def _may_chunk(self, req: Request) -> bool:
+        # A non-chunking scheduler never splits a prompt, but a preempted request's
+        # recompute (prompt + generated tokens) may exceed the budget: split that.
+        return self.enable_chunking or req.num_preemptions > 0
 
     def _never_fits(self, req: Request) -> str | None:
         blocks = -(-req.num_tokens // self.allocator.block_size)

@@ -1,0 +1,212 @@
+"""EngineConfig from YAML/JSON files + flat overrides, field-naming errors, and the
+``kvforge generate`` CLI (``--json`` output with vLLM field names, ``--config``)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import yaml
+from pydantic import ValidationError
+
+from helpers import STORIES_MODEL, fresh_rng, random_story_prompts
+from kvforge import LLM, EngineConfig, SamplingParams
+from kvforge.entrypoints.cli import main as cli_main
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch):
+    monkeypatch.delenv("KVFORGE_PLUGINS", raising=False)
+    monkeypatch.delenv("KVFORGE_DISABLE_PLUGINS", raising=False)
+
+
+def _file_data(rng) -> dict:
+    return {
+        "model": {"model": STORIES_MODEL, "dtype": "float32", "max_model_len": rng.choice([128, 256, 384]),
+                  "seed": rng.randrange(1000)},
+        "cache": {"block_size": rng.choice([8, 16, 32]), "num_gpu_blocks": rng.randint(20, 200)},
+        "scheduler": {"name": "fcfs", "max_num_seqs": rng.randint(2, 64),
+                      "max_num_batched_tokens": rng.choice([512, 1024, 4096])},
+        "attention": {"backend": "torch_ref"},
+    }
+
+
+def _write(tmp_path, data: dict, fmt: str):
+    path = tmp_path / f"cfg.{fmt}"
+    path.write_text(yaml.safe_dump(data) if fmt in ("yaml", "yml") else json.dumps(data))
+    return path
+
+
+@pytest.mark.parametrize("fmt", ["yaml", "yml", "json"])
+def test_config_from_file(tmp_path, fmt):
+    rng = fresh_rng(fmt)
+    data = _file_data(rng)
+    cfg = EngineConfig.from_sources(_write(tmp_path, data, fmt))
+    assert cfg.model.model == STORIES_MODEL
+    assert cfg.model.max_model_len == data["model"]["max_model_len"]
+    assert cfg.model.seed == data["model"]["seed"]
+    assert cfg.cache.block_size == data["cache"]["block_size"]
+    assert cfg.cache.num_gpu_blocks == data["cache"]["num_gpu_blocks"]
+    assert cfg.scheduler.name == "fcfs"
+    assert cfg.scheduler.max_num_seqs == data["scheduler"]["max_num_seqs"]
+    assert cfg.scheduler.max_num_batched_tokens == data["scheduler"]["max_num_batched_tokens"]
+    assert cfg.attention.backend == "torch_ref"
+    # Unset fields keep their defaults.
+    assert cfg.cache.enable_prefix_caching is False
+
+
+@pytest.mark.parametrize("fmt", ["yaml", "json"])
+def test_flat_overrides_beat_file(tmp_path, fmt):
+    rng = fresh_rng(fmt)
+    data = _file_data(rng)
+    path = _write(tmp_path, data, fmt)
+    seqs = data["scheduler"]["max_num_seqs"] + rng.randint(1, 10)
+    block = {8: 16, 16: 32, 32: 8}[data["cache"]["block_size"]]
+    cfg = EngineConfig.from_sources(path, {"max_num_seqs": seqs, "block_size": block, "max_model_len": 64,
+                                           "scheduler.settings.x": 1, "dtype": None})
+    assert cfg.scheduler.max_num_seqs == seqs
+    assert cfg.cache.block_size == block
+    assert cfg.model.max_model_len == 64
+    assert cfg.scheduler.settings == {"x": 1}
+    assert cfg.model.dtype == "float32"  # None override is ignored, the file value stays
+    # untouched file values survive
+    assert cfg.cache.num_gpu_blocks == data["cache"]["num_gpu_blocks"]
+    assert cfg.scheduler.max_num_batched_tokens == data["scheduler"]["max_num_batched_tokens"]
+    assert cfg.model.model == STORIES_MODEL
+    # LLM(config=..., **flat) uses the same precedence.
+    llm = LLM(STORIES_MODEL, config=str(path), max_num_seqs=seqs, num_gpu_blocks=24)
+    assert llm.llm_engine.config.scheduler.max_num_seqs == seqs
+    assert llm.llm_engine.allocator.num_blocks == 24
+    assert llm.llm_engine.allocator.block_size == data["cache"]["block_size"]
+
+
+@pytest.mark.parametrize("section,key,value,field", [
+    ("scheduler", "max_num_seqs", 0, "scheduler.max_num_seqs"),
+    ("scheduler", "max_num_batched_tokens", -5, "scheduler.max_num_batched_tokens"),
+    ("cache", "block_size", "abc", "cache.block_size"),
+    ("cache", "gpu_memory_utilization", 1.5, "cache.gpu_memory_utilization"),
+    ("model", "dtype", "float64", "model.dtype"),
+    ("model", "max_model_len", 0, "model.max_model_len"),
+    ("scheduler", "no_such_option", 1, "scheduler.no_such_option"),
+])
+@pytest.mark.parametrize("fmt", ["yaml", "json"])
+def test_file_errors_name_field(tmp_path, fmt, section, key, value, field):
+    data = _file_data(fresh_rng())
+    data[section][key] = value
+    with pytest.raises(ValidationError) as ei:
+        EngineConfig.from_sources(_write(tmp_path, data, fmt))
+    assert field in str(ei.value), str(ei.value)
+
+
+def test_override_errors_name_field(tmp_path):
+    path = _write(tmp_path, _file_data(fresh_rng()), "yaml")
+    with pytest.raises(ValidationError, match=r"scheduler\.max_num_seqs"):
+        EngineConfig.from_sources(path, {"max_num_seqs": 0})
+    with pytest.raises(ValueError, match="max_num_seqz"):
+        EngineConfig.from_sources(path, {"max_num_seqz": 4})
+    with pytest.raises(ValidationError, match=r"nosuchsection"):
+        EngineConfig.from_sources(path, {"nosuchsection.x": 1})
+
+
+def test_file_top_level_errors(tmp_path):
+    (tmp_path / "list.yaml").write_text("- a\n- b\n")
+    with pytest.raises(ValueError, match="mapping"):
+        EngineConfig.from_sources(tmp_path / "list.yaml")
+    (tmp_path / "extra.yaml").write_text(yaml.safe_dump({**_file_data(fresh_rng()), "schedular": {}}))
+    with pytest.raises(ValidationError, match="schedular"):
+        EngineConfig.from_sources(tmp_path / "extra.yaml")
+    (tmp_path / "nomodel.yaml").write_text(yaml.safe_dump({"cache": {"block_size": 16}}))
+    with pytest.raises(ValidationError, match="model"):
+        EngineConfig.from_sources(tmp_path / "nomodel.yaml")
+
+
+# -- CLI -------------------------------------------------------------------------------------
+
+def _reference(prompts, max_tokens, **engine_kw):
+    llm = LLM(STORIES_MODEL, scheduler="fcfs", **engine_kw)
+    return llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)
+
+
+def test_generate_json_uses_vllm_field_names(capsys):
+    rng = fresh_rng("json")
+    prompts = random_story_prompts(rng, 2)
+    max_tokens = rng.randint(5, 20)
+    capsys.readouterr()  # drop the seed line
+    rc = cli_main(["generate", "--model", STORIES_MODEL, "--scheduler", "fcfs", "--json",
+                   "--max-tokens", str(max_tokens), *prompts])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    data = json.loads(captured.out)  # stdout is only the JSON document
+    assert isinstance(data, list) and len(data) == len(prompts)
+    ref = _reference(prompts, max_tokens)
+    for item, prompt, r in zip(data, prompts, ref):
+        assert {"request_id", "prompt", "prompt_token_ids", "outputs", "finished"} <= set(item)
+        assert item["prompt"] == prompt
+        assert item["prompt_token_ids"] == r.prompt_token_ids and item["prompt_token_ids"][0] == 1  # BOS
+        assert item["finished"] is True
+        out = item["outputs"][0]
+        assert {"index", "text", "token_ids", "finish_reason", "cumulative_logprob", "logprobs",
+                "stop_reason"} <= set(out)
+        assert out["index"] == 0
+        assert out["token_ids"] == r.outputs[0].token_ids
+        assert out["text"] == r.outputs[0].text and out["text"]
+        assert out["finish_reason"] in ("stop", "length")
+        assert out["finish_reason"] == r.outputs[0].finish_reason
+        if out["finish_reason"] == "length":
+            assert len(out["token_ids"]) == max_tokens
+
+
+def test_generate_with_config_file(tmp_path, capsys):
+    data = {"model": {"model": STORIES_MODEL, "max_model_len": 40},
+            "cache": {"block_size": 8, "num_gpu_blocks": 30}, "scheduler": {"name": "fcfs", "max_num_seqs": 2}}
+    cfg = _write(tmp_path, data, "yaml")
+    rc = cli_main(["generate", "--model", STORIES_MODEL, "--config", str(cfg), "--max-tokens", "12", "--json",
+                   "Once upon a time"])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    out = json.loads(captured.out)[0]["outputs"][0]
+    ref = _reference(["Once upon a time"], 12, block_size=8, num_gpu_blocks=30)
+    assert out["token_ids"] == ref[0].outputs[0].token_ids
+    assert "there was a little girl" in out["text"]
+
+    # The file is really applied: its max_model_len (40) rejects a too-long request...
+    rc = cli_main(["generate", "--model", STORIES_MODEL, "--config", str(cfg), "--max-tokens", "64",
+                   "Once upon a time"])
+    err = capsys.readouterr().err
+    assert rc != 0 and "max_model_len (40)" in err, err
+    # ...and a flag beats it.
+    rc = cli_main(["generate", "--model", STORIES_MODEL, "--config", str(cfg), "--max-model-len", "128",
+                   "--max-tokens", "64", "--json", "Once upon a time"])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    assert len(json.loads(captured.out)[0]["outputs"][0]["token_ids"]) > 12
+
+
+def test_generate_with_config_file_naming_the_model(tmp_path, capsys):
+    """``kvforge generate --config cfg.yaml PROMPT``: the model may come from the file alone."""
+    cfg = _write(tmp_path, {"model": {"model": STORIES_MODEL}, "scheduler": {"name": "fcfs"}}, "yaml")
+    try:
+        rc = cli_main(["generate", "--config", str(cfg), "--max-tokens", "8", "Once upon a time"])
+    except SystemExit as e:  # argparse refusing the command line
+        rc = e.code
+    captured = capsys.readouterr()
+    assert rc == 0, f"exit {rc}: {captured.err}"
+    assert captured.out.startswith("Once upon a time,"), captured.out
+
+
+def test_generate_bad_flag_value_names_field(capsys):
+    rc = cli_main(["generate", "--model", STORIES_MODEL, "--max-num-seqs", "0", "Once upon a time"])
+    err = capsys.readouterr().err
+    assert rc != 0
+    assert "scheduler.max_num_seqs" in err and "kvforge: error" in err, err
+    rc = cli_main(["generate", "--model", STORIES_MODEL, "--set", "scheduler.settings.foo=1", "Once"])
+    err = capsys.readouterr().err
+    assert rc != 0 and "scheduler.settings.foo" in err, err

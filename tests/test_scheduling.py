@@ -1,0 +1,163 @@
+"""Issue 4 correctness: greedy outputs do not depend on the scheduler, on chunking
+or on prefix caching; the tricky prefix-cache cases; no block ever leaks."""
+from __future__ import annotations
+
+import os.path
+import random
+
+import pytest
+
+from kvforge import LLM, SamplingParams
+from kvforge.plugin_manager import load_registry
+
+MODEL = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "models", "stories260K")
+
+SCHEDULERS = load_registry().names("scheduler")
+GREEDY = SamplingParams(temperature=0, max_tokens=40)
+
+
+def _prompts(rng: random.Random) -> list[dict]:
+    """Random prompts; several share a long prefix (some exactly 2 blocks of 16)."""
+    shared = [1] + [rng.randrange(3, 512) for _ in range(31)]       # 32 tokens = 2 full blocks
+    out = [{"prompt_token_ids": [1] + [rng.randrange(3, 512) for _ in range(rng.randrange(3, 40))]}
+           for _ in range(4)]
+    out += [{"prompt_token_ids": shared + [rng.randrange(3, 512) for _ in range(rng.randrange(1, 20))]}
+            for _ in range(4)]
+    out.append({"prompt_token_ids": list(shared)})                  # exact multiple of block_size
+    out.append({"prompt_token_ids": list(shared)})                  # ... fully cached the second time
+    return out
+
+
+def _assert_drained(llm: LLM) -> None:
+    e = llm.llm_engine
+    assert not e.has_unfinished_requests()
+    assert e.allocator.num_free_blocks == e.allocator.num_blocks, "KV blocks leaked"
+
+
+def _run(prompts, **kw):
+    llm = LLM(MODEL, dtype="float32", **kw)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    _assert_drained(llm)
+    return [o.outputs[0].token_ids for o in outs], llm
+
+
+@pytest.fixture(scope="module")
+def case():
+    seed = random.randrange(1 << 30)
+    prompts = _prompts(random.Random(seed))
+    ref, _ = _run(prompts, scheduler="fcfs")
+    return seed, prompts, ref
+
+
+@pytest.mark.parametrize("scheduler", SCHEDULERS)
+@pytest.mark.parametrize("prefix", [False, True])
+def test_every_scheduler_matches_reference(case, scheduler, prefix):
+    seed, prompts, ref = case
+    got, llm = _run(prompts, scheduler=scheduler, enable_prefix_caching=prefix, max_num_batched_tokens=64)
+    assert got == ref, f"seed {seed}"
+    if prefix:
+        assert llm.llm_engine.allocator.stats()["prefix_cache_hits"] > 0
+
+
+@pytest.mark.parametrize("budget", [1, 5, 16, 33])
+def test_chunked_prefill_any_budget(case, budget):
+    seed, prompts, ref = case
+    got, _ = _run(prompts, scheduler="chunked_prefill", max_num_batched_tokens=budget, enable_prefix_caching=True)
+    assert got == ref, f"seed {seed} budget {budget}"
+
+
+def test_memory_pressure_with_prefix_cache_and_swap(case):
+    seed, prompts, ref = case
+    got, llm = _run(prompts, scheduler="chunked_prefill", enable_prefix_caching=True, block_size=8,
+                    num_gpu_blocks=14, max_num_batched_tokens=24)
+    assert got == ref, f"seed {seed}"
+    assert llm.llm_engine.stats()["num_preemptions"] > 0
+    got, llm = _run(prompts, **{"scheduler": "fcfs", "block_size": 8, "num_gpu_blocks": 14,
+                                "swap_space_bytes": 1 << 22, "scheduler.settings.preemption_mode": "swap"})
+    assert got == ref, f"seed {seed} (swap)"
+    st = llm.llm_engine.stats()
+    assert st["num_preemptions"] > 0 and st["num_recomputed_tokens"] == 0
+
+
+def _engine(**kw):
+    return LLM(MODEL, dtype="float32", **kw).llm_engine
+
+
+def _drain(engine) -> dict:
+    done = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = o
+    return done
+
+
+def test_full_prompt_hit_still_computes_last_token():
+    rng = random.Random()
+    prompt = [1] + [rng.randrange(3, 512) for _ in range(47)]  # 48 = 3 blocks of 16
+    e = _engine(enable_prefix_caching=True)
+    e.add_request("a", {"prompt_token_ids": prompt}, GREEDY)
+    first = _drain(e)["a"].outputs[0].token_ids
+    e.add_request("b", {"prompt_token_ids": prompt}, GREEDY)
+    out = _drain(e)["b"]
+    assert out.outputs[0].token_ids == first
+    assert out.num_cached_tokens == 32  # 2 of 3 blocks: the last block is recomputed for logits
+    assert e.allocator.num_free_blocks == e.allocator.num_blocks
+
+
+def test_same_step_shared_prefix_and_abort_before_forward():
+    rng = random.Random()
+    shared = [1] + [rng.randrange(3, 512) for _ in range(40)]
+    ps = [shared + [rng.randrange(3, 512) for _ in range(5)] for _ in range(3)]
+    ref, _ = _run([{"prompt_token_ids": p} for p in ps], scheduler="fcfs")
+    e = _engine(enable_prefix_caching=True)
+    for i, p in enumerate(ps):
+        e.add_request(f"r{i}", {"prompt_token_ids": p}, GREEDY)
+    e.add_request("gone", {"prompt_token_ids": shared}, GREEDY)
+    e.abort_request("gone")  # before its first forward
+    done = _drain(e)
+    assert done["gone"].outputs[0].finish_reason == "abort" and done["gone"].outputs[0].token_ids == []
+    assert [done[f"r{i}"].outputs[0].token_ids for i in range(3)] == ref
+    # all three arrived in one step: the later ones hit blocks the first fills in that same forward
+    assert e.allocator.stats()["prefix_cache_hits"] >= 2 * 32
+    assert e.allocator.num_free_blocks == e.allocator.num_blocks
+
+
+def test_cached_prefix_evicted_between_arrival_and_admission():
+    rng = random.Random()
+    shared = [1] + [rng.randrange(3, 512) for _ in range(31)]
+    late = shared + [rng.randrange(3, 512) for _ in range(4)]
+    ref, _ = _run([{"prompt_token_ids": late}], scheduler="fcfs")
+    # 6 blocks of 16: the hog's prompt fills all of them and evicts the cached prefix.
+    e = _engine(enable_prefix_caching=True, num_gpu_blocks=6, max_num_seqs=1)
+    e.add_request("warm", {"prompt_token_ids": shared}, SamplingParams(temperature=0, max_tokens=1))
+    _drain(e)
+    assert e.allocator.num_cached_blocks >= 1
+    hog = [1] + [rng.randrange(3, 512) for _ in range(80)]
+    e.add_request("hog", {"prompt_token_ids": hog}, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    e.add_request("late", {"prompt_token_ids": late}, GREEDY)  # arrives while its prefix is cached
+    done = _drain(e)
+    assert e.allocator.stats()["prefix_cache_evictions"] > 0
+    assert done["late"].outputs[0].token_ids == ref[0]
+    assert done["late"].num_cached_tokens == 0
+    assert e.allocator.num_free_blocks == e.allocator.num_blocks
+
+
+def test_prompt_logprobs_with_cached_prefix():
+    rng = random.Random()
+    prompt = [1] + [rng.randrange(3, 512) for _ in range(40)]
+    sp = SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=2)
+    cold = _engine(enable_prefix_caching=False)
+    cold.add_request("x", {"prompt_token_ids": prompt}, sp)
+    ref = _drain(cold)["x"]
+    e = _engine(enable_prefix_caching=True)
+    e.add_request("warm", {"prompt_token_ids": prompt}, GREEDY)
+    _drain(e)
+    e.add_request("x", {"prompt_token_ids": prompt}, sp)
+    out = _drain(e)["x"]
+    assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None
+    for a, b in zip(out.prompt_logprobs[1:], ref.prompt_logprobs[1:]):
+        assert a.keys() == b.keys()
+        for t in a:
+            assert abs(a[t].logprob - b[t].logprob) < 1e-4
+    assert out.outputs[0].token_ids == ref.outputs[0].token_ids

@@ -1,0 +1,251 @@
+"""Bad input gets a clear error naming the field, before any state changes, and never
+disturbs requests already in flight (DESIGN.md, Conventions).
+
+Each case: a good request is mid-decode in a shared engine; the bad call must raise
+ValueError / pydantic.ValidationError naming the field, leave the engine exactly as it was,
+and the good request must then finish with the same output as a clean run, with no KV
+block leaked. Prompts and lengths are fresh random draws.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from helpers import STORIES_MODEL, assert_no_block_leak, fresh_rng, random_story_prompts, run_engine
+from kvforge import LLM, EngineConfig, SamplingParams
+
+MAX_MODEL_LEN = 192
+VOCAB = 512
+ERRORS = (ValueError, ValidationError)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(STORIES_MODEL, block_size=16, num_gpu_blocks=48, max_model_len=MAX_MODEL_LEN, scheduler="fcfs")
+
+
+@pytest.fixture(autouse=True)
+def _drain(request):
+    """After each test, abort and drain whatever a failed assertion left in the shared engine,
+    so one failure does not cascade into the next test."""
+    yield
+    if "llm" not in request.fixturenames:
+        return
+    eng = request.getfixturevalue("llm").llm_engine
+    eng.abort_request(list(eng.outputs.parents))
+    for _ in range(10_000):
+        if not eng.has_unfinished_requests():
+            break
+        eng.step()
+
+
+@pytest.fixture(scope="module")
+def good(llm):
+    """A good request (prompt, params) and its clean-run output, computed once."""
+    rng = fresh_rng("validation-good")
+    prompt = random_story_prompts(rng, 1)[0]
+    sp = SamplingParams(temperature=0.0, max_tokens=rng.randint(16, 28), ignore_eos=True)
+    eng = llm.llm_engine
+    eng.add_request("clean", prompt, sp)
+    ref = run_engine(eng)["clean"]
+    assert_no_block_leak(eng)
+    return prompt, sp, ref
+
+
+def _snapshot(eng) -> dict:
+    s = eng.scheduler
+    return {
+        "parents": sorted(eng.outputs.parents),
+        "live": sorted(eng._live),
+        "pending": len(eng._pending),
+        "waiting": [r.request_id for r in s.waiting],
+        "running": [r.request_id for r in s.running],
+        "progress": {rid: (r.num_computed_tokens, list(r.output_token_ids), r.status) for rid, r in eng._live.items()},
+        "free_blocks": eng.allocator.num_free_blocks,
+        "tables": {rid: list(eng.allocator.get_block_table(rid)) for rid in eng._live},
+        "unfinished": eng.get_num_unfinished_requests(),
+    }
+
+
+def _check_isolated(llm, good, bad_call, *names: str):
+    """Run ``bad_call`` while the good request is mid-decode; return the raised exception."""
+    prompt, sp, ref = good
+    eng = llm.llm_engine
+    assert not eng.has_unfinished_requests()
+    eng.add_request("inflight", prompt, sp)
+    for _ in range(4):
+        eng.step()
+    req = eng._live["inflight"]
+    assert req.output_token_ids and not req.is_finished, "good request should be mid-decode"
+    before = _snapshot(eng)
+    with pytest.raises(ERRORS) as ei:
+        bad_call()
+    msg = str(ei.value)
+    for name in names:
+        assert name in msg, f"error does not name {name!r}: {msg}"
+    assert _snapshot(eng) == before, "a rejected input changed engine state"
+    got = run_engine(eng)
+    assert set(got) == {"inflight"}, f"unexpected outputs: {sorted(got)}"
+    out = got["inflight"]
+    assert out.error is None
+    assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+    assert out.outputs[0].text == ref.outputs[0].text
+    assert out.outputs[0].finish_reason == ref.outputs[0].finish_reason
+    assert_no_block_leak(eng)
+    assert not eng.has_unfinished_requests()
+    return ei.value
+
+
+# -- bad prompts / sampling params through engine.add_request --------------------------------
+
+def _sp(**kw):
+    return SamplingParams(**{"max_tokens": 8, **kw})
+
+
+def test_empty_token_id_prompt(llm, good):
+    eng = llm.llm_engine
+    _check_isolated(llm, good, lambda: eng.add_request("bad", {"prompt_token_ids": []}, _sp()), "prompt")
+    _check_isolated(llm, good, lambda: eng.add_request("bad", [], _sp()), "prompt")
+
+
+def test_empty_text_prompt(llm, good):
+    """An empty text prompt is empty input even if the tokenizer adds BOS to it."""
+    eng = llm.llm_engine
+    _check_isolated(llm, good, lambda: eng.add_request("bad", "", _sp()), "prompt")
+
+
+def test_prompt_plus_max_tokens_exceeds_max_model_len(llm, good):
+    rng = fresh_rng("too-long")
+    eng = llm.llm_engine
+    n = rng.randint(5, 60)
+    ids = [1] + [rng.randrange(3, VOCAB) for _ in range(n - 1)]
+    over = MAX_MODEL_LEN - n + rng.randint(1, 100)
+    e = _check_isolated(llm, good, lambda: eng.add_request("bad", {"prompt_token_ids": ids}, _sp(max_tokens=over)),
+                        "max_tokens", "max_model_len")
+    assert str(MAX_MODEL_LEN) in str(e)
+    # A prompt that alone fills max_model_len leaves no room to generate.
+    full = [1] + [rng.randrange(3, VOCAB) for _ in range(MAX_MODEL_LEN - 1 + rng.randint(0, 20))]
+    _check_isolated(llm, good, lambda: eng.add_request("bad", {"prompt_token_ids": full}, _sp(max_tokens=None)),
+                    "max_model_len")
+
+
+def test_prompt_token_ids_outside_vocab(llm, good):
+    rng = fresh_rng("oov")
+    eng = llm.llm_engine
+    bad_id = rng.choice([VOCAB + rng.randint(0, 1000), -rng.randint(1, 50)])
+    _check_isolated(llm, good, lambda: eng.add_request("bad", {"prompt_token_ids": [1, 5, bad_id]}, _sp()),
+                    "prompt_token_ids")
+
+
+@pytest.mark.parametrize("field,kwargs", [
+    ("temperature", {"temperature": -0.5}),
+    ("temperature", {"temperature": -1e-3}),
+    ("top_p", {"top_p": 0.0}),
+    ("top_p", {"top_p": 1.5}),
+    ("n", {"n": 0}),
+    ("n", {"n": -2}),
+    ("max_tokens", {"max_tokens": 0}),
+])
+def test_bad_sampling_params(llm, good, field, kwargs):
+    eng = llm.llm_engine
+    _check_isolated(llm, good, lambda: eng.add_request("bad", "Once upon a time", SamplingParams(**kwargs)), field)
+
+
+def test_nan_temperature_rejected(llm, good):
+    """NaN slips past ``temperature < 0``; it must be rejected like any other bad value."""
+    eng = llm.llm_engine
+    _check_isolated(llm, good, lambda: eng.add_request("bad", "The cat", SamplingParams(temperature=math.nan)),
+                    "temperature")
+
+
+@pytest.mark.parametrize("bias_id", [VOCAB, VOCAB + 17, -1])
+def test_logit_bias_outside_vocab(llm, good, bias_id):
+    eng = llm.llm_engine
+    _check_isolated(llm, good, lambda: eng.add_request("bad", "The cat", _sp(logit_bias={5: 1.0, bias_id: 2.0})),
+                    "logit_bias")
+
+
+def test_duplicate_in_flight_request_id(llm, good):
+    eng = llm.llm_engine
+    _check_isolated(llm, good, lambda: eng.add_request("inflight", "The dog", _sp()), "request_id", "inflight")
+
+
+# -- LLM.generate: a bad prompt anywhere in a batch queues nothing ---------------------------
+
+def test_generate_batch_with_one_bad_prompt_queues_nothing(llm, good):
+    rng = fresh_rng("batch")
+    prompts = random_story_prompts(rng, 4)
+    pos = rng.randrange(1, 5)  # at least one good prompt precedes the bad one
+    bad_prompts = prompts[:pos] + [{"prompt_token_ids": []}] + prompts[pos:]
+    _check_isolated(llm, good, lambda: llm.generate(bad_prompts, _sp(), use_tqdm=False), "prompt")
+
+    # Bad params for one prompt of the batch (per-prompt SamplingParams list).
+    params = [_sp() for _ in prompts]
+    params[rng.randrange(1, len(params))] = _sp(logit_bias={VOCAB + 3: 1.0})
+    _check_isolated(llm, good, lambda: llm.generate(prompts, params, use_tqdm=False), "logit_bias")
+
+
+def test_generate_bad_batch_leaves_engine_idle(llm):
+    eng = llm.llm_engine
+    with pytest.raises(ValueError, match="prompt"):
+        llm.generate(["Once upon a time", "The cat", {"prompt_token_ids": []}], _sp(), use_tqdm=False)
+    assert not eng.has_unfinished_requests(), (
+        f"a rejected batch left work behind: {eng.get_num_unfinished_requests()} requests, "
+        f"{len(eng._pending)} pending outputs")
+    assert eng.step() == [], "a rejected batch still produces outputs on the next step"
+    assert not eng.scheduler.has_unfinished_requests()
+    assert_no_block_leak(eng)
+    # And the LLM still works afterwards.
+    outs = llm.generate(["Once upon a time"], _sp(temperature=0.0), use_tqdm=False)
+    assert outs[0].finished and outs[0].outputs[0].token_ids
+
+
+# -- config-time errors (engine build) never touch a running engine --------------------------
+
+@pytest.mark.parametrize("kwargs,names", [
+    ({"scheduler": "nope"}, ["scheduler", "nope", "fcfs"]),
+    ({"attention_backend": "nope"}, ["attention", "nope", "torch_ref"]),
+    ({"kv_allocator": "nope"}, ["kv_allocator", "nope", "paged"]),
+    ({"max_num_seqz": 4}, ["max_num_seqz"]),
+    ({"scheduler.settings.foo": 1}, ["scheduler.settings.foo"]),
+    ({"cache.settings.foo": 1}, ["cache.settings", "foo"]),
+    ({"attention.settings.foo": 1}, ["attention.settings", "foo"]),
+    ({"scheduler.nosuch": 1}, ["scheduler.nosuch"]),
+    ({"max_num_seqs": 0}, ["scheduler.max_num_seqs"]),
+    ({"block_size": -16}, ["cache.block_size"]),
+])
+def test_bad_engine_config(llm, good, kwargs, names):
+    _check_isolated(llm, good, lambda: LLM(STORIES_MODEL, **kwargs), *names)
+
+
+def test_unknown_plugin_error_lists_registered():
+    with pytest.raises(ValueError) as ei:
+        LLM(STORIES_MODEL, scheduler="nope")
+    msg = str(ei.value)
+    assert "registered schedulers:" in msg and "fcfs" in msg.split("registered schedulers:")[1], msg
+
+
+def test_config_error_raised_before_reading_weights(monkeypatch):
+    """Plugin names and settings are checked before the model is built or weights load."""
+    import kvforge.engine.weights as weights
+
+    def boom(*a, **k):
+        raise AssertionError("weights were loaded before the config error was raised")
+
+    monkeypatch.setattr(weights, "load_weights", boom)
+    for kw in ({"scheduler": "nope"}, {"scheduler.settings.foo": 1}, {"kv_allocator": "nope"}):
+        with pytest.raises(ValueError):
+            LLM(STORIES_MODEL, **kw)
+    with pytest.raises(ValidationError):
+        EngineConfig.from_sources(None, {"model": STORIES_MODEL, "max_num_seqs": 0})
