@@ -201,7 +201,14 @@ class AsyncLLMEngine:
         stream = RequestStream(request_id, self, asyncio.get_running_loop())
         self._submit(("add", stream, prompt, params, priority, time.monotonic()))
         try:
-            await asyncio.shield(stream._accepted)
+            while True:
+                try:
+                    await asyncio.wait_for(asyncio.shield(stream._accepted), timeout=1.0)
+                    break
+                except asyncio.TimeoutError:
+                    if self._thread is not None and not self._thread.is_alive():
+                        self._release(request_id)
+                        raise EngineError("engine thread is not running") from None
         except asyncio.CancelledError:
             stream.abort()  # ordered after the add: the engine adds, then aborts
             raise
@@ -227,6 +234,22 @@ class AsyncLLMEngine:
 
     # -- engine thread --------------------------------------------------------------------
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as e:  # noqa: BLE001 - a bug in the loop itself: fail loudly, never hang
+            log.exception("engine thread died")
+            self.dead = e
+            self._fail_all(EngineError(f"engine thread died: {type(e).__name__}: {e}"), abort=True)
+            while True:  # adds queued before `dead` was visible must not wait forever
+                try:
+                    cmd = self._cmds.get_nowait()
+                except queue.Empty:
+                    break
+                if cmd[0] == "add":
+                    self._release(cmd[1].request_id)
+                    self._call(cmd[1], cmd[1]._fail, EngineError("engine thread died"))
+
+    def _loop(self) -> None:
         eng = self.engine
         running = True
         while running:

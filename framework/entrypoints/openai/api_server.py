@@ -128,7 +128,8 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str] | None = Non
         bad = [t for t in req.tokens if not 0 <= t < ctx.vocab_size]
         if bad:
             raise OpenAIError(f"tokens: ids outside the vocabulary [0, {ctx.vocab_size}): {bad[:5]}", 400)
-        text = await ctx.run_tokenizer(ctx.tokenizer.decode, req.tokens)
+        text = await ctx.run_tokenizer(ctx.tokenizer.decode, req.tokens,
+                                       skip_special_tokens=req.skip_special_tokens)
         return {"prompt": text}
 
     return app

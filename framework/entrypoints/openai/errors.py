@@ -18,6 +18,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
           405: "invalid_request_error", 413: "invalid_request_error", 500: "server_error",
           503: "service_unavailable"}
+_TYPE_TAGS = frozenset({"function-after", "function-before", "function-wrap", "function-plain", "str", "int",
+                        "float", "bool", "list", "dict", "none", "model", "literal"})
 _PARAM_PREFIX = re.compile(r"^([A-Za-z_][\w.\[\]-]*):\s")
 
 
@@ -61,7 +63,7 @@ def _loc_str(loc: tuple) -> str:
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif part in ("function-after", "function-before", "function-wrap") or "[" in str(part):
+        elif part in _TYPE_TAGS or "[" in str(part):  # union-member / validator tags, not fields
             continue
         else:
             out += ("." if out else "") + str(part)
@@ -73,7 +75,10 @@ def from_validation_error(exc: ValidationError | RequestValidationError) -> Open
     errs = exc.errors()
     if not errs:
         return OpenAIError("invalid request body", 400)
-    e = errs[0]
+    # A union (e.g. ``content: str | list[part]``) reports one error per member; the deepest
+    # one for the first failing field is the informative one.
+    top = tuple(errs[0].get("loc", ()))[:2]
+    e = max((x for x in errs if tuple(x.get("loc", ()))[:2] == top), key=lambda x: len(x.get("loc", ())))
     loc = tuple(x for x in e.get("loc", ()) if x != "body")
     msg = str(e.get("msg", "invalid value"))
     for prefix in ("Value error, ", "Assertion failed, "):

@@ -229,3 +229,4 @@ class DetokenizeRequest(_Strict):
 
     model: str | None = None
     tokens: list[int]
+    skip_special_tokens: bool = True

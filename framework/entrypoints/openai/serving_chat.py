@@ -88,7 +88,8 @@ async def create_chat_completion(ctx: sc.ServerContext, req: ChatCompletionReque
         echo = req.messages[-1].text()
     headers = {sc.REQUEST_ID_HEADER: rid}
     if req.stream:
-        return sc.SSEResponse(_stream(ctx, req, rid, len(ids), params, streams[0], echo), headers=headers)
+        return sc.SSEResponse(_stream(ctx, req, rid, len(ids), params, streams[0], echo), streams,
+                              headers=headers)
     try:
         (out,) = await sc.race_disconnect(raw, sc.final_outputs(streams))
     finally:

@@ -261,15 +261,22 @@ SSE_DONE = "data: [DONE]\n\n"
 
 
 class SSEResponse(StreamingResponse):
-    """``text/event-stream`` response that always closes its body iterator, so a request
-    whose client vanished before or during streaming is aborted."""
+    """``text/event-stream`` response that, however it ends, closes its body iterator and
+    aborts ``streams`` (a no-op for finished ones), so a request whose client vanished
+    before or during streaming stops running at once."""
 
     media_type = "text/event-stream"
+
+    def __init__(self, content: Any, streams: list[RequestStream], headers: dict[str, str] | None = None) -> None:
+        super().__init__(content, headers={"Cache-Control": "no-cache", **(headers or {})})
+        self._streams = streams
 
     async def __call__(self, scope, receive, send) -> None:  # type: ignore[override]
         try:
             await super().__call__(scope, receive, send)
         finally:
+            for s in self._streams:
+                s.abort()
             aclose = getattr(self.body_iterator, "aclose", None)
             if aclose is not None:
                 await aclose()

@@ -75,7 +75,7 @@ async def create_completion(ctx: sc.ServerContext, req: CompletionRequest, raw: 
     streams = await sc.add_all(ctx, items, req.priority)
     headers = {sc.REQUEST_ID_HEADER: rid}
     if req.stream:
-        return sc.SSEResponse(_stream(ctx, req, rid, prompts, items, streams), headers=headers)
+        return sc.SSEResponse(_stream(ctx, req, rid, prompts, items, streams), streams, headers=headers)
     try:
         outs = await sc.race_disconnect(raw, sc.final_outputs(streams))
     finally:

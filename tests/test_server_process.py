@@ -1,0 +1,108 @@
+"""``kvforge serve`` as a subprocess: no chat template -> 400, ``kvforge bench serve``
+against it, and SIGTERM draining in-flight requests before a clean exit (status 0).
+The tests run in file order; the last one stops the server."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from helpers import STORIES_MODEL
+from test_server_common import free_port
+
+
+@pytest.fixture(scope="module")
+def proc_server(tmp_path_factory):
+    port = free_port()
+    log = tmp_path_factory.mktemp("serve") / "server.log"
+    cmd = [sys.executable, "-m", "kvforge.entrypoints.cli", "serve", "--model", STORIES_MODEL, "--port", str(port),
+           "--dtype", "float32", "--max-num-seqs", "16", "--num-gpu-blocks", "256", "--max-model-len", "256",
+           "--served-model-name", "tiny", "--log-level", "warning"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with open(log, "w") as f:
+        p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        assert p.poll() is None, f"server exited early:\n{log.read_text()}"
+        try:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, f"server did not come up:\n{log.read_text()}"
+        time.sleep(0.2)
+    yield p, base, log
+    if p.poll() is None:
+        p.kill()
+        p.wait(10)
+
+
+def test_chat_without_template_is_400(proc_server):
+    _, base, _ = proc_server
+    r = httpx.post(f"{base}/v1/chat/completions", timeout=30,
+                   json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == "no_chat_template" and "--chat-template" in err["message"]
+    ok = httpx.post(f"{base}/v1/completions", timeout=30, json={"model": "tiny", "prompt": "Hi", "max_tokens": 3})
+    assert ok.status_code == 200
+
+
+def test_bench_serve(proc_server, tmp_path, capsys):
+    from kvforge.entrypoints.cli import main
+    _, base, _ = proc_server
+    out = tmp_path / "bench.json"
+    rc = main(["bench", "serve", "--base-url", base, "--num-prompts", "8", "--input-len", "8",
+               "--output-len", "6", "--request-rate", "40", "--result-file", str(out), "--disable-tqdm"])
+    assert rc == 0, capsys.readouterr().out
+    rep = json.loads(out.read_text())
+    assert rep["completed"] == 8 and rep["failed"] == 0 and rep["model"] == "tiny"
+    assert rep["total_output_tokens"] == 8 * 6 and rep["total_input_tokens"] == 8 * 8
+    for k in ("ttft", "tpot", "itl", "e2el"):
+        for stat in ("mean", "median", "p90", "p99"):
+            assert rep[f"{stat}_{k}_ms"] >= 0
+    assert rep["request_throughput"] > 0 and rep["output_throughput"] > 0
+    assert "Serving Benchmark Result" in capsys.readouterr().out
+
+
+def test_sigterm_drains_in_flight_requests_and_exits_0(proc_server):
+    p, base, log = proc_server
+    body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True}
+    result: dict = {}
+
+    def non_streaming():
+        r = httpx.post(f"{base}/v1/completions", json=body, timeout=120)
+        result["status"], result["body"] = r.status_code, r.json()
+
+    t = threading.Thread(target=non_streaming)
+    t.start()
+    with httpx.Client(base_url=base, timeout=120) as c:
+        with c.stream("POST", "/v1/completions", json={**body, "stream": True,
+                                                       "stream_options": {"include_usage": True}}) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            first = next(ln for ln in lines if ln.startswith("data: "))
+            deadline = time.monotonic() + 30
+            while "running" not in result:  # wait until the non-streaming request is in the engine too
+                m = httpx.get(f"{base}/metrics", timeout=10).text
+                running = [ln for ln in m.splitlines() if ln.startswith("kvforge:num_requests_running")]
+                if running and float(running[0].split()[-1]) >= 2:
+                    result["running"] = True
+                assert time.monotonic() < deadline and t.is_alive(), "second request never ran"
+                time.sleep(0.01)
+            p.send_signal(signal.SIGTERM)
+            rest = [first] + [ln for ln in lines if ln.startswith("data: ")]
+    assert rest[-1] == "data: [DONE]"
+    usage = json.loads(rest[-2][6:])["usage"]
+    assert usage["completion_tokens"] == 200                     # the stream ran to completion
+    t.join(120)
+    assert result["status"] == 200 and result["body"]["usage"]["completion_tokens"] == 200
+    assert p.wait(60) == 0, log.read_text()
