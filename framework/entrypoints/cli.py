@@ -16,7 +16,7 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     for name in sorted(FLAT_FIELDS):
         if name == "model":
             continue
-        p.add_argument(f"--{name.replace('_', '-')}", dest=f"cfg_{name}", default=None,
+        p.add_argument(f"--{name.replace('_', '-')}", dest=f"cfg_{name}", default=None, metavar=name.upper(),
                        help=f"sets {FLAT_FIELDS[name]}")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="any config path, e.g. scheduler.settings.foo=1 (value parsed as JSON if it can be)")
