@@ -45,11 +45,11 @@ def load_weights(model: torch.nn.Module, model_dir: str, load_format: str, seed:
         ValueError: a checkpoint tensor is unknown, mis-shaped, or a parameter is missing.
     """
     if load_format == "dummy":
-        g = torch.Generator(device="cpu").manual_seed(seed)
+        gens: dict[torch.device, torch.Generator] = {}
         for p in model.parameters():
-            if p.is_floating_point():
-                cpu = torch.empty(p.shape, dtype=torch.float32).uniform_(-1e-3, 1e-3, generator=g)
-                p.data.copy_(cpu)
+            if p.is_floating_point():  # drawn on the parameter's device: 8B params in seconds on a GPU
+                g = gens.setdefault(p.device, torch.Generator(device=p.device).manual_seed(seed))
+                p.data.uniform_(-1e-3, 1e-3, generator=g)
         for m in model.modules():
             if hasattr(m, "method"):
                 m.method.process_weights_after_loading(m)

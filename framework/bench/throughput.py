@@ -1,0 +1,351 @@
+"""``kvforge bench throughput``: offline throughput of ``LLM.generate`` on a synthetic workload.
+
+Usage (flag names follow vLLM's ``benchmarks/benchmark_throughput.py``)::
+
+    kvforge bench throughput --model DIR --load-format dummy \\
+        --input-len 1024 --output-len 128 --num-prompts 1000 --output-json tput.json
+
+    kvforge bench throughput --model DIR --load-format dummy --dataset variable \\
+        --num-prompts 256 --min-len 100 --max-len 1024 --seed 0 --baseline hf --hf-batch-size 128
+
+Every request is ``{"prompt_token_ids": [...]}`` (see :mod:`kvforge.bench.datasets`) with
+``SamplingParams(ignore_eos=True, max_tokens=<its output_len>, temperature=--temperature)``.
+The default temperature is 0 (greedy): the HF baseline then runs ``do_sample=False``, so both sides do
+the same (cheapest) sampling work and random weights can't make HF's multinomial see NaNs.
+One warm-up ``generate`` (the first ``--num-warmup-prompts`` prompts, 8 tokens each) runs before the
+timed call, so kernel JIT / autotuning / graph capture are not timed.
+
+Figures (seconds from ``time.perf_counter`` around ``LLM.generate``, synchronized on CUDA):
+requests/s, total tokens/s ((input + output) / s) and output tokens/s. Each is also given as a
+fraction of the roofline (:func:`roofline`), and with ``--baseline hf`` as a ratio to Hugging Face
+transformers ``generate`` on the same prompts (:mod:`kvforge.bench.hf_baseline`).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import gc
+import json
+import math
+import platform
+import shlex
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+# Measured on the project's H200 (issue 3): device copy bandwidth and dense bf16 GEMM throughput.
+H200_MEM_BW_TBPS = 4.27
+H200_PEAK_TFLOPS = 799.0
+
+
+# ---------------------------------------------------------------------------------------- roofline
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Dense decoder shape read from a Hugging Face config (``config.json`` dict or ``PretrainedConfig``)."""
+
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    tie_word_embeddings: bool
+
+    @classmethod
+    def from_hf_config(cls, cfg: Any) -> "ModelShape":
+        get = cfg.get if isinstance(cfg, dict) else (lambda k, d=None: getattr(cfg, k, d))
+        nh = get("num_attention_heads")
+        return cls(get("hidden_size"), get("num_hidden_layers"), nh, get("num_key_value_heads") or nh,
+                   get("head_dim") or get("hidden_size") // nh, get("intermediate_size"), get("vocab_size"),
+                   bool(get("tie_word_embeddings", False)))
+
+    @property
+    def layer_matmul_params(self) -> int:
+        """Weights of one layer's GEMMs: q, k, v, o projections and the gated MLP (gate, up, down)."""
+        h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return h * q + 2 * h * kv + q * h + 3 * h * self.intermediate_size
+
+    @property
+    def num_params(self) -> int:
+        """All parameters: embedding, layers (+ 2 RMSNorms each), final norm, untied LM head."""
+        emb = self.vocab_size * self.hidden_size
+        return (emb * (1 if self.tie_word_embeddings else 2)
+                + self.num_layers * (self.layer_matmul_params + 2 * self.hidden_size) + self.hidden_size)
+
+    def step_weight_bytes(self, dtype_bytes: int) -> int:
+        """Bytes one forward step must read: every layer's weights + final norm + LM head (embedding
+        lookups touch only a few rows and are not counted)."""
+        return dtype_bytes * (self.num_layers * (self.layer_matmul_params + 2 * self.hidden_size)
+                              + self.hidden_size + self.vocab_size * self.hidden_size)
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        """K and V of one token over all layers."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+
+def roofline(shape: ModelShape, input_lens: Sequence[int], output_lens: Sequence[int], dtype_bytes: int,
+             max_num_seqs: int, peak_tflops: float = H200_PEAK_TFLOPS,
+             mem_bw_tbps: float = H200_MEM_BW_TBPS) -> dict[str, float]:
+    """Floor time (seconds) of an offline workload: prefill compute-bound, decode at the roofline.
+
+    A prompt of n tokens produces the first output token; the other ``output_len - 1`` are decode steps.
+    With H = hidden, L = layers, Hq = query heads, D = head_dim, V = vocab, P = L * layer GEMM params:
+
+    * prefill FLOPs = sum over prompts of 2*P*n + 2*V*H (LM head on the last position only)
+      + attention 2*L*Hq*D*n*(n+1) (causal QK^T and PV); ``prefill_s = FLOPs / peak``.
+    * decode, token j (1..out-1) of a prompt of n: context c = n + j; FLOPs = 2*(P + V*H) + 4*L*Hq*D*c;
+      KV bytes read = c * 2*L*Hkv*D*dtype_bytes.
+    * decode steps >= max(max(out) - 1, ceil(decode tokens / max_num_seqs)); each step reads all
+      weights once (:meth:`ModelShape.step_weight_bytes`).
+    * ``decode_s = max(decode FLOPs / peak, (steps * weight bytes + KV bytes) / bandwidth)``.
+    * ``floor_s = prefill_s + decode_s`` (overlap of prefill compute with decode weight reads in mixed
+      batches is ignored, as in the issue's estimate: 1000 x 1024 in / 128 out on an H200 ~ 40 req/s).
+
+    Dense models only (MoE expert sparsity and quantized weights are not modelled).
+    Returns the terms above plus ``requests_per_s``, ``output_tokens_per_s``, ``total_tokens_per_s``.
+    """
+    peak, bw = peak_tflops * 1e12, mem_bw_tbps * 1e12
+    h, L, hq, d = shape.hidden_size, shape.num_layers, shape.num_heads, shape.head_dim
+    p = L * shape.layer_matmul_params
+    kv_tok = shape.kv_bytes_per_token(dtype_bytes)
+    pre_flops = dec_flops = kv_bytes = 0.0
+    dec_tokens = 0
+    for n, m in zip(input_lens, output_lens):
+        pre_flops += 2 * p * n + 2 * shape.vocab_size * h + 2 * L * hq * d * n * (n + 1)
+        k = m - 1  # decode tokens of this request
+        ctx_sum = k * n + k * (k + 1) / 2  # sum of contexts n+1 .. n+k
+        dec_flops += 2 * (p + shape.vocab_size * h) * k + 4 * L * hq * d * ctx_sum
+        kv_bytes += ctx_sum * kv_tok
+        dec_tokens += k
+    steps = max(max(output_lens) - 1, math.ceil(dec_tokens / max_num_seqs)) if dec_tokens else 0
+    dec_bytes = steps * shape.step_weight_bytes(dtype_bytes) + kv_bytes
+    prefill_s = pre_flops / peak
+    decode_s = max(dec_flops / peak, dec_bytes / bw)
+    floor_s = prefill_s + decode_s
+    n_req, n_out, n_in = len(input_lens), sum(output_lens), sum(input_lens)
+    return {"peak_tflops": peak_tflops, "mem_bw_tbps": mem_bw_tbps, "dtype_bytes": dtype_bytes,
+            "num_params": shape.num_params, "prefill_flops": pre_flops, "prefill_s": prefill_s,
+            "decode_tokens": dec_tokens, "decode_steps": steps, "decode_flops": dec_flops,
+            "decode_bytes": dec_bytes, "decode_kv_bytes": kv_bytes, "decode_s": decode_s, "floor_s": floor_s,
+            "requests_per_s": n_req / floor_s, "output_tokens_per_s": n_out / floor_s,
+            "total_tokens_per_s": (n_in + n_out) / floor_s}
+
+
+# ---------------------------------------------------------------------------------------- reporting
+
+def environment(device: Any = None) -> dict[str, Any]:
+    """Device name and library versions for the JSON report."""
+    import torch
+    import transformers
+    env: dict[str, Any] = {"python": platform.python_version(), "platform": platform.platform(),
+                           "torch": torch.__version__, "transformers": transformers.__version__,
+                           "cuda": torch.version.cuda}
+    try:
+        import triton
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    try:
+        from importlib.metadata import version
+        env["kvforge"] = version("kvforge")
+    except Exception:  # noqa: BLE001 - not installed as a distribution
+        env["kvforge"] = None
+    dev = torch.device(device) if device is not None else None
+    env["device"] = str(dev) if dev is not None else None
+    if dev is not None and dev.type == "cuda":
+        env["device_name"] = torch.cuda.get_device_name(dev)
+    else:
+        env["device_name"] = platform.processor() or platform.machine() or "cpu"
+    return env
+
+
+def command_line(args: argparse.Namespace, parser: argparse.ArgumentParser, prog: str) -> str:
+    """A shell command that reproduces ``args`` (flags whose value differs from the default)."""
+    parts = prog.split()
+    for a in parser._actions:
+        if not a.option_strings or a.dest in ("help", "func"):
+            continue
+        v = getattr(args, a.dest, a.default)
+        if v == a.default or v is None:
+            continue
+        flag = max(a.option_strings, key=len)
+        if isinstance(a, (argparse._StoreTrueAction, argparse._StoreConstAction)):
+            parts.append(flag)
+        elif isinstance(v, list):
+            for item in v:
+                parts += [flag, str(item)]
+        else:
+            parts += [flag, str(v)]
+    return shlex.join(parts)
+
+
+def report_header(args: argparse.Namespace, parser: argparse.ArgumentParser, prog: str, llm: Any) -> dict:
+    """``command``, ``argv``, ``date``, ``environment`` and engine ``config`` of a benchmark run."""
+    parts = llm.llm_engine.parts
+    return {"command": command_line(args, parser, prog), "argv": sys.argv,
+            "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "environment": environment(parts.device),
+            "config": {**parts.config.model_dump(mode="json"), "resolved": {
+                **parts.choices, "dtype": str(parts.dtype).replace("torch.", ""), "device": str(parts.device),
+                "max_model_len": parts.max_model_len, "num_gpu_blocks": getattr(parts.allocator, "num_blocks", None)}}}
+
+
+def write_json(path: str | None, data: dict) -> None:
+    if path:
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(json.dumps(data, indent=2, default=str) + "\n")
+        print(f"wrote {p}")
+
+
+def synchronize(device: Any) -> None:
+    import torch
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def detokenize_ok(llm: Any, want: bool) -> bool:
+    """Detokenize only when asked and when every model token id exists in the tokenizer (a dummy model
+    may pair a large vocabulary with a small tokenizer; benchmarks pass token ids, so text is optional)."""
+    if not want:
+        return False
+    if llm.llm_engine.vocab_size > len(llm.get_tokenizer()):
+        print(f"note: model vocab {llm.llm_engine.vocab_size} > tokenizer's {len(llm.get_tokenizer())}: "
+              "detokenization disabled", file=sys.stderr)
+        return False
+    return True
+
+
+def add_roofline_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("roofline")
+    g.add_argument("--peak-tflops", type=float, default=H200_PEAK_TFLOPS,
+                   help=f"dense GEMM peak, TFLOP/s (default: {H200_PEAK_TFLOPS}, measured bf16 on an H200)")
+    g.add_argument("--mem-bw-tbps", type=float, default=H200_MEM_BW_TBPS,
+                   help=f"memory bandwidth, TB/s (default: {H200_MEM_BW_TBPS}, measured device copy on an H200)")
+
+
+# ---------------------------------------------------------------------------------------- command
+
+def add_throughput_parser(bench_sub: argparse._SubParsersAction) -> None:
+    """Register ``bench throughput`` on the ``bench`` subcommand group."""
+    from kvforge.bench.datasets import DATASETS
+    from kvforge.entrypoints.cli import _add_engine_flags
+    p = bench_sub.add_parser("throughput", help="offline throughput of LLM.generate (optionally vs HF transformers)",
+                             description=__doc__.split("\n\n")[0],
+                             epilog="--seed seeds both the engine and the dataset.")
+    _add_engine_flags(p)
+    w = p.add_argument_group("workload")
+    w.add_argument("--dataset", "--dataset-name", dest="dataset", choices=DATASETS, default="random",
+                   help="random: fixed lengths (or +-range-ratio); variable: lengths uniform in [min-len, max-len]")
+    w.add_argument("--input-len", type=int, default=1024, help="prompt tokens (default: 1024)")
+    w.add_argument("--output-len", type=int, default=128, help="generated tokens per prompt (default: 128)")
+    w.add_argument("--num-prompts", type=int, default=1000, help="requests (default: 1000)")
+    w.add_argument("--range-ratio", "--random-range-ratio", dest="range_ratio", type=float, default=0.0,
+                   help="lengths uniform in [N*(1-r), N*(1+r)] (default: 0)")
+    w.add_argument("--min-len", type=int, help="variable: smallest input and output length")
+    w.add_argument("--max-len", type=int, help="variable: largest input and output length")
+    w.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default; HF baseline matches)")
+    w.add_argument("--num-warmup-prompts", type=int, default=16, help="warm-up batch size (default: 16; 0 = none)")
+    w.add_argument("--disable-detokenize", action="store_true", help="return token ids only")
+    w.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+    w.add_argument("--output-json", help="write the results here")
+    b = p.add_argument_group("baseline")
+    b.add_argument("--baseline", choices=("hf",),
+                   help="also run Hugging Face transformers generate on the same prompts")
+    b.add_argument("--hf-batch-size", "--hf-max-batch-size", dest="hf_batch_size", type=int, default=128,
+                   help="HF static batch size (default: 128)")
+    add_roofline_flags(p)
+    p.add_argument("--roofline-req-s", type=float, help="use this roofline (requests/s) instead of the computed one")
+    p.set_defaults(func=lambda a, _p=p: cmd_throughput(a, _p))
+
+
+def cmd_throughput(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from kvforge.bench.datasets import make_requests, summarize
+    from kvforge.engine.sampling_params import SamplingParams
+    from kvforge.entrypoints.cli import engine_overrides
+    from kvforge.entrypoints.llm import LLM
+    if args.num_warmup_prompts < 0 or args.hf_batch_size < 1:
+        raise ValueError("--num-warmup-prompts must be >= 0 and --hf-batch-size >= 1")
+    llm = LLM(config=args.config, **engine_overrides(args))
+    engine = llm.llm_engine
+    seed = engine.config.model.seed  # --seed (or the config file's) seeds the workload too
+    reqs = make_requests(args.dataset, args.num_prompts, args.input_len, args.output_len, engine.vocab_size,
+                         seed, args.range_ratio, args.min_len, args.max_len)
+    too_long = [i for i, r in enumerate(reqs) if r.prompt_len + r.output_len > engine.max_model_len]
+    if too_long:
+        r = reqs[too_long[0]]
+        raise ValueError(f"request {too_long[0]}: {r.prompt_len} + {r.output_len} tokens exceed max_model_len "
+                         f"{engine.max_model_len}; shorten the workload or raise --max-model-len")
+    detok = detokenize_ok(llm, not args.disable_detokenize)
+    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in reqs]
+    params = [SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=r.output_len,
+                             detokenize=detok) for r in reqs]
+    device = engine.parts.device
+    if args.num_warmup_prompts:
+        k = min(args.num_warmup_prompts, len(reqs))
+        llm.generate(prompts[:k], [SamplingParams(temperature=args.temperature, ignore_eos=True,
+                                                  max_tokens=min(8, r.output_len), detokenize=detok)
+                                   for r in reqs[:k]], use_tqdm=False)
+    synchronize(device)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=not args.disable_tqdm)
+    synchronize(device)
+    elapsed = time.perf_counter() - t0
+    errors = [o.error for o in outs if o.error]
+    if errors:
+        raise RuntimeError(f"{len(errors)} requests failed, first: {errors[0]}")
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    n_in = sum(r.prompt_len for r in reqs)
+    res = {"elapsed_time": elapsed, "num_requests": len(reqs), "total_num_tokens": n_in + n_out,
+           "input_tokens": n_in, "output_tokens": n_out, "requests_per_second": len(reqs) / elapsed,
+           "tokens_per_second": (n_in + n_out) / elapsed, "output_tokens_per_second": n_out / elapsed}
+    shape = ModelShape.from_hf_config(engine.parts.hf_config)
+    dtype_bytes = engine.parts.dtype.itemsize
+    roof = roofline(shape, [r.prompt_len for r in reqs], [r.output_len for r in reqs], dtype_bytes,
+                    engine.config.scheduler.max_num_seqs, args.peak_tflops, args.mem_bw_tbps)
+    if args.roofline_req_s:
+        scale = args.roofline_req_s / roof["requests_per_s"]
+        roof.update(source="command line", requests_per_s=args.roofline_req_s, floor_s=roof["floor_s"] / scale,
+                    output_tokens_per_s=roof["output_tokens_per_s"] * scale,
+                    total_tokens_per_s=roof["total_tokens_per_s"] * scale)
+    else:
+        roof["source"] = "computed (kvforge.bench.throughput.roofline)"
+    roof["fraction_of_roofline"] = res["requests_per_second"] / roof["requests_per_s"]
+    report = {"benchmark": "throughput", **report_header(args, parser, "kvforge bench throughput", llm),
+              "workload": {"dataset": args.dataset, "seed": seed, "temperature": args.temperature,
+                           "ignore_eos": True, "detokenize": detok, "range_ratio": args.range_ratio,
+                           "min_len": args.min_len, "max_len": args.max_len, **summarize(reqs)},
+              **res, "roofline": roof}
+    print(f"kvforge: {res['requests_per_second']:.2f} requests/s, {res['tokens_per_second']:.1f} total tokens/s, "
+          f"{res['output_tokens_per_second']:.1f} output tokens/s ({len(reqs)} requests in {elapsed:.2f} s)")
+    print(f"roofline: {roof['requests_per_s']:.2f} requests/s, {roof['output_tokens_per_s']:.1f} output tokens/s "
+          f"(peak {args.peak_tflops:g} TFLOP/s, {args.mem_bw_tbps:g} TB/s) -> kvforge at "
+          f"{100 * roof['fraction_of_roofline']:.3g}% of roofline")
+    if device.type != "cuda" and not args.roofline_req_s:
+        print("note: the roofline peaks default to the H200's; pass --peak-tflops/--mem-bw-tbps for this device",
+              file=sys.stderr)
+    if args.baseline == "hf":
+        from kvforge.bench.hf_baseline import load_hf_model, run_hf_generate
+        model_dir, load_format, dtype = engine.config.model.model, engine.config.model.load_format, engine.parts.dtype
+        del llm, engine, outs
+        gc.collect()
+        left = None
+        if device.type == "cuda":
+            import torch
+            torch.cuda.empty_cache()
+            left = torch.cuda.memory_allocated(device)  # what kvforge did not give back
+        hf = run_hf_generate(load_hf_model(model_dir, load_format, dtype, device, seed), reqs, args.hf_batch_size,
+                             args.temperature, device, use_tqdm=not args.disable_tqdm)
+        hf["device_memory_allocated_before_hf_bytes"] = left
+        hf["kvforge_over_hf"] = res["output_tokens_per_second"] / hf["useful_output_tokens_per_second"]
+        report["baseline"] = hf
+        print(f"hf transformers: {hf['useful_output_tokens_per_second']:.1f} useful output tokens/s "
+              f"({hf['num_batches']} static batches of <= {args.hf_batch_size}, {hf['elapsed_time']:.2f} s)")
+        print(f"kvforge / hf: {hf['kvforge_over_hf']:.2f}x (output tokens/s)")
+    write_json(args.output_json, report)
+    return 0
+

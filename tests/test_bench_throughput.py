@@ -1,0 +1,162 @@
+"""``kvforge bench throughput`` / ``bench latency`` end to end on the CPU, the synthetic datasets,
+the roofline helper and ``benchmarks/make_dummy_model.py``."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from kvforge.bench.datasets import make_requests, sample_lengths
+from kvforge.bench.throughput import ModelShape, roofline
+from kvforge.entrypoints.cli import main
+
+STORIES = "/work/shared/models/stories260K"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load_make_dummy():
+    spec = importlib.util.spec_from_file_location("make_dummy_model", ROOT / "benchmarks" / "make_dummy_model.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def tiny_dummy(tmp_path_factory) -> str:
+    d = tmp_path_factory.mktemp("tiny-dummy")
+    _load_make_dummy().make_dummy_model(d, tiny=True)
+    assert not list(d.glob("*.safetensors"))
+    return str(d)
+
+
+def _pos(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def _run(argv: list[str], out: Path) -> dict:
+    assert main(argv + ["--output-json", str(out), "--disable-tqdm"]) == 0
+    return json.loads(out.read_text())
+
+
+def _check_header(d: dict, bench: str) -> None:
+    assert d["benchmark"] == bench
+    assert d["command"].startswith(f"kvforge bench {bench} --model ")
+    assert d["date"] and d["config"]["model"]["model"] and d["config"]["resolved"]["attention"]
+    env = d["environment"]
+    for k in ("torch", "triton", "transformers", "device", "device_name"):
+        assert k in env, k
+
+
+def test_throughput_stories_with_hf_baseline(tmp_path):
+    d = _run(["bench", "throughput", "--model", STORIES, "--num-prompts", "4", "--input-len", "16",
+              "--output-len", "8", "--baseline", "hf"], tmp_path / "t.json")
+    _check_header(d, "throughput")
+    assert d["num_requests"] == 4 and d["input_tokens"] == 64 and d["output_tokens"] == 32
+    assert d["total_num_tokens"] == 96
+    for k in ("elapsed_time", "requests_per_second", "tokens_per_second", "output_tokens_per_second"):
+        assert _pos(d[k]), (k, d[k])
+    assert d["workload"]["detokenize"] is True
+    r = d["roofline"]
+    assert _pos(r["requests_per_s"]) and _pos(r["floor_s"]) and _pos(r["fraction_of_roofline"])
+    hf = d["baseline"]
+    assert hf["name"] == "hf" and hf["useful_output_tokens"] == 32 and hf["generated_tokens"] == 32
+    assert _pos(hf["useful_output_tokens_per_second"]) and _pos(hf["kvforge_over_hf"])
+    assert math.isclose(hf["kvforge_over_hf"],
+                        d["output_tokens_per_second"] / hf["useful_output_tokens_per_second"])
+
+
+def test_throughput_tiny_dummy_variable_with_hf(tmp_path, tiny_dummy):
+    args = ["--dataset", "variable", "--min-len", "4", "--max-len", "24", "--num-prompts", "5", "--seed", "1"]
+    d = _run(["bench", "throughput", "--model", tiny_dummy, "--load-format", "dummy", *args,
+              "--baseline", "hf", "--hf-batch-size", "2"], tmp_path / "t.json")
+    _check_header(d, "throughput")
+    ins, outs = sample_lengths("variable", 5, 0, 0, seed=1, min_len=4, max_len=24)
+    assert d["input_tokens"] == sum(ins) and d["output_tokens"] == sum(outs)
+    w = d["workload"]
+    assert w["dataset"] == "variable" and w["seed"] == 1 and w["detokenize"] is False  # vocab 1024 > 512
+    assert 4 <= w["input_len_min"] <= w["input_len_max"] <= 24
+    assert _pos(d["requests_per_second"]) and _pos(d["roofline"]["fraction_of_roofline"])
+    hf = d["baseline"]
+    assert hf["num_batches"] == 3 and hf["useful_output_tokens"] == sum(outs)
+    batch_max = [max(outs[i:i + 2]) * len(outs[i:i + 2]) for i in range(0, 5, 2)]
+    assert hf["generated_tokens"] == sum(batch_max) >= hf["useful_output_tokens"]
+    assert _pos(hf["kvforge_over_hf"])
+
+
+@pytest.mark.parametrize("which", ["stories", "tiny_dummy"])
+def test_latency(tmp_path, tiny_dummy, which):
+    model = ["--model", STORIES] if which == "stories" else ["--model", tiny_dummy, "--load-format", "dummy"]
+    # 32 output tokens: the decode time must stand well above a busy CPU's noise for TPOT to be > 0.
+    d = _run(["bench", "latency", *model, "--input-len", "16", "--output-len", "32", "--batch-size", "2",
+              "--num-iters", "5", "--num-iters-warmup", "1"], tmp_path / "l.json")
+    _check_header(d, "latency")
+    assert len(d["latencies"]) == 5 and len(d["prefill"]["latencies"]) == 5
+    for k in ("avg_latency", "median_latency", "p90_latency", "p99_latency", "output_tokens_per_second", "tpot",
+              "latency_over_floor", "tpot_over_floor", "tpot_over_weights_read_floor"):
+        assert _pos(d[k]), (k, d[k])
+    assert set(d["percentiles"]) == {"10", "25", "50", "75", "90", "99"}
+    assert _pos(d["prefill"]["median_latency"])
+    assert d["median_latency"] <= d["p90_latency"] <= d["p99_latency"]
+    assert math.isclose(d["tpot"], (d["median_latency"] - d["prefill"]["median_latency"]) / 31)
+    for k in ("prefill_s", "tpot_s", "tpot_weights_read_s", "latency_s"):
+        assert _pos(d["floor"][k]), k
+
+
+def test_workload_too_long_is_a_clear_error(capsys):
+    # stories260K: max_position_embeddings 512.
+    assert main(["bench", "throughput", "--model", STORIES, "--num-prompts", "2", "--input-len", "500",
+                 "--output-len", "20", "--disable-tqdm"]) == 2
+    assert "max_model_len" in capsys.readouterr().err
+
+
+def test_variable_lengths_deterministic_and_bounded():
+    a = sample_lengths("variable", 256, 0, 0, seed=0, min_len=100, max_len=1024)
+    assert a == sample_lengths("variable", 256, 0, 0, seed=0, min_len=100, max_len=1024)
+    assert a != sample_lengths("variable", 256, 0, 0, seed=1, min_len=100, max_len=1024)
+    ins, outs = a
+    assert len(ins) == len(outs) == 256
+    assert all(100 <= n <= 1024 for n in ins + outs)
+    assert min(ins + outs) < 200 and max(ins + outs) > 900  # spread over the range
+    reqs = make_requests("variable", 256, 0, 0, vocab_size=300, seed=0, min_len=100, max_len=1024)
+    assert [r.prompt_len for r in reqs] == ins and [r.output_len for r in reqs] == outs
+    assert all(0 <= t < 300 for r in reqs for t in r.prompt_token_ids)
+    again = make_requests("variable", 256, 0, 0, vocab_size=300, seed=0, min_len=100, max_len=1024)
+    assert [r.prompt_token_ids for r in again] == [r.prompt_token_ids for r in reqs]
+    # random: fixed lengths; with --range-ratio, vLLM's [N(1-r), N(1+r)]
+    assert sample_lengths("random", 3, 16, 8) == ([16] * 3, [8] * 3)
+    ins, outs = sample_lengths("random", 200, 100, 10, seed=2, range_ratio=0.5)
+    assert all(50 <= n <= 150 for n in ins) and all(5 <= n <= 15 for n in outs) and len(set(ins)) > 1
+    ins, outs = sample_lengths("variable", 50, 100, 10, seed=2, range_ratio=0.2)
+    assert all(80 <= n <= 120 for n in ins) and all(8 <= n <= 12 for n in outs)
+    for bad in (dict(dataset="variable"), dict(dataset="random", min_len=1, max_len=5),
+                dict(dataset="variable", min_len=5, max_len=4), dict(dataset="variable", min_len=5),
+                dict(dataset="nope"), dict(dataset="random", range_ratio=1.0)):
+        kw = {"num_prompts": 4, "input_len": 16, "output_len": 8, **bad}
+        with pytest.raises(ValueError):
+            sample_lengths(**kw)
+
+
+def test_make_dummy_model_llama3_shape_and_roofline(tmp_path):
+    from transformers import AutoConfig
+
+    mod = _load_make_dummy()
+    assert mod.main([str(tmp_path / "l3")]) == 0
+    d = tmp_path / "l3"
+    cfg = json.loads((d / "config.json").read_text())
+    assert (cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["num_key_value_heads"],
+            cfg["intermediate_size"], cfg["vocab_size"], cfg["max_position_embeddings"], cfg["torch_dtype"]) == \
+        (4096, 32, 32, 8, 14336, 128256, 8192, "bfloat16")
+    hf = AutoConfig.from_pretrained(str(d), local_files_only=True)
+    assert hf.model_type == "llama" and (d / "tokenizer.json").exists()
+    shape = ModelShape.from_hf_config(hf)
+    assert shape.num_params == 8_030_261_248  # Llama-3-8B
+    # Issue 3: 1000 x 1024 in / 128 out on the H200 -> roofline of about 40 requests/s.
+    r = roofline(shape, [1024] * 1000, [128] * 1000, dtype_bytes=2, max_num_seqs=256)
+    assert 37 < r["requests_per_s"] < 44, r
+    assert r["prefill_s"] > r["decode_s"] > 0
+    # batch-1 decode: the weights-read floor is ~15 GB / 4.27 TB/s ~ 3.5 ms per token.
+    r1 = roofline(shape, [32], [129], dtype_bytes=2, max_num_seqs=256)
+    assert 3.3e-3 < r1["decode_s"] / r1["decode_steps"] < 3.9e-3
