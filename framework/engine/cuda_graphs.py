@@ -1,0 +1,114 @@
+"""CUDA-graph capture and replay of pure-decode steps, per batch-size bucket.
+
+A decode step of a large model is hundreds of small kernel launches; replaying a
+captured graph removes the CPU launch cost (as vLLM and SGLang do). Each bucket
+``b`` owns static input buffers; a step with ``n <= b`` decodes copies its inputs
+in, pads rows ``n..b-1`` onto a scratch KV block that no request owns, replays,
+and reads the first ``n`` hidden rows.
+
+Backend contract (capability ``cuda_graphs=True``): for a pure-decode batch,
+``build_metadata`` may depend only on the batch size and on tensors of the
+AttentionInputs (which stay the static buffers), and ``forward`` makes no host
+synchronisation. At capture ``max_seq_len`` is ``max_model_len``.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from kvforge.interfaces import AttentionBackend, AttentionInputs, ForwardMetadata, Model
+
+log = logging.getLogger("kvforge")
+
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+
+
+class _Bucket:
+    def __init__(self, size: int, max_blocks: int, block_size: int, max_model_len: int, scratch_block: int,
+                 device: torch.device) -> None:
+        i32 = dict(dtype=torch.int32, device=device)
+        self.size = size
+        self.scratch_block = scratch_block
+        self.input_ids = torch.zeros(size, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(size, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((size,), scratch_block * block_size, dtype=torch.int64, device=device)
+        self.block_table = torch.full((size, max_blocks), scratch_block, **i32)
+        self.context_lens = torch.zeros(size, **i32)
+        self.seq_lens = torch.ones(size, **i32)
+        self.inputs = AttentionInputs(
+            query_start_loc=torch.arange(size + 1, **i32), context_lens=self.context_lens, seq_lens=self.seq_lens,
+            block_table=self.block_table, slot_mapping=self.slot_mapping, max_query_len=1,
+            max_seq_len=max_model_len, query_lens_cpu=[1] * size, context_lens_cpu=[0] * size,
+            block_size=block_size)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.meta: ForwardMetadata | None = None
+        self.output: torch.Tensor | None = None
+
+
+class CudaGraphRunner:
+    """Captures the model's forward for decode batches of each bucket size.
+
+    Args:
+        max_batch: largest decode batch to capture (larger ones run eagerly).
+        scratch_block: a KV block id outside the allocator's range, written by padded rows.
+    """
+
+    def __init__(self, model: Model, backend: AttentionBackend, kv_caches: list[torch.Tensor], max_batch: int,
+                 max_model_len: int, block_size: int, scratch_block: int, device: torch.device,
+                 buckets: tuple[int, ...] = DEFAULT_BUCKETS) -> None:
+        self.model = model
+        self.backend = backend
+        self.kv_caches = kv_caches
+        self.device = device
+        self.max_blocks = -(-max_model_len // block_size)
+        sizes = sorted({b for b in buckets if b < max_batch} | {max_batch})
+        self.buckets = [_Bucket(b, self.max_blocks, block_size, max_model_len, scratch_block, device) for b in sizes]
+        self.pool = None
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every bucket, largest first so smaller graphs reuse its memory pool."""
+        for bucket in reversed(self.buckets):
+            # Kept on the bucket: tensors the backend made for this metadata are read by every replay.
+            bucket.meta = meta = ForwardMetadata(self.backend.build_metadata(bucket.inputs), self.kv_caches)
+            for _ in range(2):  # warm-up: autotuning and lazy allocations stay out of the graph
+                self.model(bucket.input_ids, bucket.positions, meta)
+            torch.cuda.synchronize(self.device)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=self.pool):
+                bucket.output = self.model(bucket.input_ids, bucket.positions, meta)
+            if self.pool is None:
+                self.pool = g.pool()
+            bucket.graph = g
+        torch.cuda.synchronize(self.device)
+        log.info("captured CUDA graphs for decode batch sizes %s", [b.size for b in self.buckets])
+
+    def bucket_for(self, n: int) -> _Bucket | None:
+        for b in self.buckets:
+            if b.size >= n:
+                return b
+        return None
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, inputs: AttentionInputs) -> torch.Tensor | None:
+        """Replay for a pure-decode step of n rows; returns hidden [n, H], or None if no bucket fits."""
+        n = input_ids.shape[0]
+        b = self.bucket_for(n)
+        if b is None or inputs.block_table.shape[1] > self.max_blocks:
+            return None
+        b.input_ids[:n].copy_(input_ids)
+        b.positions[:n].copy_(positions)
+        b.slot_mapping[:n].copy_(inputs.slot_mapping)
+        b.context_lens[:n].copy_(inputs.context_lens)
+        b.seq_lens[:n].copy_(inputs.seq_lens)
+        w = inputs.block_table.shape[1]
+        b.block_table[:n, :w].copy_(inputs.block_table)
+        if n < b.size:  # padded rows attend to one token of the scratch block and write only there
+            b.input_ids[n:].zero_()
+            b.positions[n:].zero_()
+            b.slot_mapping[n:].fill_(b.scratch_block * inputs.block_size)
+            b.block_table[n:].fill_(b.scratch_block)
+            b.context_lens[n:].zero_()
+            b.seq_lens[n:].fill_(1)
+        b.graph.replay()
+        return b.output[:n]

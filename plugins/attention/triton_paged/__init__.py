@@ -1,0 +1,134 @@
+"""`triton_paged` attention backend: Triton kernels over vLLM's paged KV layout.
+
+Cache per layer: ``[2, num_blocks, block_size, num_kv_heads, head_size]``
+(identical to ``torch_ref``). Per step ``build_metadata`` splits the batch into
+decode rows and prefill tiles; per layer ``forward`` launches
+(a) ``reshape_and_cache`` (cache_kernel.py), (b) GQA-packed paged decode
+(decode_kernel.py; PagedAttention, Kwon et al. 2023) and (c) varlen
+prefill/extend with causal masking over the cached prefix (prefill_kernel.py;
+FlashAttention-2, Dao 2023). Online softmax, float32 accumulation.
+``forward`` does no host<->device synchronisation; pure-decode steps are
+CUDA-graph capturable.
+
+Runs on CUDA, or on CPU through Triton's interpreter (``TRITON_INTERPRET=1``,
+set before triton is imported; slow, for tests). Kernels are imported lazily so
+a machine without triton can still load the plugin (validate says why not).
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+from pydantic import BaseModel, ConfigDict, field_validator
+
+from kvforge import hookimpl
+from kvforge.interfaces import AttentionBackend, AttentionInputs, AttentionLayer, AttentionRequirements
+from .metadata import TritonPagedMetadata, build_triton_metadata
+
+KVFORGE_HOOK_API = "1"
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+SUPPORTED_BLOCK_SIZES = (16, 32, 64, 128)
+MIN_HEAD, MAX_HEAD = 16, 256
+
+
+def _pow2(x: int) -> bool:
+    return x > 0 and x & (x - 1) == 0
+
+
+class TritonPagedSettings(BaseModel):
+    """``attention.settings`` for triton_paged (tile sizes; 0 = pick by head size)."""
+
+    model_config = ConfigDict(extra="forbid")
+    prefill_block_m: int = 64
+    kv_block_n: int = 0
+
+    @field_validator("prefill_block_m")
+    @classmethod
+    def _check_m(cls, v: int) -> int:
+        if not _pow2(v) or not 16 <= v <= 256:
+            raise ValueError("must be a power of two in [16, 256]")
+        return v
+
+    @field_validator("kv_block_n")
+    @classmethod
+    def _check_n(cls, v: int) -> int:
+        if v != 0 and (not _pow2(v) or not 16 <= v <= 256):
+            raise ValueError("must be 0 (auto) or a power of two in [16, 256]")
+        return v
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+class TritonPagedBackend(AttentionBackend):
+    """Paged attention with Triton kernels; see the module docstring."""
+
+    name = "triton_paged"
+
+    def __init__(self, settings: TritonPagedSettings | None = None) -> None:
+        self.settings = settings or TritonPagedSettings()
+        from kvforge_plugins.attention.triton_paged import cache_kernel, decode_kernel, prefill_kernel
+        self._cache, self._decode, self._prefill = cache_kernel, decode_kernel, prefill_kernel
+
+    @classmethod
+    def validate(cls, req: AttentionRequirements, device: torch.device) -> list[str]:
+        reasons = []
+        if importlib.util.find_spec("triton") is None:
+            reasons.append("triton is not installed")
+        on_cuda = torch.device(device).type == "cuda"
+        if not on_cuda and not _interpreting():
+            reasons.append("needs a CUDA device (or TRITON_INTERPRET=1)")
+        if req.dtype not in SUPPORTED_DTYPES:
+            reasons.append(f"dtype {req.dtype} unsupported (float16, bfloat16, float32)")
+        elif req.dtype == torch.bfloat16 and not on_cuda:
+            reasons.append("bfloat16 tl.dot is wrong in Triton's CPU interpreter")
+        if req.kv_cache_dtype != req.dtype:
+            reasons.append(f"kv_cache_dtype {req.kv_cache_dtype} must equal the model dtype {req.dtype}")
+        if not _pow2(req.head_size) or not MIN_HEAD <= req.head_size <= MAX_HEAD:
+            reasons.append(f"head_size {req.head_size} unsupported (power of two in [{MIN_HEAD}, {MAX_HEAD}])")
+        if req.block_size not in SUPPORTED_BLOCK_SIZES:
+            reasons.append(f"block_size {req.block_size} unsupported {SUPPORTED_BLOCK_SIZES}")
+        if req.num_kv_heads <= 0 or req.num_heads % req.num_kv_heads:
+            reasons.append(f"num_heads {req.num_heads} is not a multiple of num_kv_heads {req.num_kv_heads}")
+        if req.sliding_window is not None and req.sliding_window < 1:
+            reasons.append(f"sliding_window {req.sliding_window} must be >= 1")
+        return reasons
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int):
+        return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+    def build_metadata(self, inputs: AttentionInputs) -> TritonPagedMetadata:
+        """Decode/prefill split and prefill tiles, once per step (host lists -> device tensors)."""
+        return build_triton_metadata(inputs, self.settings.prefill_block_m)
+
+    def forward(self, layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: torch.Tensor, metadata: TritonPagedMetadata,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        """Write k/v [T, Hkv, D] into ``kv_cache`` and attend; returns [T, Hq, D] in q's dtype.
+
+        ``out`` (optional, [T, Hq, D], q's dtype) is written in place and returned.
+        No host<->device synchronisation.
+        """
+        md = metadata
+        inp = md.inputs
+        self._cache.reshape_and_cache(k, v, kv_cache, inp.slot_mapping)
+        if q.stride(-1) != 1:
+            q = q.contiguous()
+        if out is None:
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        bn = self.settings.kv_block_n
+        self._decode.paged_decode(q, kv_cache, out, inp.block_table, inp.seq_lens, inp.query_start_loc,
+                                  md.decode_rows, md.num_decodes, layer.scale, layer.sliding_window, bn)
+        self._prefill.paged_prefill(q, kv_cache, out, inp.block_table, inp.query_start_loc, inp.context_lens,
+                                    md.prefill_tiles, md.num_prefill_tiles, md.block_m, layer.scale,
+                                    layer.sliding_window, bn)
+        return out
+
+
+@hookimpl
+def kvforge_register_attention_backends(register) -> None:
+    register("triton_paged", TritonPagedBackend, settings_model=TritonPagedSettings, priority=10,
+             dtypes=("float16", "bfloat16", "float32"), cuda_graphs=True)

@@ -1,0 +1,125 @@
+"""Triton kernel (b): paged decode attention (query_len == 1), GQA-packed.
+
+One program per (decode row, KV head). It loads the ``group = Hq / Hkv`` query
+heads that share the KV head as a ``[GROUP_P, D]`` tile (``GROUP_P`` = group
+padded to >= 16 so ``tl.dot`` applies; padded rows are zeros and never stored),
+then walks the request's keys ``BLOCK_N`` tokens at a time, gathering each
+token's row through the block table (PagedAttention, Kwon et al. 2023; a tile
+may cover several cache blocks or part of one). Each K/V tile is read once for the whole
+group. Softmax is online (running max / running sum, FlashAttention-2, Dao
+2023), in base 2 with the scale folded in, accumulating in float32.
+
+Everything the kernel needs (sequence lengths, block tables, token offsets)
+is read from device tensors, so a launch is graph-capturable: the grid depends
+only on the number of decode rows.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 dots in exact IEEE fp32 (not tf32) to match torch_ref; 16-bit inputs use tensor cores."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+@triton.jit
+def _paged_decode_kernel(
+    q_ptr, out_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, qsl_ptr, rows_ptr,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_ckv, stride_cb, stride_cs, stride_ch, stride_bt,
+    scale_log2, window,
+    GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr, ROWS_ARE_REQS: tl.constexpr,
+):
+    row = tl.program_id(0)
+    kvh = tl.program_id(1)
+    if ROWS_ARE_REQS:  # pure-decode step: row i is request i
+        req = row.to(tl.int64)
+    else:
+        req = tl.load(rows_ptr + row).to(tl.int64)
+    tok = tl.load(qsl_ptr + req).to(tl.int64)
+    seq_len = tl.load(seq_lens_ptr + req)
+    qpos = seq_len - 1
+
+    offs_g = tl.arange(0, GROUP_P)
+    offs_d = tl.arange(0, HEAD_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    g_mask = offs_g < GROUP
+    heads = kvh * GROUP + offs_g
+    q = tl.load(q_ptr + tok * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=g_mask[:, None], other=0.0)
+
+    m_i = tl.full([GROUP_P], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([GROUP_P], dtype=tl.float32)
+    acc = tl.zeros([GROUP_P, HEAD_D], dtype=tl.float32)
+
+    start = 0
+    if HAS_WINDOW:
+        start = tl.maximum(qpos - window + 1, 0) // BLOCK_N * BLOCK_N
+    bt_row = block_table_ptr + req * stride_bt
+    head_off = kvh.to(tl.int64) * stride_ch
+    for n0 in range(start, seq_len, BLOCK_N):
+        kpos = n0 + offs_n
+        valid = kpos < seq_len
+        if HAS_WINDOW:
+            valid = valid & (kpos > qpos - window)
+        blk = tl.load(bt_row + kpos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        tok_off = blk * stride_cb + (kpos % BLOCK_SIZE) * stride_cs + head_off      # [BLOCK_N]
+        k = tl.load(cache_ptr + tok_off[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PREC) * scale_log2  # [GROUP_P, BLOCK_N]
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(cache_ptr + stride_ckv + tok_off[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
+        v = v.to(q.dtype)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        m_i = m_new
+
+    l_i = tl.where(l_i == 0.0, 1.0, l_i)
+    o = acc / l_i[:, None]
+    tl.store(out_ptr + tok * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+
+
+def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, block_table: torch.Tensor,
+                 seq_lens: torch.Tensor, query_start_loc: torch.Tensor, decode_rows: torch.Tensor | None,
+                 num_decodes: int, scale: float, sliding_window: int | None, block_n: int = 0) -> None:
+    """Attention for the ``num_decodes`` requests listed in ``decode_rows`` (each query_len == 1).
+
+    Args:
+        q: [T, Hq, D] fp16/bf16/fp32, last dim contiguous; out: same shape/dtype (written rows only).
+        kv_cache: [2, num_blocks, block_size, Hkv, D], already holding this step's K/V.
+        block_table: int32 [B, max_blocks]; seq_lens: int32 [B] (context + 1);
+        query_start_loc: int32 [B + 1]; decode_rows: int32 [>= num_decodes] request indices,
+            or None: rows 0 .. num_decodes-1 are requests 0 .. num_decodes-1.
+        scale: softmax scale; sliding_window: keys with pos <= qpos - window are dropped.
+        block_n: tokens per K/V tile, power of two >= 16 (0 = auto); a tile may span several
+            cache blocks or part of one (each token's block is looked up).
+    No host synchronisation: safe to capture in a CUDA graph.
+    """
+    if num_decodes == 0:
+        return
+    _, hq, d = q.shape
+    bs, hkv = kv_cache.shape[2], kv_cache.shape[3]
+    group = hq // hkv
+    if block_n <= 0:
+        block_n = 64 if d <= 128 else 32
+    block_n = max(block_n, 16)
+    _paged_decode_kernel[(num_decodes, hkv)](
+        q, out, kv_cache, block_table, seq_lens, query_start_loc,
+        query_start_loc if decode_rows is None else decode_rows,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_table.stride(0),
+        scale * LOG2E, sliding_window or 0,
+        GROUP=group, GROUP_P=max(16, triton.next_power_of_2(group)), HEAD_D=d, BLOCK_SIZE=bs,
+        BLOCK_N=block_n, HAS_WINDOW=sliding_window is not None, DOT_PREC=dot_precision(q.dtype),
+        ROWS_ARE_REQS=decode_rows is None,
+        num_warps=4 if d <= 128 else 8, num_stages=3,
+    )

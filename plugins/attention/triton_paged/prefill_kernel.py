@@ -1,0 +1,115 @@
+"""Triton kernel (c): prefill / extend attention over a varlen batch and a paged cache.
+
+Each request contributes a chunk of ``query_len`` new tokens at absolute
+positions ``context_len .. context_len + query_len - 1``; its K/V (prefix and
+the chunk itself, already written by ``reshape_and_cache``) are read from the
+paged cache through the block table. One program handles one ``BLOCK_M``-query
+tile of one request for one query head (the list of (request, first query)
+tiles is built on the host once per step, see ``metadata.py``). It walks keys
+``BLOCK_N`` at a time up to the tile's last query position, masks with the
+causal rule ``key_pos <= context_len + t`` (and ``key_pos > qpos - window`` for
+sliding windows), and keeps an online softmax in float32 with ``tl.dot`` for
+QK^T and PV (FlashAttention-2, Dao 2023; paged gathers as in PagedAttention,
+Kwon et al. 2023).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .decode_kernel import LOG2E, dot_precision
+
+
+@triton.jit
+def _paged_prefill_kernel(
+    q_ptr, out_ptr, cache_ptr, block_table_ptr, qsl_ptr, ctx_ptr, tiles_ptr, num_tiles,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_ckv, stride_cb, stride_cs, stride_ch, stride_bt,
+    scale_log2, window,
+    GROUP: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    h = tl.program_id(1)
+    kvh = h // GROUP
+    req = tl.load(tiles_ptr + tile).to(tl.int64)
+    m0 = tl.load(tiles_ptr + num_tiles + tile)
+    q_start = tl.load(qsl_ptr + req)
+    q_len = tl.load(qsl_ptr + req + 1) - q_start
+    ctx = tl.load(ctx_ptr + req)
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    m_mask = offs_m < q_len
+    qpos = ctx + offs_m
+    rows = (q_start + offs_m).to(tl.int64)
+    q = tl.load(q_ptr + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+                mask=m_mask[:, None], other=0.0)
+
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_D], dtype=tl.float32)
+
+    hi = tl.minimum(ctx + q_len, ctx + m0 + BLOCK_M)      # one past the tile's last query position
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(ctx + m0 - window + 1, 0) // BLOCK_N * BLOCK_N
+    bt_row = block_table_ptr + req * stride_bt
+    head_off = kvh.to(tl.int64) * stride_ch
+    for n0 in range(lo, hi, BLOCK_N):
+        kpos = n0 + offs_n
+        kvalid = kpos < hi
+        blk = tl.load(bt_row + kpos // BLOCK_SIZE, mask=kvalid, other=0).to(tl.int64)
+        tok_off = blk * stride_cb + (kpos % BLOCK_SIZE) * stride_cs + head_off     # [BLOCK_N]
+        k = tl.load(cache_ptr + tok_off[:, None] + offs_d[None, :], mask=kvalid[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PREC) * scale_log2   # [BLOCK_M, BLOCK_N]
+        allowed = kvalid[None, :] & (kpos[None, :] <= qpos[:, None])
+        if HAS_WINDOW:
+            allowed = allowed & (kpos[None, :] > qpos[:, None] - window)
+        s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(cache_ptr + stride_ckv + tok_off[:, None] + offs_d[None, :], mask=kvalid[:, None], other=0.0)
+        v = v.to(q.dtype)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        m_i = m_new
+
+    l_i = tl.where(l_i == 0.0, 1.0, l_i)
+    o = acc / l_i[:, None]
+    tl.store(out_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=m_mask[:, None])
+
+
+def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, block_table: torch.Tensor,
+                  query_start_loc: torch.Tensor, context_lens: torch.Tensor, tiles: torch.Tensor, num_tiles: int,
+                  block_m: int, scale: float, sliding_window: int | None, block_n: int = 0) -> None:
+    """Attention for the prefill/extend tiles listed in ``tiles``.
+
+    Args:
+        q: [T, Hq, D] fp16/bf16/fp32, last dim contiguous; out: same shape/dtype (written rows only).
+        kv_cache: [2, num_blocks, block_size, Hkv, D], already holding this step's K/V.
+        block_table: int32 [B, max_blocks]; query_start_loc: int32 [B + 1]; context_lens: int32 [B].
+        tiles: int32 [2, num_tiles]: row 0 = request index, row 1 = first query offset in the request.
+        block_m: queries per tile (the value the tiles were cut with).
+        block_n: keys per tile, power of two >= 16 (0 = auto); independent of block_size.
+    """
+    if num_tiles == 0:
+        return
+    _, hq, d = q.shape
+    bs, hkv = kv_cache.shape[2], kv_cache.shape[3]
+    if block_n <= 0:
+        block_n = 64 if d <= 128 else 32
+    block_n = max(block_n, 16)
+    _paged_prefill_kernel[(num_tiles, hq)](
+        q, out, kv_cache, block_table, query_start_loc, context_lens, tiles, num_tiles,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_table.stride(0),
+        scale * LOG2E, sliding_window or 0,
+        GROUP=hq // hkv, HEAD_D=d, BLOCK_SIZE=bs, BLOCK_M=block_m, BLOCK_N=block_n,
+        HAS_WINDOW=sliding_window is not None, DOT_PREC=dot_precision(q.dtype),
+        num_warps=4 if d * block_m <= 64 * 128 else 8, num_stages=2,
+    )
