@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from kvforge.layers import triton_ops
+
 
 class RMSNorm(torch.nn.Module):
     """``y = x / sqrt(mean(x^2) + eps) * weight``; x [T, H] any float dtype -> same dtype.
@@ -22,6 +24,8 @@ class RMSNorm(torch.nn.Module):
         return self.weight * xf.to(x.dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if triton_ops.enabled(x):
+            return triton_ops.rmsnorm(x, self.weight, self.eps, residual)
         if residual is None:
             return self._norm(x)
         x = x + residual

@@ -48,8 +48,12 @@ class FusedLinear(torch.nn.Module):
             return
         if len(self.output_sizes) == 1:
             shard = None
+        # A parameter with ``load_raw`` (e.g. float8 weights, scales whose dtype is checked) gets
+        # the checkpoint tensor as stored; its loader checks and converts the dtype itself.
+        if param.is_floating_point() and not getattr(param, "load_raw", False):
+            tensor = tensor.to(param.dtype)
         try:
-            param.weight_loader(param, tensor.to(param.dtype) if param.is_floating_point() else tensor, shard)
+            param.weight_loader(param, tensor, shard)
         except ValueError as e:
             raise ValueError(f"{self.prefix}.{param_name}: {e}") from e
 

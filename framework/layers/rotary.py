@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from kvforge.layers import triton_ops
+
 
 def _rope_params(hf_config) -> dict:
     params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
@@ -67,5 +69,10 @@ class RotaryEmbedding(torch.nn.Module):
         return torch.cat([out.to(x.dtype), x[..., rd:]], -1)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """q [T, Hq, D], k [T, Hkv, D] -> rotated (q, k); on CUDA rotated in place."""
+        if triton_ops.enabled(q) and q.stride(-1) == 1 and k.stride(-1) == 1:
+            triton_ops.rope_inplace(q, positions, self.cos, self.sin)
+            triton_ops.rope_inplace(k, positions, self.cos, self.sin)
+            return q, k
         cos, sin = self.cos[positions], self.sin[positions]
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)

@@ -80,16 +80,21 @@ class TorchRefBackend(AttentionBackend):
     def forward(self, layer: AttentionLayer, q, k, v, kv_cache, metadata: AttentionInputs):
         write_kv(kv_cache, k, v, metadata.slot_mapping)
         out = torch.empty_like(q)
-        bs = metadata.block_size
         start = 0
-        for i, (qlen, ctx) in enumerate(zip(metadata.query_lens_cpu, metadata.context_lens_cpu)):
-            seq_len = ctx + qlen
-            blocks = metadata.block_table[i, : -(-seq_len // bs)].long()
-            ks, vs = gather_kv(kv_cache, blocks, seq_len)
-            out[start:start + qlen] = ref_attention(q[start:start + qlen], ks, vs, ctx, layer.scale,
-                                                    layer.sliding_window).to(q.dtype)
+        for i, qlen in enumerate(metadata.query_lens_cpu):
+            self.attend_row(layer, q, kv_cache, metadata, i, start, out)
             start += qlen
         return out
+
+    def attend_row(self, layer: AttentionLayer, q: torch.Tensor, kv_cache: torch.Tensor,
+                   inputs: AttentionInputs, i: int, start: int, out: torch.Tensor) -> None:
+        """Attention of request row ``i`` (its tokens start at ``start`` in ``q``) into ``out``."""
+        qlen, ctx = inputs.query_lens_cpu[i], inputs.context_lens_cpu[i]
+        seq_len = ctx + qlen
+        blocks = inputs.block_table[i, : -(-seq_len // inputs.block_size)].long()
+        ks, vs = gather_kv(kv_cache, blocks, seq_len)
+        out[start:start + qlen] = ref_attention(q[start:start + qlen], ks, vs, ctx, layer.scale,
+                                                layer.sliding_window).to(q.dtype)
 
 
 @hookimpl

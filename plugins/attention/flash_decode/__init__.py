@@ -1,0 +1,138 @@
+"""`flash_decode` attention backend: split-KV paged decode in CUDA C++, JIT-compiled
+through CuPy/NVRTC (the way FlashInfer JIT-compiles its kernels).
+
+Decode rows (one query token) run ``fd_partial`` over ``num_splits`` partitions of
+their context and, when split, ``fd_merge`` combines the partial softmax states by
+log-sum-exp (Flash-Decoding, Dao et al. 2023). The split count comes from a plan
+computed on the CPU once per step (:func:`plan_splits`). Prefill/extend rows use
+the `triton_paged` kernels when that plugin is importable, else the torch reference.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvforge import hookimpl
+from kvforge.interfaces import AttentionBackend, AttentionInputs, AttentionLayer, AttentionRequirements
+from kvforge_plugins.attention.flash_decode.plan import plan_splits
+from kvforge_plugins.attention.torch_ref import TorchRefBackend, write_kv
+
+KVFORGE_HOOK_API = "1"
+
+_DTYPES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
+
+
+@dataclass
+class FlashDecodeMetadata:
+    """Per-step plan. ``decode_tok``/``decode_req`` int32 [Bd]: token row and request
+    row of each decode; ``prefill`` is the AttentionInputs restricted to prefill rows
+    (None if none); ``num_splits``/``partition`` (tokens) from :func:`plan_splits`."""
+
+    inputs: AttentionInputs
+    decode_tok: torch.Tensor
+    decode_req: torch.Tensor
+    num_decode: int
+    num_splits: int
+    partition: int
+    prefill_rows: list[int]
+
+
+class FlashDecodeBackend(AttentionBackend):
+    name = "flash_decode"
+
+    def __init__(self, settings=None) -> None:
+        from kvforge_plugins.attention.flash_decode.jit import Kernels
+        self.kernels = Kernels()
+        self._ref = TorchRefBackend()
+        self._workspace: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._num_sms: int | None = None
+        try:
+            from kvforge_plugins.attention import triton_paged
+            self._prefill = triton_paged
+        except Exception:  # prefill falls back to the reference loop
+            self._prefill = None
+
+    @classmethod
+    def validate(cls, req: AttentionRequirements, device: torch.device) -> list[str]:
+        reasons = []
+        if device.type != "cuda":
+            reasons.append("needs a CUDA device (its kernels are CUDA C++ compiled by NVRTC)")
+        try:
+            import cupy  # noqa: F401
+        except Exception as e:
+            reasons.append(f"needs CuPy (pip install kvforge[gpu]): {type(e).__name__}")
+        if req.dtype not in _DTYPES:
+            reasons.append(f"dtype {req.dtype} not supported")
+        if req.head_size not in (8, 16) and (req.head_size % 32 or not 32 <= req.head_size <= 256):
+            reasons.append(f"head_size {req.head_size} must be 8, 16 or a multiple of 32 up to 256")
+        if req.dtype == torch.float32 and req.head_size > 128:
+            reasons.append("float32 supports head_size <= 128 (shared-memory tile)")
+        if req.block_size not in (8, 16, 32):
+            reasons.append(f"block_size {req.block_size} not in (8, 16, 32)")
+        if req.num_heads % req.num_kv_heads or req.num_heads // req.num_kv_heads > 16:
+            reasons.append("query heads per KV head must be an integer <= 16")
+        if req.sliding_window is not None:
+            reasons.append("sliding-window attention is not supported")
+        return reasons
+
+    def kv_cache_shape(self, num_blocks, block_size, num_kv_heads, head_size):
+        return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+    def build_metadata(self, inputs: AttentionInputs) -> FlashDecodeMetadata:
+        dev = inputs.seq_lens.device
+        qlens = inputs.query_lens_cpu
+        decode_rows = [i for i, n in enumerate(qlens) if n == 1]
+        prefill_rows = [i for i, n in enumerate(qlens) if n != 1]
+        if len(decode_rows) == len(qlens):  # pure decode: row i is token i (graph-capturable)
+            tok = req = torch.arange(len(qlens), dtype=torch.int32, device=dev)
+        else:
+            starts = [0]
+            for n in qlens:
+                starts.append(starts[-1] + n)
+            tok = torch.tensor([starts[i] for i in decode_rows], dtype=torch.int32, device=dev)
+            req = torch.tensor(decode_rows, dtype=torch.int32, device=dev)
+        if self._num_sms is None:
+            self._num_sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
+        # Heads are unknown here; plan with a typical GQA group count, refined in forward.
+        return FlashDecodeMetadata(inputs, tok, req, len(decode_rows), 0, 0, prefill_rows)
+
+    def _ws(self, rows: int, heads: int, splits: int, d: int, dev) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (rows, heads, splits, d, dev)
+        ws = self._workspace.get(key)
+        if ws is None:
+            ws = (torch.empty(rows * heads * splits * d, dtype=torch.float32, device=dev),
+                  torch.empty(rows * heads * splits, dtype=torch.float32, device=dev))
+            self._workspace[key] = ws
+        return ws
+
+    def forward(self, layer: AttentionLayer, q, k, v, kv_cache, md: FlashDecodeMetadata):
+        inputs = md.inputs
+        write_kv(kv_cache, k, v, inputs.slot_mapping)
+        out = torch.empty_like(q)
+        if md.num_decode:
+            splits, partition = plan_splits(md.num_decode, layer.num_kv_heads, inputs.max_seq_len,
+                                            inputs.block_size, self._num_sms)
+            part_out, part_lse = self._ws(md.num_decode, layer.num_heads, splits, layer.head_size, q.device)
+            self.kernels.decode(q, kv_cache, inputs.block_table, inputs.seq_lens, md.decode_tok, md.decode_req,
+                                md.num_decode, layer, inputs.block_size, splits, partition, part_out, part_lse, out)
+        if md.prefill_rows:
+            self._forward_prefill(layer, q, kv_cache, md, out)
+        return out
+
+    def _forward_prefill(self, layer, q, kv_cache, md: FlashDecodeMetadata, out) -> None:
+        inputs = md.inputs
+        if self._prefill is not None and hasattr(self._prefill, "prefill_rows"):
+            self._prefill.prefill_rows(layer, q, kv_cache, inputs, md.prefill_rows, out)
+            return
+        start = 0
+        for i, (qlen, ctx) in enumerate(zip(inputs.query_lens_cpu, inputs.context_lens_cpu)):
+            if i in md.prefill_rows:
+                self._ref.attend_row(layer, q, kv_cache, inputs, i, start, out)
+            start += qlen
+
+
+@hookimpl
+def kvforge_register_attention_backends(register) -> None:
+    register("flash_decode", FlashDecodeBackend, priority=5, dtypes=("float16", "bfloat16", "float32"),
+             block_sizes=(8, 16, 32), cuda_graphs=True)

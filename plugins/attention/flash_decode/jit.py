@@ -1,0 +1,69 @@
+"""NVRTC compilation (through CuPy) and launch of the flash_decode kernels.
+
+Modules are compiled once per (dtype, head_dim, group, block_size) with those as
+compile-time constants, cached in-process (CuPy also caches the cubin on disk).
+Launches go on torch's current stream, so they are ordered with torch work and
+captured by CUDA graphs.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+_SRC = (Path(__file__).with_name("kernels.cu")).read_text()
+_DT = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
+
+
+def _ptr(t: torch.Tensor) -> np.uint64:
+    return np.uint64(t.data_ptr())
+
+
+class Kernels:
+    """Compiles lazily; raises RuntimeError with the NVRTC log on a compile failure."""
+
+    def __init__(self) -> None:
+        import cupy
+        self.cupy = cupy
+        self._mods: dict[tuple, tuple] = {}
+
+    def _get(self, dtype: torch.dtype, head_dim: int, group: int, block_size: int):
+        key = (dtype, head_dim, group, block_size)
+        mod = self._mods.get(key)
+        if mod is None:
+            tile_blocks = max(1, 32 // block_size)
+            opts = ("-std=c++17", "--use_fast_math", f"-DKV_DTYPE={_DT[dtype]}", f"-DHEAD_DIM={head_dim}",
+                    f"-DGROUP={group}", f"-DBLOCK_SIZE={block_size}", f"-DTILE_BLOCKS={tile_blocks}")
+            try:
+                m = self.cupy.RawModule(code=_SRC, options=opts)
+                mod = (m.get_function("fd_partial"), m.get_function("fd_merge"))
+            except Exception as e:
+                raise RuntimeError(f"flash_decode: NVRTC compile failed for {key}: {e}") from e
+            self._mods[key] = mod
+        return mod
+
+    def decode(self, q, kv_cache, block_table, seq_lens, row_tok, row_req, num_rows: int, layer,
+               block_size: int, num_splits: int, partition: int, part_out, part_lse, out) -> None:
+        """Decode attention for ``num_rows`` rows; writes ``out[row_tok[i]]``.
+
+        q/out: [T, Hq, D] with unit stride inside a row (row strides may differ);
+        kv_cache: [2, NB, BS, Hkv, D] contiguous; block_table int32 [B, max_blocks];
+        seq_lens int32 [B]; row_tok/row_req int32 [num_rows]."""
+        group = layer.num_heads // layer.num_kv_heads
+        partial, merge = self._get(q.dtype, layer.head_size, group, block_size)
+        assert q.stride(2) == 1 and q.stride(1) == layer.head_size and kv_cache.is_contiguous()
+        assert out.stride(2) == 1 and out.stride(1) == layer.head_size
+        bt = block_table if block_table.dtype == torch.int32 else block_table.int()
+        sl = seq_lens if seq_lens.dtype == torch.int32 else seq_lens.int()
+        stream = self.cupy.cuda.ExternalStream(torch.cuda.current_stream(q.device).cuda_stream)
+        with stream:
+            partial((num_splits, layer.num_kv_heads, num_rows), (32 * group,),
+                    (_ptr(q), np.int64(q.stride(0)), _ptr(kv_cache), np.int64(kv_cache[0].numel()),
+                     _ptr(bt), np.int32(bt.shape[1]), _ptr(sl), _ptr(row_tok), _ptr(row_req),
+                     np.int32(layer.num_kv_heads), np.int32(partition), np.int32(num_splits),
+                     np.float32(layer.scale), _ptr(part_out), _ptr(part_lse), _ptr(out), np.int64(out.stride(0))))
+            if num_splits > 1:
+                merge((layer.num_heads, num_rows), (min(128, layer.head_size),),
+                      (_ptr(part_out), _ptr(part_lse), _ptr(row_tok), np.int32(layer.num_heads),
+                       np.int32(num_splits), _ptr(out), np.int64(out.stride(0))))
