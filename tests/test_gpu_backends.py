@@ -149,17 +149,19 @@ def test_tiny_llama_greedy_identical_across_backends_and_graphs(tmp_path):
     cfg = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=1024,
                       bos_token_id=1, eos_token_id=2)
-    hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float16)
+    hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():
         for p in hf.parameters():
             p.normal_(0, 0.2)
     hf.save_pretrained(tmp_path, safe_serialization=True)
     for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         shutil.copy(os.path.join(MODEL, f), tmp_path)
-    ref, _ = _greedy(str(tmp_path), dtype="float16", attention_backend="torch_ref", enforce_eager=True)
+    # fp32: with random weights near-tied logits are common, and fp16 rounding differences
+    # between correct kernels legitimately flip them; fp16/bf16 numerics are covered above.
+    ref, _ = _greedy(str(tmp_path), dtype="float32", attention_backend="torch_ref", enforce_eager=True)
     for name in ["flash_decode", "triton_paged"]:
         for eager in (True, False):
-            got, chosen = _greedy(str(tmp_path), dtype="float16", attention_backend=name, enforce_eager=eager)
+            got, chosen = _greedy(str(tmp_path), dtype="float32", attention_backend=name, enforce_eager=eager)
             assert chosen == name
             same = sum(a == b for a, b in zip(got, ref))
             assert same == len(ref), (name, eager, same)

@@ -27,6 +27,7 @@ class Kernels:
         import cupy
         self.cupy = cupy
         self._mods: dict[tuple, tuple] = {}
+        self._stream_cache: dict[int, object] = {}
 
     def _get(self, dtype: torch.dtype, head_dim: int, group: int, block_size: int):
         key = (dtype, head_dim, group, block_size)
@@ -43,6 +44,17 @@ class Kernels:
             self._mods[key] = mod
         return mod
 
+    def _stream(self, handle: int):
+        """CuPy view of torch's stream, cached per handle (one object per stream, not per launch)."""
+        s = self._stream_cache.get(handle)
+        if s is None:
+            import warnings
+            with warnings.catch_warnings():  # CuPy 14 deprecates ExternalStream; it still works
+                warnings.simplefilter("ignore", DeprecationWarning)
+                s = self.cupy.cuda.ExternalStream(handle)
+            self._stream_cache[handle] = s
+        return s
+
     def decode(self, q, kv_cache, block_table, seq_lens, row_tok, row_req, num_rows: int, layer,
                block_size: int, num_splits: int, partition: int, part_out, part_lse, out) -> None:
         """Decode attention for ``num_rows`` rows; writes ``out[row_tok[i]]``.
@@ -56,7 +68,7 @@ class Kernels:
         assert out.stride(2) == 1 and out.stride(1) == layer.head_size
         bt = block_table if block_table.dtype == torch.int32 else block_table.int()
         sl = seq_lens if seq_lens.dtype == torch.int32 else seq_lens.int()
-        stream = self.cupy.cuda.ExternalStream(torch.cuda.current_stream(q.device).cuda_stream)
+        stream = self._stream(torch.cuda.current_stream(q.device).cuda_stream)
         with stream:
             partial((num_splits, layer.num_kv_heads, num_rows), (32 * group,),
                     (_ptr(q), np.int64(q.stride(0)), _ptr(kv_cache), np.int64(kv_cache[0].numel()),

@@ -6,7 +6,7 @@ MIN_PARTITION_TOKENS = 256
 
 
 def plan_splits(num_rows: int, num_kv_heads: int, max_seq_len: int, block_size: int, num_sms: int,
-                waves: int = 2) -> tuple[int, int]:
+                waves: int = 8) -> tuple[int, int]:
     """Choose (num_splits, partition_tokens) so that about ``waves`` x ``num_sms``
     programs run, without splitting below :data:`MIN_PARTITION_TOKENS`.
 
