@@ -18,7 +18,9 @@ class LinearMethod(ABC):
         """Register parameters on ``layer``. ``output_sizes`` lists the fused
         outputs (e.g. [q, k, v]); each parameter gets ``weight_loader(param,
         tensor, shard_index)`` and attribute ``output_dim`` (the dimension that
-        ``output_sizes`` split), ``packed_factor`` if packed along it."""
+        ``output_sizes`` split), ``packed_factor`` if packed along it. A floating
+        parameter is handed the checkpoint tensor cast to its dtype, unless it sets
+        ``load_raw = True`` (its loader then checks and converts the dtype itself)."""
 
     @abstractmethod
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -33,6 +33,7 @@ class UnquantizedLinearMethod(LinearMethod):
         weight = torch.nn.Parameter(torch.empty(sum(output_sizes), input_size, dtype=params_dtype),
                                     requires_grad=False)
         weight.output_dim = 0
+        weight.input_dim = 1  # tensor parallelism: row-parallel layers split this dim
         weight.shard_offsets = [0] + list(torch.tensor(output_sizes).cumsum(0).tolist())
         weight.weight_loader = _load_rows
         layer.register_parameter("weight", weight)

@@ -1,0 +1,83 @@
+"""Per-GPU, per-shape kernel choices measured by ``benchmarks/bench_quant.py``.
+
+The table ``gemm_choices.json`` beside this file maps GPU name -> kind -> ``"M|N|K"`` (M
+rounded up to a power of two, capped at 4096) -> entry:
+
+* kinds ``"fp8"`` / ``"int8"``: which W8A8 GEMM runs, ``"triton"`` or ``"torch"``
+  (``torch._scaled_mm`` / ``torch._int_mm``). A shape missing from the table gets the
+  default: FP8 -> ``torch`` where cuBLAS accepts the shape (K and N multiples of 16), INT8 ->
+  ``triton`` (fused scaling epilogue); otherwise ``triton``.
+* kind ``"wna16"``: a Triton launch config (dict) for the weight-only GEMM; missing shapes
+  use ``wna16.CONFIGS`` by M bucket.
+
+Written by ``benchmarks/bench_quant.py --write-choices`` / ``--tune`` on the GPU. Set
+``KVFORGE_QUANT_CHOICES`` to use another table file.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+from pathlib import Path
+
+import torch
+
+TABLE_PATH = Path(__file__).with_name("gemm_choices.json")
+
+
+def m_bucket(m: int) -> int:
+    return min(4096, 1 << max(0, (m - 1).bit_length()))
+
+
+def key(m: int, n: int, k: int) -> str:
+    return f"{m_bucket(m)}|{n}|{k}"
+
+
+@functools.lru_cache(maxsize=None)
+def _table(path: str) -> dict:
+    p = Path(path)
+    return json.loads(p.read_text()) if p.exists() else {}
+
+
+def table_path() -> str:
+    return os.environ.get("KVFORGE_QUANT_CHOICES", str(TABLE_PATH))
+
+
+def torch_shape_ok(kind: str, m: int, n: int, k: int) -> bool:
+    """Shapes cuBLAS accepts: FP8 ``_scaled_mm`` wants K, N % 16; ``_int_mm`` wants M > 16, K, N % 8."""
+    if kind == "fp8":
+        return k % 16 == 0 and n % 16 == 0
+    return m > 16 and k % 8 == 0 and n % 8 == 0
+
+
+def choose(kind: str, m: int, n: int, k: int, device: torch.device) -> str:
+    """``"triton"`` or ``"torch"`` for a ``kind`` ("fp8"/"int8") GEMM of shape [M,K] x [K,N]."""
+    if not torch_shape_ok(kind, m, n, k):
+        return "triton"
+    got = lookup(kind, m, n, k, device)
+    if got in ("triton", "torch"):
+        return got
+    return "torch" if kind == "fp8" else "triton"
+
+
+@functools.lru_cache(maxsize=None)
+def _gpu_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+def lookup(kind: str, m: int, n: int, k: int, device: torch.device):
+    """The table's entry for this GPU / kind / shape, or None."""
+    gpu = _gpu_name(device.index or 0) if device.type == "cuda" else "cpu"
+    return _table(table_path()).get(gpu, {}).get(kind, {}).get(key(m, n, k))
+
+
+def write_table(entries: dict, path: str | None = None) -> Path:
+    """Merge ``{gpu: {kind: {"M|N|K": entry}}}`` into the table file; returns its path."""
+    p = Path(path or table_path())
+    data = json.loads(p.read_text()) if p.exists() else {}
+    for gpu, kinds in entries.items():
+        for kind, rows in kinds.items():
+            data.setdefault(gpu, {}).setdefault(kind, {}).update(rows)
+    p.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+    _table.cache_clear()
+    return p

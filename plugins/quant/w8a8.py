@@ -1,0 +1,175 @@
+"""W8A8 linear method shared by the ``fp8`` and ``int8`` quantizers.
+
+Parameters of one (possibly fused) layer, N = sum(output_sizes), K = input_size:
+
+* ``weight`` [N, K]: float8_e4m3fn or int8 from a quantized checkpoint (shards stacked
+  along rows), or the model dtype for online quantization (quantized once in
+  :meth:`W8A8LinearMethod.process_weights_after_loading`);
+* ``weight_scale`` fp32 [N]: the checkpoint's per-tensor scale (shape [] or [1]) or
+  per-channel scales ([N_i] or [N_i, 1]) of each shard. Fused q|k|v (or gate|up) with a
+  different per-tensor scale per shard are kept exact as per-channel scales (each row
+  gets its shard's scale) instead of requantizing to the largest scale; if every row
+  ends up with the same scale the GEMM uses the per-tensor path.
+* ``input_scale`` fp32 [num_shards] (static activation scheme only): one per-tensor
+  scale per shard; the shards share their input, so the largest is used (as vLLM does).
+
+Dequantized weight: ``W[n, k] = weight[n, k] * weight_scale[n]``.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Literal
+
+import torch
+
+from .common import QuantSettings, add_param, tensor_name, use_kernels
+from .kernels import HAS_TRITON
+from .kernels.choices import choose
+from .kernels.scaled_mm import qmax_of, quantize_act, quantize_act_ref, scaled_mm_ref, scaled_mm_torch, scaled_mm_triton
+from kvforge.interfaces import LinearMethod
+
+log = logging.getLogger("kvforge.quant")
+
+
+class W8A8Settings(QuantSettings):
+    """``backend``: ``auto`` (per-shape table, see ``kernels/choices.py``), ``triton``,
+    ``torch`` (cuBLAS ``_scaled_mm`` / ``_int_mm``) or ``reference`` (dequantize + matmul)."""
+
+    backend: Literal["auto", "triton", "torch", "reference"] = "auto"
+    #: FP8 ``torch._scaled_mm(use_fast_accum=...)``: faster on Hopper, less exact accumulation.
+    fast_accum: bool = False
+
+
+def _load_weight_scale(param: torch.nn.Parameter, t: torch.Tensor, shard: int | None) -> None:
+    """Per-tensor ([] / [1]) or per-channel ([n] / [n, 1]) scale of one shard -> its rows."""
+    lo, hi = (0, param.shape[0]) if shard is None else param.shard_offsets[shard:shard + 2]
+    n = hi - lo
+    name = tensor_name(param, shard)
+    if not t.is_floating_point() or t.dtype not in param.allowed_dtypes:
+        raise ValueError(f"checkpoint tensor {name!r} has dtype {t.dtype}, expected a float scale")
+    if t.numel() == 1:
+        param.data[lo:hi] = t.float().reshape(())
+    elif tuple(t.shape) in ((n,), (n, 1)):
+        param.data[lo:hi] = t.float().reshape(n)
+    else:
+        raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(t.shape)}, expected a per-tensor "
+                         f"scale ([] or [1]) or per-channel scales ([{n}] or [{n}, 1])")
+    param.loaded_shards.add(shard)
+
+
+def _load_input_scale(param: torch.nn.Parameter, t: torch.Tensor, shard: int | None) -> None:
+    name = tensor_name(param, shard)
+    if not t.is_floating_point():
+        raise ValueError(f"checkpoint tensor {name!r} has dtype {t.dtype}, expected a float scale")
+    if t.numel() != 1:
+        raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(t.shape)}, expected a per-tensor "
+                         "activation scale ([] or [1])")
+    param.data[shard or 0] = t.float().reshape(())
+    param.loaded_shards.add(shard)
+
+
+def quantize_weight(w: torch.Tensor, qdtype: torch.dtype, per_channel: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric round-to-nearest weight quantization. ``w`` [N, K] float -> (q [N, K] ``qdtype``,
+    scale fp32 [N] or [1]); ``scale = max|w| / QMAX`` per row or per tensor."""
+    qmax = qmax_of(qdtype)
+    wf = w.float()
+    amax = wf.abs().amax(dim=1) if per_channel else wf.abs().amax().reshape(1)
+    scale = amax.clamp_min(1e-12) / qmax
+    y = (wf / (scale[:, None] if per_channel else scale)).clamp(-qmax, qmax)
+    if qdtype == torch.int8:
+        y = torch.round(y)
+    return y.to(qdtype), scale
+
+
+class W8A8LinearMethod(LinearMethod):
+    """``y = dequant(quant(x)) @ dequant(W)^T`` with int8/FP8 operands.
+
+    Args:
+        qdtype: torch.float8_e4m3fn or torch.int8.
+        from_checkpoint: weights are stored quantized; else quantized online from floats.
+        static_input: the checkpoint carries ``input_scale`` (static per-tensor activations);
+            otherwise activations are quantized per token at run time.
+        online_per_channel: online quantization granularity (per output row vs per tensor).
+    """
+
+    def __init__(self, qdtype: torch.dtype, from_checkpoint: bool, static_input: bool, settings: W8A8Settings,
+                 online_per_channel: bool = True) -> None:
+        self.qdtype = qdtype
+        self.from_checkpoint = from_checkpoint
+        self.static_input = static_input
+        self.settings = settings
+        self.online_per_channel = online_per_channel
+        self.kind = "int8" if qdtype == torch.int8 else "fp8"
+        self._torch_failed: set[tuple] = set()
+
+    def create_weights(self, layer, input_size, output_sizes, params_dtype):
+        n = sum(output_sizes)
+        if not self.from_checkpoint:
+            add_param(layer, "weight", (n, input_size), params_dtype, dim=0, shard_sizes=output_sizes,
+                      allowed=(torch.float16, torch.bfloat16, torch.float32), what="unquantized weight [out, in]",
+                      input_dim=1)
+            return
+        add_param(layer, "weight", (n, input_size), self.qdtype, dim=0, shard_sizes=output_sizes,
+                  allowed=(self.qdtype,), what=f"{self.kind} weight [out, in]", input_dim=1)
+        ws = add_param(layer, "weight_scale", (n,), torch.float32, dim=0, shard_sizes=output_sizes,
+                       allowed=(torch.float32, torch.float16, torch.bfloat16), loader=_load_weight_scale)
+        ws.data.fill_(1.0)
+        if self.static_input:
+            ins = add_param(layer, "input_scale", (len(output_sizes),), torch.float32, dim=None,
+                            shard_sizes=output_sizes, allowed=(torch.float32, torch.float16, torch.bfloat16),
+                            loader=_load_input_scale)
+            ins.data.fill_(1.0)
+
+    def process_weights_after_loading(self, layer):
+        if not self.from_checkpoint:
+            q, s = quantize_weight(layer.weight.data, self.qdtype, self.online_per_channel)
+            layer.weight = torch.nn.Parameter(q, requires_grad=False)
+            layer.weight_scale = torch.nn.Parameter(s, requires_grad=False)
+            return
+        s = layer.weight_scale.data
+        if s.numel() > 1 and bool((s == s[0]).all()):
+            layer.weight_scale = torch.nn.Parameter(s[:1].clone(), requires_grad=False)
+        if self.static_input:
+            layer.input_scale = torch.nn.Parameter(layer.input_scale.data.max().reshape(1), requires_grad=False)
+
+    # -- conformance protocol (kvforge.testing.quantizer) -----------------------------------
+    @property
+    def test_rtol(self):
+        from .conformance import W8A8_RTOL
+        return W8A8_RTOL[self.kind]
+
+    def make_test_weights(self, input_size, output_sizes, params_dtype, generator):
+        from .conformance import w8a8_test_weights
+        return w8a8_test_weights(self, input_size, list(output_sizes), params_dtype, generator)
+
+    def dequantize_test_weights(self, tensors, input_size, output_sizes):
+        from .conformance import STASH
+        return STASH.get(tensors)
+
+    def apply(self, layer, x, bias):
+        k = x.shape[-1]
+        x2 = x.reshape(-1, k)
+        in_scale = layer.input_scale if self.static_input else None
+        if not use_kernels(x2, self.settings.backend) or not HAS_TRITON:
+            qa, sa = quantize_act_ref(x2, self.qdtype, in_scale)
+            y = scaled_mm_ref(qa, sa, layer.weight, layer.weight_scale, x.dtype, bias)
+        else:
+            y = self._gpu(x2, in_scale, layer, bias)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    def _gpu(self, x2, in_scale, layer, bias):
+        qa, sa = quantize_act(x2, self.qdtype, in_scale)
+        m, n, k = x2.shape[0], layer.weight.shape[0], x2.shape[1]
+        backend = self.settings.backend
+        choice = choose(self.kind, m, n, k, x2.device) if backend == "auto" else backend
+        key = (m if m <= 16 else -1, n, k, x2.dtype)
+        if choice == "torch" and key not in self._torch_failed:
+            try:
+                return scaled_mm_torch(qa, sa, layer.weight, layer.weight_scale, x2.dtype, bias,
+                                       use_fast_accum=self.settings.fast_accum)
+            except RuntimeError as e:  # e.g. row-wise scaling with fp16 output on this torch
+                if backend == "torch":
+                    raise
+                self._torch_failed.add(key)
+                log.info("%s: torch GEMM refused %s (%s); using Triton", self.kind, key, e)
+        return scaled_mm_triton(qa, sa, layer.weight, layer.weight_scale, x2.dtype, bias)

@@ -1,0 +1,210 @@
+"""Weight-only int4/int8 linear method shared by the ``awq`` and ``gptq`` quantizers.
+
+Checkpoint parameters of one (possibly fused) layer, K = input_size, N = sum(output_sizes),
+pf = 32 // bits, G = ceil(K / group_size) (1 for per-channel):
+
+============  =========================  ==========================================
+tensor        AutoAWQ GEMM (``awq``)      GPTQ (``gptq``)
+============  =========================  ==========================================
+qweight       int32 [K, N/8], packed      int32 [K/pf, N], packed along K
+              along N in AWQ order
+qzeros        int32 [G, N/8], AWQ order   int32 [G, N/pf], packed along N (plain
+                                          order); v1 format stores ``zero - 1``
+scales        fp16 [G, N]                 fp16 [G, N]
+g_idx         --                          int32 [K]: group of input row k (act-order)
+============  =========================  ==========================================
+
+Shards of a fused layer (q|k|v, gate|up) are concatenated along N. After loading, zero
+points are unpacked to ``wzeros`` uint8 [G, N] (true zero points) and, on the GPU
+kernel path, act-order rows are permuted so groups are contiguous (``perm`` [K]; the
+activation is gathered with it). Dequantized weight: ``W^T[k, n] = (q[k, n] -
+wzeros[g(k), n]) * scales[g(k), n]``.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from kvforge.interfaces import LinearMethod
+
+from .common import FLOAT_DTYPES, add_param, pack_rows, unpack_cols, unpack_rows
+from .kernels import HAS_TRITON
+from .kernels.wna16 import dequantize_wna16, wna16_gemm
+
+log = logging.getLogger("kvforge.quant")
+
+
+class WNA16LinearMethod(LinearMethod):
+    """Weight-only quantized linear layer (see module docstring for tensors).
+
+    Args:
+        fmt: ``"awq"``, ``"gptq"`` or ``"ct"`` (compressed-tensors pack-quantized) checkpoint layout.
+        bits: 4 (AWQ, GPTQ) or 8 (GPTQ).
+        group_size: rows of K sharing a scale; -1 = one group (per-channel).
+        zero_offset: added to stored zero points (1 for GPTQ v1 checkpoints, else 0).
+        backend: ``auto`` (Triton on CUDA, reference elsewhere), ``triton``, ``reference``.
+        skip_hint: how this format's config keeps a layer unquantized (for error messages).
+        desc_act: GPTQ act-order; when False ``g_idx`` is trivial and ignored (as vLLM does).
+        symmetric: compressed-tensors only: no zero-point tensor (zero point 2**(bits-1)).
+    """
+
+    def __init__(self, fmt: str, bits: int, group_size: int, zero_offset: int, backend: str,
+                 skip_hint: str, desc_act: bool = False, symmetric: bool = False) -> None:
+        assert fmt in ("awq", "gptq", "ct")
+        self.fmt, self.bits, self.group_size, self.zero_offset = fmt, bits, group_size, zero_offset
+        self.desc_act = desc_act
+        self.symmetric = symmetric
+        self.backend = backend
+        self.pf = 32 // bits
+        self.skip_hint = skip_hint
+
+    # -- loading ---------------------------------------------------------------------------
+    def create_weights(self, layer, input_size, output_sizes, params_dtype):
+        k, n, pf = input_size, sum(output_sizes), self.pf
+        gs = k if self.group_size == -1 else self.group_size
+        where = f"{layer.prefix} (in {k}, out {output_sizes})"
+        bad = []
+        if any(o % pf for o in output_sizes):
+            bad.append(f"out features must be multiples of {pf} (the {self.bits}-bit packing along N)")
+        if self.fmt != "awq" and k % pf:
+            bad.append(f"in features must be a multiple of {pf} (the {self.bits}-bit packing along K)")
+        if self.fmt == "awq" and k % gs:
+            bad.append(f"in features must be a multiple of group_size {gs}")
+        if bad:
+            raise ValueError(f"{self.fmt}: layer {where} cannot be stored in this format: {'; '.join(bad)}. "
+                             f"A real checkpoint keeps such layers unquantized ({self.skip_hint})")
+        groups = -(-k // gs)
+        layer.wna16_k, layer.wna16_n, layer.wna16_group = k, n, gs
+        packed_n = [o // pf for o in output_sizes]
+        ints = (torch.int32,)
+        if self.fmt == "ct":
+            self._create_ct(layer, k, output_sizes, groups)
+            return
+        if self.fmt == "awq":
+            add_param(layer, "qweight", (k, n // pf), torch.int32, dim=1, shard_sizes=packed_n, allowed=ints,
+                      packed_factor=pf, what="AWQ int32 [in, out/8]", input_dim=0)
+        else:
+            add_param(layer, "qweight", (k // pf, n), torch.int32, dim=1, shard_sizes=output_sizes, allowed=ints,
+                      what=f"GPTQ int32 [in/{pf}, out]", input_dim=0)
+            gi = add_param(layer, "g_idx", (len(output_sizes), k), torch.int32, dim=None, shard_sizes=output_sizes,
+                           allowed=(torch.int32, torch.int64), what="GPTQ int32 [in]", input_dim=0)
+            gi.data.copy_((torch.arange(k) // gs).expand(len(output_sizes), k))
+        add_param(layer, "qzeros", (groups, n // pf), torch.int32, dim=1, shard_sizes=packed_n, allowed=ints,
+                  packed_factor=pf, what=f"int32 [groups={groups}, out/{pf}]", input_dim=0)
+        add_param(layer, "scales", (groups, n), torch.float32, dim=1, shard_sizes=output_sizes,
+                  allowed=FLOAT_DTYPES, what=f"float [groups={groups}, out]", input_dim=0)
+
+    def _create_ct(self, layer, k, output_sizes, groups):
+        """compressed-tensors pack-quantized: ``weight_packed`` int32 [N, K/pf] (packed along K,
+        plain order: the transpose of GPTQ's qweight), ``weight_scale`` [N, G], asymmetric
+        ``weight_zero_point`` int32 [N/pf, G] (packed along N), ``weight_shape`` int [2] = (N_i, K).
+        Stored values are offset by 2**(bits-1) (signed -> unsigned), zero points too."""
+        pf, n = self.pf, sum(output_sizes)
+        add_param(layer, "weight_packed", (n, k // pf), torch.int32, dim=0, shard_sizes=output_sizes,
+                  allowed=(torch.int32,), packed_factor=pf, what=f"int32 [out, in/{pf}]", input_dim=1)
+        add_param(layer, "weight_scale", (n, groups), torch.float32, dim=0, shard_sizes=output_sizes,
+                  allowed=FLOAT_DTYPES, what=f"float [out, groups={groups}]", input_dim=1)
+        if not self.symmetric:
+            add_param(layer, "weight_zero_point", (n // pf, groups), torch.int32, dim=0,
+                      shard_sizes=[o // pf for o in output_sizes], allowed=(torch.int32,), packed_factor=pf,
+                      what=f"int32 [out/{pf}, groups={groups}]", input_dim=1)
+        ws = add_param(layer, "weight_shape", (len(output_sizes), 2), torch.int64, dim=None, shard_sizes=output_sizes,
+                       allowed=(torch.int64, torch.int32), what="int [2] = (out, in)")
+        ws.expected = torch.tensor([[o, k] for o in output_sizes])
+        ws.data.copy_(ws.expected)
+
+    def _canonical_ct(self, layer):
+        """compressed-tensors tensors -> the GPTQ layout (qweight [K/pf, N], scales/qzeros [G, N])."""
+        got, want = layer.weight_shape.data.cpu(), layer.weight_shape.expected
+        if (got < want).any() or (got % want).any():  # a multiple: the unsliced shape under tensor parallelism
+            raise ValueError(f"{layer.prefix}.weight_shape: checkpoint says {layer.weight_shape.data.tolist()}, "
+                             f"the model needs {layer.weight_shape.expected.tolist()} (out, in)")
+        layer.qweight = torch.nn.Parameter(layer.weight_packed.data.t().contiguous(), requires_grad=False)
+        layer.scales = torch.nn.Parameter(layer.weight_scale.data.t().contiguous(), requires_grad=False)
+        if self.symmetric:
+            zeros = torch.full_like(layer.scales.data, 2 ** (self.bits - 1), dtype=torch.int32)
+        else:
+            zeros = unpack_rows(layer.weight_zero_point.data, self.bits).t()
+            del layer.weight_zero_point
+        del layer.weight_packed, layer.weight_scale, layer.weight_shape
+        return zeros
+
+    def process_weights_after_loading(self, layer):
+        k, gs = layer.wna16_k, layer.wna16_group
+        if self.fmt == "ct":
+            zeros = self._canonical_ct(layer)
+        else:
+            zeros = unpack_cols(layer.qzeros.data, self.bits, awq_order=self.fmt == "awq") + self.zero_offset
+            del layer.qzeros
+        if int(zeros.max()) > 255:
+            raise ValueError(f"{layer.prefix}.qzeros: zero point out of range")
+        layer.register_buffer("wzeros", zeros.to(torch.uint8).contiguous(), persistent=False)
+        s = layer.scales.data
+        s16 = s.half()
+        dummy = not getattr(layer.scales, "loaded_shards", True)  # load_format=dummy: benchmark like fp16
+        if dummy or torch.equal(s16.float(), s):  # fp16 checkpoint scales: keep them exactly, half the bytes
+            layer.scales = torch.nn.Parameter(s16, requires_grad=False)
+        layer.register_buffer("g_idx_ref", None, persistent=False)
+        layer.register_buffer("perm", None, persistent=False)
+        device = layer.qweight.device
+        layer.wna16_kernel = HAS_TRITON and (self.backend == "triton" or
+                                             (self.backend == "auto" and device.type == "cuda"))
+        if self.fmt != "gptq":
+            return
+        g = layer.g_idx.data.long()
+        del layer.g_idx
+        if not self.desc_act:
+            return
+        if g.numel() and (g.min() < 0 or g.max() >= layer.scales.shape[0]):
+            raise ValueError(f"{layer.prefix}.g_idx: group index out of range [0, {layer.scales.shape[0]})")
+        if not bool((g == g[0:1]).all()):
+            raise ValueError(f"{layer.prefix}.g_idx: the fused projections have different act-order g_idx; "
+                             "kvforge runs them as one GEMM and needs one input order")
+        g = g[0]
+        trivial = torch.arange(k, device=device) // gs
+        if torch.equal(g, trivial):
+            return
+        layer.g_idx_ref = g
+        if not layer.wna16_kernel:
+            return
+        perm = torch.argsort(g, stable=True)
+        if not torch.equal(g[perm], trivial):
+            log.warning("%s: g_idx groups are not of size %d; using the dequantize reference", layer.prefix, gs)
+            layer.wna16_kernel = False
+            return
+        q = unpack_rows(layer.qweight.data, self.bits)[perm]
+        layer.qweight = torch.nn.Parameter(pack_rows(q, self.bits), requires_grad=False)
+        layer.perm = perm
+        layer.g_idx_ref = None
+
+    # -- conformance protocol (kvforge.testing.quantizer) -----------------------------------
+    def make_test_weights(self, input_size, output_sizes, params_dtype, generator):
+        from .conformance import wna16_test_weights
+        return wna16_test_weights(self, input_size, list(output_sizes), generator)
+
+    def dequantize_test_weights(self, tensors, input_size, output_sizes):
+        from .conformance import STASH
+        return STASH.get(tensors)
+
+    # -- compute ---------------------------------------------------------------------------
+    def dequantized(self, layer, dtype: torch.dtype) -> torch.Tensor:
+        """W^T [K, N] in ``dtype`` (reference path)."""
+        return dequantize_wna16(layer.qweight, layer.scales, layer.wzeros, bits=self.bits,
+                                group_size=layer.wna16_group, pack_k=self.fmt != "awq",
+                                awq_order=self.fmt == "awq", dtype=dtype, g_idx=layer.g_idx_ref)
+
+    def apply(self, layer, x, bias):
+        k = x.shape[-1]
+        x2 = x.reshape(-1, k)
+        if layer.wna16_kernel:
+            if layer.perm is not None:
+                x2 = x2.index_select(1, layer.perm)
+            y = wna16_gemm(x2, layer.qweight, layer.scales, layer.wzeros, bits=self.bits,
+                           group_size=layer.wna16_group, pack_k=self.fmt != "awq", awq_order=self.fmt == "awq",
+                           n=layer.wna16_n)
+        else:
+            y = x2 @ self.dequantized(layer, x.dtype)
+        if bias is not None:
+            y = y + bias
+        return y.reshape(*x.shape[:-1], y.shape[-1])
