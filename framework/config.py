@@ -27,6 +27,7 @@ class ModelConfig(_Section):
     load_format: Literal["auto", "safetensors", "dummy"] = "auto"
     seed: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    enforce_eager: bool = Field(False, description="Never capture CUDA graphs (debugging, profiling).")
 
 
 class CacheConfig(_Section):
@@ -59,16 +60,83 @@ class QuantizationSection(_Section):
 
 
 class SpeculativeConfig(_Section):
+    """Speculative decoding (off unless ``method`` names a registered drafter).
+
+    The adaptive rule (``adaptive``; :class:`kvforge.engine.spec_decode.AdaptiveSpeculation`)
+    picks, every step, the k' <= ``num_speculative_tokens`` that maximises the expected
+    tokens per unit of work, ``E(k') / C(B, k')``, with ``E(k') = (1 - a^(k'+1)) / (1 - a)``
+    (Leviathan et al. 2023, eq. 1; ``a`` = recent acceptance rate) and
+    ``C(B, k') = (1 + c * k') * max(B * (k' + 1), T) / max(B, T)`` (``B`` running requests,
+    ``c`` the drafter's cost per draft step relative to a target step, ``T`` =
+    ``verify_free_tokens``); k' = 0 turns speculation off for that step (while off, one
+    step in 64 probes with k' = 1 to re-measure ``a``).
+    """
+
     method: str | None = None
-    num_speculative_tokens: int = Field(0, ge=0)
+    num_speculative_tokens: int = Field(0, ge=0, description="k: draft tokens verified per step (at most).")
     settings: dict[str, Any] = Field(default_factory=dict)
+    adaptive: bool = Field(True, description="Shrink k, or speculate not at all, when it would not pay.")
+    disable_by_batch_size: int | None = Field(
+        None, gt=0, description="Never speculate in a step with more running requests than this.")
+    verify_free_tokens: int = Field(
+        128, gt=0, description="Tokens per forward below which the target's step time hardly grows "
+                               "(memory-bound); above it, cost grows in proportion to the tokens.")
+    initial_acceptance_rate: float = Field(
+        0.7, ge=0.0, le=1.0, description="Acceptance-rate estimate before any draft has been verified "
+                                         "(and the rate at which an off drafter is still worth probing).")
 
 
 class ParallelConfig(_Section):
+    """Distributed inference (docs/distributed.md).
+
+    One engine replica runs on ``tensor_parallel_size * pipeline_parallel_size`` ranks
+    (its world); ``data_parallel_size`` replicas run side by side behind one front end.
+    ``distributed_executor_backend``: ``mp`` (one worker process per rank, one node) or
+    ``ray`` (actors in a placement group per replica, any number of nodes); None picks
+    ``mp``. With ``enable_expert_parallel`` the MoE experts are split across the
+    tensor-parallel ranks (whole experts per rank, tokens routed with all-to-all)
+    instead of splitting every expert's intermediate dimension.
+    """
+
     tensor_parallel_size: int = Field(1, ge=1)
     pipeline_parallel_size: int = Field(1, ge=1)
     data_parallel_size: int = Field(1, ge=1)
     distributed_executor_backend: Literal["mp", "ray"] | None = None
+    enable_expert_parallel: bool = Field(False, description="Shard MoE experts across the tensor-parallel ranks.")
+    pipeline_micro_batches: int | None = Field(
+        None, ge=1, description="Micro-batches a step is split into across pipeline stages (default: "
+                                "pipeline_parallel_size).")
+    worker_timeout_s: float = Field(
+        300.0, gt=0, description="Seconds one step (or one collective) may take before the workers are "
+                                 "declared hung and the engine fails.")
+    ray_address: str | None = Field(None, description="Ray cluster to join (default: RAY_ADDRESS, a running "
+                                                      "local cluster, or a new local one).")
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of one replica (tensor x pipeline)."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+class RequestChoicesConfig(_Section):
+    """What a request may choose for itself, by name (the operator's allow-list).
+
+    A request chooses in ``SamplingParams.extra_args["kvforge"]`` (``drafter``,
+    ``eviction_hint``) and with its ``priority``; the engine validates the choice
+    when the request is added (:mod:`kvforge.engine.request_choices`).
+    """
+
+    drafters: list[str] = Field(default_factory=list, description="Drafters a request may pick ('none' = no "
+                                                                  "speculation is always allowed).")
+    priorities: tuple[int, int] | None = Field(None, description="Allowed [min, max] request priority (None = any).")
+    eviction_hints: list[str] = Field(default_factory=list, description="Eviction hints a request may give; the "
+                                                                        "KV allocator must declare each one.")
+
+    @model_validator(mode="after")
+    def _check_range(self) -> "RequestChoicesConfig":
+        if self.priorities is not None and self.priorities[0] > self.priorities[1]:
+            raise ValueError(f"priorities: min {self.priorities[0]} > max {self.priorities[1]}")
+        return self
 
 
 class EngineConfig(_Section):
@@ -85,13 +153,14 @@ class EngineConfig(_Section):
     quantization: QuantizationSection = Field(default_factory=QuantizationSection)
     speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    request_choices: RequestChoicesConfig = Field(default_factory=RequestChoicesConfig)
 
     @model_validator(mode="after")
     def _check_parallel(self) -> "EngineConfig":
         p = self.parallel
-        if p.tensor_parallel_size * p.pipeline_parallel_size * p.data_parallel_size != 1:
-            raise ValueError("parallel: multi-GPU execution is not available in this build; "
-                             "set tensor/pipeline/data_parallel_size to 1")
+        if p.world_size * p.data_parallel_size > 1 and self.speculative.method is not None:
+            raise ValueError("speculative.method: speculative decoding runs on a single rank only; "
+                             "set tensor/pipeline/data_parallel_size to 1 to use it")
         return self
 
     @classmethod

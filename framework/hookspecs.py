@@ -85,7 +85,9 @@ def kvforge_register_quantizers(register: RegisterFn) -> None:
 def kvforge_register_drafters(register: RegisterFn) -> None:
     """Register speculative-decoding drafters, chosen by ``speculative.method``.
 
-    ``factory(speculative_config, settings, ctx) -> kvforge.interfaces.Drafter``.
+    ``factory(speculative_config, settings, ctx) -> kvforge.interfaces.Drafter`` where
+    ``ctx`` is a :class:`kvforge.interfaces.DrafterContext`. Capability
+    ``needs_hidden_states=True``: ``propose`` gets the target's hidden states.
     """
 
 

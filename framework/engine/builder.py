@@ -10,6 +10,7 @@ import torch
 from pydantic import BaseModel, ValidationError
 
 from kvforge.config import EngineConfig
+from kvforge.engine.capabilities import check_capabilities
 from kvforge.interfaces import (AttentionBackend, AttentionRequirements, KVAllocator, Model, ModelContext,
                                 QuantizationConfig, Scheduler, SchedulerContext)
 from kvforge.plugin_manager import PluginSpec, Registry
@@ -98,6 +99,8 @@ class EngineParts:
     cpu_caches: list[torch.Tensor]
     max_model_len: int
     choices: dict[str, str]
+    use_cuda_graphs: bool = False
+    drafters: Any = None  # name -> kvforge.interfaces.Drafter (speculative.method, request_choices.drafters)
 
 
 def _kv_block_bytes(hf_config, head_dim: int, num_kv_heads: int, block_size: int, dtype: torch.dtype) -> int:
@@ -126,6 +129,206 @@ def _num_blocks(cfg: EngineConfig, device: torch.device, block_bytes: int, max_m
     return int(n)
 
 
+@dataclass
+class ModelStack:
+    """A model with the attention backend and quantizer it was built with, and its KV geometry."""
+
+    hf_config: Any
+    model: Model
+    backend: AttentionBackend
+    attn_spec: PluginSpec
+    quant_spec: PluginSpec
+    dtype: torch.dtype
+    device: torch.device
+    num_kv_heads: int
+    head_dim: int
+
+    def kv_block_bytes(self, block_size: int) -> int:
+        """Bytes of K and V cache of all layers for one block of ``block_size`` tokens."""
+        return _kv_block_bytes(self.hf_config, self.head_dim, self.num_kv_heads, block_size, self.dtype)
+
+    def kv_caches(self, num_blocks: int, block_size: int) -> list[torch.Tensor]:
+        """One zeroed cache tensor per layer, in the backend's layout."""
+        shape = self.backend.kv_cache_shape(num_blocks, block_size, self.num_kv_heads, self.head_dim)
+        return [torch.zeros(shape, dtype=self.dtype, device=self.device)
+                for _ in range(self.hf_config.num_hidden_layers)]
+
+
+def _truncate_layers(hf_config, num_layers: int):
+    """A copy of ``hf_config`` keeping only the first ``num_layers`` decoder layers."""
+    import copy
+    total = hf_config.num_hidden_layers
+    if not 1 <= num_layers <= total:
+        raise ValueError(f"num_layers: must be in [1, {total}] (the model's layers), got {num_layers}")
+    cfg = copy.deepcopy(hf_config)
+    cfg.num_hidden_layers = num_layers
+    if isinstance(getattr(cfg, "layer_types", None), list):
+        cfg.layer_types = cfg.layer_types[:num_layers]
+    return cfg
+
+
+def _share_parameters(model: torch.nn.Module, source: torch.nn.Module) -> None:
+    """Make every parameter of ``model`` the same tensor as ``source``'s parameter of the same name.
+
+    Raises:
+        ValueError: a parameter is missing from ``source`` or differs in shape or dtype.
+    """
+    theirs = dict(source.named_parameters())
+    for name, mine in list(model.named_parameters()):
+        other = theirs.get(name)
+        if other is None or other.shape != mine.shape or other.dtype != mine.dtype:
+            raise ValueError(f"cannot share weight {name!r} with the target model (missing or different "
+                             "shape/dtype); set share_weights false")
+        owner_path, _, pname = name.rpartition(".")
+        setattr(model.get_submodule(owner_path) if owner_path else model, pname, other)
+
+
+def build_model_stack(registry: Registry, hf_config, model_spec: PluginSpec, model_dir: str, *,
+                      dtype: torch.dtype, device: torch.device, block_size: int, attention,
+                      quant_method: str, quant_settings: dict[str, Any], load_format: str, seed: int,
+                      num_layers: int | None = None, share_from: Model | None = None) -> ModelStack:
+    """Pick the quantizer and attention backend for ``hf_config``, build the model on
+    ``device`` and fill its weights (used for the target and for draft models).
+
+    Args:
+        attention: the :class:`~kvforge.config.AttentionConfig` section (backend name or ``auto``).
+        quant_method: a quantizer name or ``auto`` (the checkpoint's ``quantization_config``).
+        num_layers: keep only the first N decoder layers (a truncated draft); checkpoint
+            tensors of later layers are skipped.
+        share_from: reuse this model's parameters by name instead of loading weights.
+
+    Raises:
+        ValueError: unknown or unusable quantizer/backend, bad settings, bad checkpoint.
+    """
+    if num_layers is not None:
+        hf_config = _truncate_layers(hf_config, num_layers)
+    hf_quant = getattr(hf_config, "quantization_config", None)
+    if hf_quant is not None and not isinstance(hf_quant, dict):
+        hf_quant = hf_quant.to_dict()
+    qname = quant_method
+    if qname == "auto":
+        qname = (hf_quant or {}).get("quant_method", "unquantized")
+    quant_spec = registry.get("quantizer", qname)
+    quant_settings = validate_plugin_settings(quant_spec, quant_settings, "quantization.settings")
+    quant_config: QuantizationConfig = quant_spec.factory(hf_quant, quant_settings)
+    reasons = quant_config.validate(dtype, device)
+    if reasons:
+        raise ValueError(f"quantization.method {qname!r} cannot run here: {'; '.join(reasons)}")
+
+    num_heads = hf_config.num_attention_heads
+    num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+    req = AttentionRequirements(dtype, head_dim, num_heads, num_kv_heads, block_size, dtype,
+                                getattr(hf_config, "sliding_window", None))
+    attn_spec, rejected = choose_attention(registry, attention.backend, req, device)
+    attn_settings = validate_plugin_settings(attn_spec, attention.settings, "attention.settings")
+    backend: AttentionBackend = attn_spec.factory(attn_settings)
+    if rejected:
+        log.info("attention auto: chose %s; rejected %s", attn_spec.name, rejected)
+
+    from kvforge.engine.weights import iter_safetensors, load_weights
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model: Model = model_spec.factory(hf_config, ModelContext(dtype, device, backend, quant_config))
+    model.eval()
+    if share_from is not None:
+        _share_parameters(model, share_from)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the unshared copies are gone; let the KV budget see that memory
+    elif num_layers is not None and load_format != "dummy":
+        keep = num_layers
+
+        def layer_of(name: str) -> int | None:
+            parts = name.split(".")
+            for i, p in enumerate(parts[:-1]):
+                if p == "layers" and parts[i + 1].isdigit():
+                    return int(parts[i + 1])
+            return None
+
+        weights = ((n, t) for n, t in iter_safetensors(model_dir) if (layer_of(n) or 0) < keep)
+        loaded = model.load_weights(weights)
+        missing = sorted(model.expected_weights() - loaded) if hasattr(model, "expected_weights") else []
+        if missing:
+            raise ValueError(f"checkpoint {model_dir} is missing tensors for: {', '.join(missing[:8])}")
+        for m in model.modules():
+            if hasattr(m, "method"):
+                m.method.process_weights_after_loading(m)
+    else:
+        load_weights(model, model_dir, load_format, seed)
+    return ModelStack(hf_config, model, backend, attn_spec, quant_spec, dtype, device, num_kv_heads, head_dim)
+
+
+def build_drafter(config: EngineConfig, registry: Registry, spec: PluginSpec, settings: Any,
+                  target: ModelStack, max_model_len: int) -> Any:
+    """Build a drafter (``speculative.method``, or one of ``request_choices.drafters``)
+    through its factory ``factory(speculative_config, settings, ctx: DrafterContext)``.
+
+    ``ctx.build_model`` / ``ctx.build_runner`` give a draft model plugin its own model,
+    KV allocator (``cache.allocator``, prefix caching off), KV tensors and runner, built
+    by the same code as the target's.
+    """
+    from transformers import AutoConfig
+
+    from kvforge.interfaces import DrafterContext
+
+    def build_model(model_dir: str, dtype: str = "auto", num_layers: int | None = None,
+                    share_weights: bool = False) -> ModelStack:
+        try:
+            hf = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+        except Exception as e:
+            raise ValueError(f"speculative.settings.model: cannot read a Hugging Face config from "
+                             f"{model_dir!r}: {e}") from None
+        arch = (getattr(hf, "architectures", None) or ["?"])[0]
+        try:
+            model_spec = registry.get("model", arch)
+        except ValueError as e:
+            raise ValueError(f"speculative.settings.model: architecture {arch!r} is not supported ({e})") from None
+        if hf.vocab_size != target.hf_config.vocab_size:
+            raise ValueError(f"speculative.settings.model: the draft's vocab_size {hf.vocab_size} differs from "
+                             f"the target's {target.hf_config.vocab_size}; a draft must share the tokenizer")
+        dt = target.dtype if dtype == "auto" else _DTYPES[dtype]
+        return build_model_stack(registry, hf, model_spec, model_dir, dtype=dt, device=target.device,
+                                 block_size=config.cache.block_size, attention=config.attention,
+                                 quant_method="auto", quant_settings={}, load_format=config.model.load_format,
+                                 seed=config.model.seed, num_layers=num_layers,
+                                 share_from=target.model if share_weights else None)
+
+    def build_runner(stack: ModelStack, num_blocks: int):
+        from kvforge.engine.model_runner import ModelRunner
+        alloc_spec = registry.get("kv_allocator", config.cache.allocator)
+        alloc_settings = validate_plugin_settings(alloc_spec, config.cache.settings, "cache.settings")
+        cache_cfg = config.cache.model_copy(update={"enable_prefix_caching": False})
+        allocator = alloc_spec.factory(num_blocks, config.cache.block_size, alloc_settings, cache_cfg)
+        graphs = (stack.device.type == "cuda" and not getattr(config.model, "enforce_eager", False)
+                  and bool(stack.attn_spec.capabilities.get("cuda_graphs")))
+        # With CUDA graphs, one extra block past the allocator's range is the padded rows' scratch block.
+        kv_caches = stack.kv_caches(num_blocks + int(graphs), config.cache.block_size)
+        runner = ModelRunner(stack.model, stack.backend, allocator, kv_caches, stack.device)
+        if graphs:  # the draft's k - 1 single-token steps are pure decodes: replay graphs
+            from kvforge.engine.cuda_graphs import CudaGraphRunner
+            try:
+                runner.graphs = CudaGraphRunner(stack.model, stack.backend, kv_caches,
+                                                min(config.scheduler.max_num_seqs, 512), max_model_len,
+                                                config.cache.block_size, scratch_block=num_blocks,
+                                                device=stack.device)
+                runner.graphs.capture()
+            except Exception:  # a draft without graphs is slower, never wrong
+                log.exception("draft model: CUDA graph capture failed; its decode steps run eagerly")
+                runner.graphs = None
+        return allocator, runner
+
+    ctx = DrafterContext(
+        target_model=target.model, target_hf_config=target.hf_config, target_model_dir=config.model.model,
+        device=target.device, dtype=target.dtype, vocab_size=target.hf_config.vocab_size,
+        max_model_len=max_model_len, max_num_seqs=config.scheduler.max_num_seqs,
+        block_size=config.cache.block_size, max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+        seed=config.model.seed, load_format=config.model.load_format,
+        build_model=build_model, build_runner=build_runner)
+    drafter = spec.factory(config.speculative, settings, ctx)
+    drafter.num_speculative_tokens = config.speculative.num_speculative_tokens
+    return drafter
+
+
 def build_engine_parts(config: EngineConfig, registry: Registry) -> EngineParts:
     """Build every engine component from ``config`` (hooks already ran into ``registry``).
 
@@ -140,9 +343,20 @@ def build_engine_parts(config: EngineConfig, registry: Registry) -> EngineParts:
     alloc_spec = registry.get("kv_allocator", config.cache.allocator)
     sched_settings = validate_plugin_settings(sched_spec, config.scheduler.settings, "scheduler.settings")
     alloc_settings = validate_plugin_settings(alloc_spec, config.cache.settings, "cache.settings")
+    # Drafters: speculative.method (with its settings) and those a request may choose
+    # (request_choices.drafters, default settings); all share num_speculative_tokens.
+    drafter_specs: dict[str, tuple[PluginSpec, Any]] = {}
     if config.speculative.method is not None:
-        registry.get("drafter", config.speculative.method)
-        raise ValueError("speculative.method: speculative decoding is not wired into this build's engine yet")
+        spec = registry.get("drafter", config.speculative.method)
+        drafter_specs[spec.name] = (spec, validate_plugin_settings(spec, config.speculative.settings,
+                                                                   "speculative.settings"))
+    for name in getattr(getattr(config, "request_choices", None), "drafters", None) or ():
+        if name != "none" and name not in drafter_specs:
+            spec = registry.get("drafter", name)
+            drafter_specs[name] = (spec, validate_plugin_settings(spec, {}, f"request_choices.drafters ({name})"))
+    if drafter_specs and config.speculative.num_speculative_tokens < 1:
+        raise ValueError("speculative.num_speculative_tokens: must be >= 1 when a drafter is configured "
+                         "(speculative.method or request_choices.drafters)")
 
     try:
         hf_config = AutoConfig.from_pretrained(config.model.model, local_files_only=True)
@@ -163,41 +377,30 @@ def build_engine_parts(config: EngineConfig, registry: Registry) -> EngineParts:
     if config.scheduler.max_num_batched_tokens is None:
         config.scheduler.max_num_batched_tokens = max(2048, max_model_len)
 
-    hf_quant = getattr(hf_config, "quantization_config", None)
-    if hf_quant is not None and not isinstance(hf_quant, dict):
-        hf_quant = hf_quant.to_dict()
-    qname = config.quantization.method
-    if qname == "auto":
-        qname = (hf_quant or {}).get("quant_method", "unquantized")
-    quant_spec = registry.get("quantizer", qname)
-    quant_settings = validate_plugin_settings(quant_spec, config.quantization.settings, "quantization.settings")
-    quant_config: QuantizationConfig = quant_spec.factory(hf_quant, quant_settings)
-    reasons = quant_config.validate(dtype, device)
-    if reasons:
-        raise ValueError(f"quantization.method {qname!r} cannot run here: {'; '.join(reasons)}")
-
-    num_heads = hf_config.num_attention_heads
-    num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
-    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
-    req = AttentionRequirements(dtype, head_dim, num_heads, num_kv_heads, config.cache.block_size, dtype,
-                                getattr(hf_config, "sliding_window", None))
-    attn_spec, rejected = choose_attention(registry, config.attention.backend, req, device)
-    attn_settings = validate_plugin_settings(attn_spec, config.attention.settings, "attention.settings")
-    backend: AttentionBackend = attn_spec.factory(attn_settings)
-    if rejected:
-        log.info("attention auto: chose %s; rejected %s", attn_spec.name, rejected)
-
-    from kvforge.engine.weights import load_weights
-    torch.manual_seed(config.model.seed)
-    with torch.device(device):
-        model: Model = model_spec.factory(hf_config, ModelContext(dtype, device, backend, quant_config))
-    model.eval()
-    load_weights(model, config.model.model, config.model.load_format, config.model.seed)
+    check_capabilities(config, registry, hf_config, dtype, device)  # before any weight is read
+    if config.parallel.world_size > 1:  # several ranks: the workers build the model (kvforge.distributed)
+        if drafter_specs:
+            raise ValueError("speculative decoding (speculative.method, request_choices.drafters) runs on a "
+                             "single rank only; set tensor/pipeline_parallel_size to 1 to use it")
+        from kvforge.distributed.launch import build_parallel_parts
+        return build_parallel_parts(config, registry, hf_config, arch, device, dtype, max_model_len,
+                                    sched_spec, sched_settings, alloc_spec, alloc_settings)
+    stack = build_model_stack(registry, hf_config, model_spec, config.model.model, dtype=dtype, device=device,
+                              block_size=config.cache.block_size, attention=config.attention,
+                              quant_method=config.quantization.method,
+                              quant_settings=config.quantization.settings,
+                              load_format=config.model.load_format, seed=config.model.seed)
+    model, backend, attn_spec, quant_spec = stack.model, stack.backend, stack.attn_spec, stack.quant_spec
+    num_kv_heads, head_dim = stack.num_kv_heads, stack.head_dim
+    drafters = {name: build_drafter(config, registry, spec, settings, stack, max_model_len)
+                for name, (spec, settings) in drafter_specs.items()}
 
     block_bytes = _kv_block_bytes(hf_config, head_dim, num_kv_heads, config.cache.block_size, dtype)
-    num_blocks = _num_blocks(config, device, block_bytes, max_model_len)
+    draft_block_bytes = sum(d.kv_cache_block_bytes(config.cache.block_size) for d in drafters.values())
+    num_blocks = _num_blocks(config, device, block_bytes + draft_block_bytes, max_model_len)
     allocator: KVAllocator = alloc_spec.factory(num_blocks, config.cache.block_size, alloc_settings, config.cache)
-    shape = backend.kv_cache_shape(num_blocks, config.cache.block_size, num_kv_heads, head_dim)
+    # One extra block past the allocator's range: the scratch block padded CUDA-graph rows write to.
+    shape = backend.kv_cache_shape(num_blocks + 1, config.cache.block_size, num_kv_heads, head_dim)
     kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(hf_config.num_hidden_layers)]
     num_cpu_blocks = config.cache.swap_space_bytes // block_bytes
     cpu_caches = [torch.zeros(backend.kv_cache_shape(num_cpu_blocks, config.cache.block_size, num_kv_heads, head_dim),
@@ -205,9 +408,15 @@ def build_engine_parts(config: EngineConfig, registry: Registry) -> EngineParts:
                   for _ in range(hf_config.num_hidden_layers)] if num_cpu_blocks else []
     scheduler: Scheduler = sched_spec.factory(config.scheduler, allocator, sched_settings,
                                               SchedulerContext(max_model_len, num_cpu_blocks))
+    for d in drafters.values():
+        d.init_kv_cache(num_blocks)  # same block count: a draft never holds more tokens than the target
+    use_graphs = (device.type == "cuda" and not config.model.enforce_eager
+                  and bool(attn_spec.capabilities.get("cuda_graphs")))
     choices = {"model": arch, "scheduler": sched_spec.name, "kv_allocator": alloc_spec.name,
                "attention": attn_spec.name, "quantizer": quant_spec.name}
+    if config.speculative.method is not None:
+        choices["drafter"] = config.speculative.method
     log.info("kvforge engine: %s on %s %s, %d KV blocks of %d tokens", choices, device, dtype, num_blocks,
              config.cache.block_size)
     return EngineParts(config, hf_config, device, dtype, model, backend, allocator, scheduler, kv_caches,
-                       cpu_caches, max_model_len, choices)
+                       cpu_caches, max_model_len, choices, use_graphs, drafters=drafters)

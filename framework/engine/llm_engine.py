@@ -13,6 +13,7 @@ from kvforge.engine.builder import EngineParts, build_engine_parts
 from kvforge.engine.output_processor import OutputProcessor
 from kvforge.engine.outputs import RequestOutput
 from kvforge.engine.request import Request, RequestStatus
+from kvforge.engine.request_choices import validate_request_choices
 from kvforge.engine.sampler import Sampler, compute_prompt_logprobs
 from kvforge.engine.sampling_params import SamplingParams
 from kvforge.engine.tokenizer import eos_token_ids, load_tokenizer
@@ -52,11 +53,19 @@ class LLMEngine:
         self.vocab_size = parts.hf_config.vocab_size
         self.tokenizer = load_tokenizer(config.model.tokenizer or config.model.model)
         self.eos_token_ids = eos_token_ids(self.tokenizer, config.model.model)
-        from kvforge.engine.model_runner import ModelRunner
-        self.runner = ModelRunner(parts.model, parts.backend, parts.allocator, parts.kv_caches, parts.device,
-                                  parts.cpu_caches)
+        from kvforge.engine.executor import create_executor
+        self.executor = create_executor(parts)  # in-process ModelRunner (+ CUDA graphs), or the workers' proxy
+        self.runner = self.executor.runner
         gen = torch.Generator(device=parts.device).manual_seed(config.model.seed)
         self.sampler = Sampler(self.vocab_size, gen)
+        self.spec = None  # SpeculativeDecoder when any drafter is configured
+        if parts.drafters:
+            from kvforge.engine.spec_decode import SpeculativeDecoder
+            needs_hidden = [n for n in parts.drafters
+                            if self.registry.get("drafter", n).capabilities.get("needs_hidden_states")]
+            self.runner.return_hidden_states = bool(needs_hidden)
+            self.spec = SpeculativeDecoder(parts.drafters, self.config.speculative.method, self.config.speculative,
+                                           self.vocab_size, gen, self.max_model_len, needs_hidden)
         self.outputs = OutputProcessor(self.tokenizer)
         self._live: dict[str, Request] = {}  # child request_id -> request
         self._pending: list[RequestOutput] = []
@@ -118,6 +127,7 @@ class LLMEngine:
         if bad:
             raise ValueError(f"prompt_token_ids: ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
         params.verify_vocab(self.vocab_size)
+        validate_request_choices(self.config, self.registry, params, priority)
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
         if len(ids) + max_tokens > self.max_model_len:
             raise ValueError(f"max_tokens: prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds "
@@ -161,6 +171,9 @@ class LLMEngine:
                 continue
             self.scheduler.finish_requests([c.request.request_id for c in parent.children],
                                            RequestStatus.FINISHED_ABORTED)
+            if self.spec is not None:
+                for c in parent.children:
+                    self.spec.free(c.request)
             self._pending.append(self._emit(rid))
 
     def has_unfinished_requests(self) -> bool:
@@ -179,7 +192,12 @@ class LLMEngine:
         for req in so.finished:
             touched[req.parent_id] = None
         sampled: dict[str, list[int]] = {}
-        sout = None
+        # request_id -> (tokens, per-token logprobs dicts or None, per-token raw logprobs)
+        new: dict[str, tuple[list[int], list, list[float]]] = {}
+        sample_reqs: list[Request] = []
+        if self.spec is not None:
+            for req in so.preempted:  # its drafter state restarts from scratch
+                self.spec.free(req)
         if not so.scheduled and (so.swap_out or so.swap_in):
             self.runner.swap(so.swap_out, to_cpu=True)
         if so.scheduled:
@@ -192,9 +210,15 @@ class LLMEngine:
                     entries = compute_prompt_logprobs(logits, targets, req.sampling_params.prompt_logprobs)
                     self.outputs.add_prompt_logprobs(req, entries)
                 if ex.sample_requests:
-                    sout = self.sampler(ex.logits, ex.sample_requests)
-                    for req, tok in zip(ex.sample_requests, sout.sampled_token_ids):
-                        sampled[req.request_id] = [tok]
+                    sample_reqs = ex.sample_requests
+                    if self.spec is not None:
+                        new = self.spec.sample(ex, so, self.sampler)
+                    else:
+                        sout = self.sampler(ex.logits, ex.sample_requests)
+                        for i, req in enumerate(ex.sample_requests):
+                            new[req.request_id] = ([sout.sampled_token_ids[i]], [sout.logprobs[i]],
+                                                   [sout.sampled_logprobs[i]])
+                    sampled = {rid: v[0] for rid, v in new.items()}
             except Exception as e:  # a failure fails this step's requests only; the engine stays up
                 log.exception("engine step failed")
                 failed = self.scheduler.finish_requests([r.request_id for r in so.scheduled],
@@ -204,27 +228,49 @@ class LLMEngine:
                     touched[r.parent_id] = None
                 so.scheduled = []
                 sampled = {}
+                new = {}
+                sample_reqs = []
+        before = {req.request_id: req.num_output_tokens for req in sample_reqs}
         self.scheduler.update(so, sampled)
-        if sout is not None:
-            for i, req in enumerate(ex.sample_requests):
-                touched[req.parent_id] = None
-                stop = self.outputs.process_tokens(req, len(sampled[req.request_id]),
-                                                   [sout.logprobs[i]], [sout.sampled_logprobs[i]])
-                if stop is not None and not req.is_finished:
-                    req.stop_reason = stop
-                    self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
+        for req in sample_reqs:
+            touched[req.parent_id] = None
+            # Tokens the scheduler kept (an EOS / stop id / max_tokens inside an accepted
+            # block cuts there); the detokenizer may cut earlier at a stop string.
+            kept = req.num_output_tokens - before[req.request_id]
+            if kept <= 0:
+                continue
+            _, lps, slps = new[req.request_id]
+            stop = self.outputs.process_tokens(req, kept, lps[:kept], slps[:kept])
+            if stop is not None and not req.is_finished:
+                req.stop_reason = stop
+                self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
+            elif stop is not None and req.num_output_tokens < before[req.request_id] + kept:
+                # The stop string ended before the token the scheduler stopped at (several
+                # tokens per step with speculation): the stop string is the reason.
+                req.stop_reason = stop
+                req.status = RequestStatus.FINISHED_STOPPED
         for pid in touched:
             if pid in self.outputs.parents:
                 results.append(self._emit(pid))
         for req in list(self._live.values()):
             if req.is_finished:
                 del self._live[req.request_id]
+                if self.spec is not None:
+                    self.spec.free(req)
+        if self.spec is not None:
+            self.spec.propose(self._live.values(), self.allocator.num_free_blocks)
         return results
 
     def _emit(self, parent_id: str) -> RequestOutput:
         out = self.outputs.make_output(parent_id)
+        if self.spec is not None:
+            parent = self.outputs.parents[parent_id]
+            out.metrics.update(self.spec.request_metrics(c.request for c in parent.children))
         self.outputs.release_if_finished(parent_id)
         return out
 
     def stats(self) -> dict[str, float]:
-        return {**self.scheduler.stats(), **self.allocator.stats()}
+        out = {**self.scheduler.stats(), **self.allocator.stats()}
+        if self.spec is not None:
+            out.update(self.spec.stats())
+        return out

@@ -13,12 +13,17 @@ from kvforge.interfaces import (AttentionBackend, AttentionInputs, ForwardMetada
 @dataclass
 class ExecuteOutput:
     """``logits`` float32 [N, V] for ``sample_requests`` (requests whose step reaches
-    their last known token); ``prompt_logits`` request_id -> (first prompt position
-    predicted, float32 [P, V]) for requests asking prompt_logprobs."""
+    their last known token): one row each, except that a request verifying drafts
+    (``SchedulerOutput.spec_token_ids``) gets ``1 + len(drafts)`` consecutive rows (its
+    last token's position, then each draft's). ``prompt_logits`` request_id -> (first
+    prompt position predicted, float32 [P, V]) for requests asking prompt_logprobs.
+    ``hidden_states`` [N, hidden_size]: the final hidden states of the same rows, only
+    when ``ModelRunner.return_hidden_states`` is set (EAGLE-style drafters)."""
 
     logits: torch.Tensor
     sample_requests: list[Request]
     prompt_logits: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
+    hidden_states: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -38,6 +43,8 @@ class ModelRunner:
         self.cpu_caches = cpu_caches or []
         self.device = device
         self.block_size = allocator.block_size
+        self.graphs = None  # CudaGraphRunner, set by the engine when CUDA graphs are on
+        self.return_hidden_states = False  # set for drafters that need the target's hidden states
 
     def _prepare(self, out: SchedulerOutput):
         ids: list[int] = []
@@ -52,6 +59,9 @@ class ModelRunner:
             start = req.num_computed_tokens
             table = self.allocator.get_block_table(req.request_id)
             toks = req.all_token_ids
+            drafts = out.spec_token_ids.get(req.request_id)
+            if drafts:  # verification: the drafts follow the last token, in lookahead slots
+                toks = toks + drafts
             ids.extend(toks[start:start + n])
             for p in range(start, start + n):
                 pos.append(p)
@@ -99,8 +109,12 @@ class ModelRunner:
         self.swap(out.swap_out, to_cpu=True)
         self.swap(out.swap_in, to_cpu=False)
         input_ids, positions, inputs, qsl = self._prepare(out)
-        meta = ForwardMetadata(self.backend.build_metadata(inputs), self.kv_caches)
-        hidden = self.model(input_ids, positions, meta)
+        hidden = None
+        if self.graphs is not None and inputs.max_query_len == 1:
+            hidden = self.graphs.run(input_ids, positions, inputs)
+        if hidden is None:
+            meta = ForwardMetadata(self.backend.build_metadata(inputs), self.kv_caches)
+            hidden = self.model(input_ids, positions, meta)
         rows: list[int] = []
         sample_reqs: list[Request] = []
         prompt_logits: dict[str, tuple[int, torch.Tensor]] = {}
@@ -108,7 +122,8 @@ class ModelRunner:
             n = out.num_scheduled_tokens[req.request_id]
             start = req.num_computed_tokens
             if start + n >= req.num_tokens:
-                rows.append(qsl[i + 1] - 1)
+                num_drafts = len(out.spec_token_ids.get(req.request_id, ()))
+                rows.extend(range(qsl[i + 1] - 1 - num_drafts, qsl[i + 1]))
                 sample_reqs.append(req)
             if req.sampling_params.prompt_logprobs is not None and start < req.num_prompt_tokens - 1:
                 # position p predicts prompt token p + 1; stop at the last prompt token.
@@ -116,4 +131,5 @@ class ModelRunner:
                 h = hidden[qsl[i]: qsl[i] + (hi - start)]
                 prompt_logits[req.request_id] = (start + 1, self.model.compute_logits(h))
         logits = self.model.compute_logits(hidden[rows]) if rows else hidden.new_empty((0, 0)).float()
-        return ExecuteOutput(logits, sample_reqs, prompt_logits)
+        kept = hidden[rows] if self.return_hidden_states and rows else None
+        return ExecuteOutput(logits, sample_reqs, prompt_logits, kept)

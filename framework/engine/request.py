@@ -4,6 +4,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -43,6 +44,10 @@ class Request:
         eos_token_ids: ids that end generation unless ``ignore_eos``.
         generator: per-request torch.Generator when ``sampling_params.seed`` is set.
         priority: lower value = more important (vLLM convention).
+        spec_token_ids: draft tokens proposed for the next step (speculative decoding); not
+            part of the sequence until verified. The scheduler reads (and may trim) them.
+        spec_stats: per-request speculation counters
+            (:class:`kvforge.engine.spec_decode.SpecStats`), None until the first draft.
     """
 
     request_id: str
@@ -64,6 +69,8 @@ class Request:
     generator: torch.Generator | None = None
     first_token_time: float | None = None
     cache_salt: str | None = None
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_stats: Any = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -4,7 +4,7 @@ Every interface carries ``KVFORGE_HOOK_API``; see :mod:`kvforge.hookspecs`.
 """
 from kvforge.interfaces.attention import (AttentionBackend, AttentionInputs, AttentionLayer,
                                           AttentionRequirements)
-from kvforge.interfaces.drafter import Drafter
+from kvforge.interfaces.drafter import Drafter, DrafterContext, DraftProposal
 from kvforge.interfaces.kv_cache import KVAllocator
 from kvforge.interfaces.model import ForwardMetadata, Model, ModelContext
 from kvforge.interfaces.quantization import LinearMethod, QuantizationConfig
@@ -12,6 +12,6 @@ from kvforge.interfaces.scheduler import Scheduler, SchedulerContext, SchedulerO
 
 __all__ = [
     "AttentionBackend", "AttentionInputs", "AttentionLayer", "AttentionRequirements", "Drafter",
-    "KVAllocator", "ForwardMetadata", "Model", "ModelContext", "LinearMethod",
+    "DrafterContext", "DraftProposal", "KVAllocator", "ForwardMetadata", "Model", "ModelContext", "LinearMethod",
     "QuantizationConfig", "Scheduler", "SchedulerContext", "SchedulerOutput",
 ]

@@ -36,7 +36,8 @@ class KVAllocator(ABC):
     def allocate_slots(self, request: "Request", num_new_tokens: int,
                        num_lookahead_tokens: int = 0) -> list[int] | None:
         """Grow ``request``'s block table to hold ``request.num_computed_tokens +
-        num_new_tokens + num_lookahead_tokens`` tokens.
+        num_new_tokens + num_lookahead_tokens`` tokens. Lookahead slots hold the KV of
+        draft tokens (speculative decoding): they are never prefix-cache registered.
 
         Returns: the newly added block ids (possibly empty), or None when there
         are not enough free blocks, in which case nothing changed.
@@ -46,6 +47,14 @@ class KVAllocator(ABC):
     def free(self, request: "Request") -> None:
         """Return all of ``request``'s blocks (decrementing shared reference counts).
         Freeing a request with no blocks is a no-op."""
+
+    def free_tail(self, request: "Request", num_tokens: int) -> None:
+        """Speculative decoding rollback: keep only the blocks that hold the first
+        ``num_tokens`` tokens of ``request`` and return the rest (the lookahead slots
+        of rejected draft tokens). Blocks whose tokens are not all accepted must never
+        have been registered in the prefix cache (``allocate_slots`` only registers
+        the ``num_new_tokens`` part, never the lookahead). The default keeps the blocks
+        (safe: they come back with :meth:`free`)."""
 
     @abstractmethod
     def get_block_table(self, request_id: str) -> list[int]:

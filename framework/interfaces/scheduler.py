@@ -28,6 +28,14 @@ class SchedulerOutput:
             A step never carries both (a scheduler must not resume and swap out
             in one step), so block ids freed by one are safe to reuse.
         on_step_done: callbacks the scheduler runs at the end of ``update``.
+        spec_token_ids: request_id -> draft tokens verified this step (speculative
+            decoding). Such a request is a decode whose ``num_scheduled_tokens`` is
+            ``1 + len(drafts)``: its last token followed by the drafts, in lookahead
+            slots (``allocate_slots(req, 1, num_lookahead_tokens=len(drafts))``). In
+            ``update``, ``num_computed_tokens`` then advances by ``len(sampled[rid])``
+            (1 + accepted drafts) and the rejected drafts' slots are rolled back with
+            ``KVAllocator.free_tail``. Set by the scheduler from ``request.spec_token_ids``
+            (possibly trimmed to fit the token budget or free blocks).
     """
 
     scheduled: list["Request"] = field(default_factory=list)
@@ -37,6 +45,7 @@ class SchedulerOutput:
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     on_step_done: list = field(default_factory=list)
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

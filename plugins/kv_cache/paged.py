@@ -146,6 +146,26 @@ class PagedAllocator(KVAllocator):
             if self._ref[b] == 0:
                 self._free[b] = None
 
+    def free_tail(self, request, num_tokens: int) -> None:
+        """Keep the blocks holding the first ``num_tokens`` tokens; return the rest (the
+        lookahead slots of rejected draft tokens), newest first. Lookahead blocks are never
+        registered in the prefix cache (registration stops at ``num_computed + num_new``),
+        so no hash of a rejected token survives."""
+        table = self._tables.get(request.request_id)
+        if not table:
+            return
+        keep = -(-max(0, num_tokens) // self.block_size)
+        while len(table) > keep:
+            b = table.pop()
+            self._ref[b] -= 1
+            if self._ref[b] == 0:
+                self._free[b] = None
+                if self._block_hash[b] is None:  # holds nothing reusable: hand it out first
+                    self._free.move_to_end(b, last=False)
+        rid = request.request_id
+        if self._num_registered.get(rid, 0) > len(table):
+            self._num_registered[rid] = len(table)
+
     def get_block_table(self, request_id: str) -> list[int]:
         return self._tables.get(request_id, [])
 

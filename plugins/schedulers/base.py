@@ -79,9 +79,17 @@ class QueueScheduler(Scheduler):
             n = min(n, self.long_prefill_token_threshold)
         return n
 
-    def _allocate_or_preempt(self, req: Request, n: int, out: SchedulerOutput) -> bool:
-        """Allocate ``n`` new tokens' slots for a running request, preempting as needed.
-        Returns False if ``req`` itself was preempted or failed."""
+    def _allocate_or_preempt(self, req: Request, n: int, out: SchedulerOutput, lookahead: int = 0) -> bool:
+        """Allocate ``n`` new tokens' slots (+ ``lookahead`` slots for draft tokens) for a
+        running request, preempting as needed. Drafts never cause a preemption: they get
+        lookahead slots only while, after them, a block per not-yet-scheduled running
+        request stays free. Returns False if ``req`` itself was preempted or failed."""
+        if lookahead:
+            reserve = len(self.running) - len(out.scheduled) + -(-lookahead // self.allocator.block_size)
+            if self.allocator.num_free_blocks > reserve and \
+                    self.allocator.allocate_slots(req, n, num_lookahead_tokens=lookahead) is not None:
+                return True
+        req.spec_token_ids = []
         while self.allocator.allocate_slots(req, n) is None:
             if len(self.running) == 1:
                 self._fail(req, f"KV cache exhausted: this request alone needs more than the "
@@ -107,8 +115,15 @@ class QueueScheduler(Scheduler):
             n = self._chunk(req.num_tokens - req.num_computed_tokens, budget)
             if n < req.num_tokens - req.num_computed_tokens and not self._may_chunk(req):
                 continue
-            if not self._allocate_or_preempt(req, n, out):
+            # Speculating decode: its drafts ride along in lookahead slots, as the budget allows.
+            is_decode = req.num_tokens - req.num_computed_tokens == 1
+            lookahead = min(len(req.spec_token_ids), budget - n) if is_decode else 0
+            if not self._allocate_or_preempt(req, n, out, lookahead):
                 continue
+            if req.spec_token_ids:
+                del req.spec_token_ids[lookahead:]
+                out.spec_token_ids[req.request_id] = list(req.spec_token_ids)
+                n += len(req.spec_token_ids)
             out.scheduled.append(req)
             out.num_scheduled_tokens[req.request_id] = n
             budget -= n
@@ -162,14 +177,23 @@ class QueueScheduler(Scheduler):
         for req in output.scheduled:
             if req.is_finished:
                 continue
-            req.num_computed_tokens += output.num_scheduled_tokens[req.request_id]
-            for tok in sampled.get(req.request_id, ()):
+            toks = sampled.get(req.request_id, ())
+            drafts = output.spec_token_ids.get(req.request_id)
+            if drafts:  # speculative: the last token plus the accepted drafts now have KV
+                req.num_computed_tokens += output.num_scheduled_tokens[req.request_id] - len(drafts) \
+                    + max(0, len(toks) - 1)
+            else:
+                req.num_computed_tokens += output.num_scheduled_tokens[req.request_id]
+            req.spec_token_ids = []
+            for tok in toks:
                 req.output_token_ids.append(tok)
                 status = check_stop(req, self.max_model_len)
                 if status is not None:
                     self._finish(req, status)
                     finished.append(req)
                     break
+            if drafts and not req.is_finished:  # roll back the rejected drafts' slots
+                self.allocator.free_tail(req, req.num_computed_tokens)
         for fn in output.on_step_done:
             fn()
         return finished
@@ -193,6 +217,7 @@ class QueueScheduler(Scheduler):
     # -- helpers --------------------------------------------------------------------------
     def _finish(self, req: Request, status: RequestStatus) -> None:
         req.status = status
+        req.spec_token_ids = []
         if req in self.running:
             self.running.remove(req)
         self.allocator.free(req)
@@ -206,9 +231,11 @@ class QueueScheduler(Scheduler):
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)
+        req.spec_token_ids = []
         if req in out.scheduled:
             out.scheduled.remove(req)
             out.num_scheduled_tokens.pop(req.request_id, None)
+            out.spec_token_ids.pop(req.request_id, None)
         computed = req.num_computed_tokens
         self.preemption.preempt(req, self.allocator, out)
         self.num_recomputed_tokens += computed - req.num_computed_tokens
