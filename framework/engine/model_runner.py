@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import chain
 
+import numpy as np
 import torch
 
 from kvforge.engine.request import Request
@@ -47,49 +49,67 @@ class ModelRunner:
         self.return_hidden_states = False  # set for drafters that need the target's hidden states
 
     def _prepare(self, out: SchedulerOutput):
+        """Flatten the step into input_ids/positions [T] and AttentionInputs.
+
+        Per request only Python list work is done (one token for a decode); positions,
+        slot mapping and the block table are built with a few vectorized numpy ops, since
+        this runs every step for every running request (issue 4's CPU-overhead target)."""
+        reqs = out.scheduled
+        nst = out.num_scheduled_tokens
+        spec = out.spec_token_ids
+        get_table = self.allocator.get_block_table
+        b = len(reqs)
         ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        qsl = [0]
-        ctx_lens: list[int] = []
-        tables: list[list[int]] = []
-        bs = self.block_size
-        for req in out.scheduled:
-            n = out.num_scheduled_tokens[req.request_id]
+        qlens = [0] * b
+        ctx_lens = [0] * b
+        tables: list[list[int]] = [None] * b  # type: ignore[list-item]
+        for i, req in enumerate(reqs):
+            rid = req.request_id
+            n = nst[rid]
             start = req.num_computed_tokens
-            table = self.allocator.get_block_table(req.request_id)
-            toks = req.all_token_ids
-            drafts = out.spec_token_ids.get(req.request_id)
-            if drafts:  # verification: the drafts follow the last token, in lookahead slots
-                toks = toks + drafts
-            ids.extend(toks[start:start + n])
-            for p in range(start, start + n):
-                pos.append(p)
-                slots.append(table[p // bs] * bs + p % bs)
-            qsl.append(qsl[-1] + n)
-            ctx_lens.append(start)
-            tables.append(table)
-        width = max(len(t) for t in tables)
-        table_t = torch.full((len(tables), width), 0, dtype=torch.int32)
-        for i, t in enumerate(tables):
-            table_t[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
-        qlens = [qsl[i + 1] - qsl[i] for i in range(len(ctx_lens))]
+            qlens[i] = n
+            ctx_lens[i] = start
+            tables[i] = get_table(rid)
+            drafts = spec.get(rid) if spec else None
+            if n == 1 and not drafts:
+                ids.append(req.token_id_at(start))
+            elif drafts:  # verification: the drafts follow the last token, in lookahead slots
+                ids.extend((req.token_slice(start, req.num_tokens) + list(drafts))[:n])
+            else:
+                ids.extend(req.token_slice(start, start + n))
+        bs = self.block_size
+        q_np = np.asarray(qlens, dtype=np.int64)
+        ctx_np = np.asarray(ctx_lens, dtype=np.int64)
+        qsl_np = np.zeros(b + 1, dtype=np.int64)
+        np.cumsum(q_np, out=qsl_np[1:])
+        total = int(qsl_np[-1])
+        row = np.repeat(np.arange(b), q_np)
+        pos = ctx_np[row] + (np.arange(total) - qsl_np[:-1][row])
+        tlens = np.fromiter((len(t) for t in tables), dtype=np.int64, count=b)
+        width = int(tlens.max())
+        flat = np.fromiter(chain.from_iterable(tables), dtype=np.int32, count=int(tlens.sum()))
+        trow = np.repeat(np.arange(b), tlens)
+        tstart = np.zeros(b, dtype=np.int64)
+        np.cumsum(tlens[:-1], out=tstart[1:])
+        table_np = np.zeros((b, width), dtype=np.int32)
+        table_np[trow, np.arange(flat.shape[0]) - tstart[trow]] = flat
+        slots = table_np[row, pos // bs].astype(np.int64) * bs + pos % bs
+        seq_np = ctx_np + q_np
         dev = self.device
-        ctx_t = torch.tensor(ctx_lens, dtype=torch.int32)
         inputs = AttentionInputs(
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-            context_lens=ctx_t.to(dev),
-            seq_lens=(ctx_t + torch.tensor(qlens, dtype=torch.int32)).to(dev),
-            block_table=table_t.to(dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            max_query_len=max(qlens),
-            max_seq_len=max(c + q for c, q in zip(ctx_lens, qlens)),
+            query_start_loc=torch.from_numpy(qsl_np.astype(np.int32)).to(dev),
+            context_lens=torch.from_numpy(ctx_np.astype(np.int32)).to(dev),
+            seq_lens=torch.from_numpy(seq_np.astype(np.int32)).to(dev),
+            block_table=torch.from_numpy(table_np).to(dev),
+            slot_mapping=torch.from_numpy(slots).to(dev),
+            max_query_len=int(q_np.max()),
+            max_seq_len=int(seq_np.max()),
             query_lens_cpu=qlens,
             context_lens_cpu=ctx_lens,
             block_size=bs,
         )
-        return (torch.tensor(ids, dtype=torch.int64, device=dev), torch.tensor(pos, dtype=torch.int64, device=dev),
-                inputs, qsl)
+        qsl = qsl_np.tolist()
+        return (torch.tensor(ids, dtype=torch.int64, device=dev), torch.from_numpy(pos).to(dev), inputs, qsl)
 
     def swap(self, pairs: list[tuple[int, int]], to_cpu: bool) -> None:
         """Copy whole blocks between device and CPU caches: (src, dst) block-id pairs."""

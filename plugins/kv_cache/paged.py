@@ -100,6 +100,12 @@ class PagedAllocator(KVAllocator):
     def allocate_slots(self, request, num_new_tokens: int, num_lookahead_tokens: int = 0) -> list[int] | None:
         rid = request.request_id
         table = self._tables.get(rid)
+        computed = request.num_computed_tokens + num_new_tokens
+        if table is not None and computed + num_lookahead_tokens <= len(table) * self.block_size:
+            # Fast path (most decode steps): no new block; register a block only when one fills.
+            if self.enable_prefix_caching and computed // self.block_size > self._num_registered.get(rid, 0):
+                self._register_full_blocks(request, table, computed)
+            return []
         hits = self._pending_hits.get(rid, []) if table is None else []
         have = len(table) if table is not None else len(hits)
         total = request.num_computed_tokens + num_new_tokens + num_lookahead_tokens

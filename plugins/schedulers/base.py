@@ -105,12 +105,23 @@ class QueueScheduler(Scheduler):
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         # 1) + 2): running decodes first, then running prefills (chunks).
-        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
-        prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        decodes, prefills = [], []
+        for r in self.running:
+            (decodes if r.num_tokens - r.num_computed_tokens == 1 else prefills).append(r)
+        allocate = self.allocator.allocate_slots
+        running_status = RequestStatus.RUNNING
         for req in decodes + prefills:
             if budget <= 0:
                 break
-            if req not in self.running:  # preempted as a victim earlier in this loop
+            if req.status is not running_status:  # preempted as a victim earlier in this loop
+                continue
+            if not req.spec_token_ids and req.num_tokens - req.num_computed_tokens == 1:
+                # plain decode, the common case: keep it cheap (runs for every running request)
+                if allocate(req, 1) is None and not self._allocate_or_preempt(req, 1, out, 0):
+                    continue
+                out.scheduled.append(req)
+                out.num_scheduled_tokens[req.request_id] = 1
+                budget -= 1
                 continue
             n = self._chunk(req.num_tokens - req.num_computed_tokens, budget)
             if n < req.num_tokens - req.num_computed_tokens and not self._may_chunk(req):

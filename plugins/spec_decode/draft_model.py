@@ -83,6 +83,12 @@ class _DraftSeq:
     def num_prompt_tokens(self) -> int:
         return len(self.tokens)
 
+    def token_slice(self, lo: int, hi: int) -> list[int]:
+        return self.tokens[lo:hi]
+
+    def token_id_at(self, i: int) -> int:
+        return self.tokens[i]
+
 
 def _matmul_params(model: torch.nn.Module) -> int:
     """Parameters used in matmuls per token (embedding lookups excluded; a tied LM head counted)."""
