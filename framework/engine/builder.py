@@ -378,6 +378,9 @@ def build_engine_parts(config: EngineConfig, registry: Registry) -> EngineParts:
         config.scheduler.max_num_batched_tokens = max(2048, max_model_len)
 
     check_capabilities(config, registry, hf_config, dtype, device)  # before any weight is read
+    if config.parallel.data_parallel_size > 1:
+        raise ValueError("parallel.data_parallel_size > 1 runs several engines: build it with "
+                         "kvforge.engine.executor.create_engine (as LLM and `kvforge serve` do)")
     if config.parallel.world_size > 1:  # several ranks: the workers build the model (kvforge.distributed)
         if drafter_specs:
             raise ValueError("speculative decoding (speculative.method, request_choices.drafters) runs on a "

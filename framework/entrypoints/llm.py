@@ -28,7 +28,8 @@ class LLM:
     def __init__(self, model: str | None = None, config: str | None = None, **kwargs: Any) -> None:
         if model is not None:
             kwargs["model.model"] = model
-        self.llm_engine = LLMEngine(EngineConfig.from_sources(config, kwargs))
+        from kvforge.engine.executor import create_engine  # LLMEngine, or data-parallel replicas
+        self.llm_engine = create_engine(EngineConfig.from_sources(config, kwargs))
         self._counter = itertools.count()
 
     def get_tokenizer(self):

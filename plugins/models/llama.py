@@ -3,6 +3,12 @@
 Follows Hugging Face transformers' ``modeling_llama`` (the numerical reference)
 in kvforge's flattened varlen layout: q/k/v and gate/up projections are fused
 (``qkv_proj``, ``gate_up_proj``) and filled from the HF tensors at load time.
+
+Distributed (docs/distributed.md): under tensor parallelism the fused projections are
+column-parallel (whole heads per rank; KV heads replicated when fewer than ranks),
+``o_proj``/``down_proj`` row-parallel, embedding and LM head vocabulary-parallel. Under
+pipeline parallelism a stage builds only its layers (``start_layer``..``end_layer``);
+the others are :class:`PPMissingLayer` placeholders and their checkpoint tensors are skipped.
 """
 from __future__ import annotations
 
@@ -11,12 +17,15 @@ from typing import Iterable
 import torch
 
 from kvforge import hookimpl
+from kvforge.distributed import parallel_state as ps
 from kvforge.interfaces import AttentionLayer, ForwardMetadata, Model, ModelContext
 from kvforge.layers.activation import silu_and_mul
 from kvforge.layers.attention import PagedAttention
 from kvforge.layers.layernorm import RMSNorm
 from kvforge.layers.linear import FusedLinear
+from kvforge.layers.parallel_linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from kvforge.layers.rotary import RotaryEmbedding
+from kvforge.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding, vocab_parallel_logits
 
 KVFORGE_HOOK_API = "1"
 
@@ -35,16 +44,17 @@ class LlamaAttention(torch.nn.Module):
 
     def __init__(self, cfg, ctx: ModelContext, layer_idx: int, prefix: str) -> None:
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
+        total_heads = cfg.num_attention_heads
+        total_kv_heads = getattr(cfg, "num_key_value_heads", None) or total_heads
         self.head_dim = head_dim_of(cfg)
+        qkv_bias, o_bias = self.biases(cfg)
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, self.head_dim, total_heads, total_kv_heads, qkv_bias,
+                                          ctx.quant_config, f"{prefix}.qkv_proj", ctx.dtype)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads  # this rank's
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        qkv_bias, o_bias = self.biases(cfg)
-        self.qkv_proj = FusedLinear(cfg.hidden_size, [self.q_size, self.kv_size, self.kv_size], qkv_bias,
-                                    ctx.quant_config, f"{prefix}.qkv_proj", ctx.dtype)
-        self.o_proj = FusedLinear(self.q_size, [cfg.hidden_size], o_bias, ctx.quant_config,
-                                  f"{prefix}.o_proj", ctx.dtype)
+        self.o_proj = RowParallelLinear(total_heads * self.head_dim, cfg.hidden_size, o_bias, ctx.quant_config,
+                                        f"{prefix}.o_proj", ctx.dtype)
         self.rotary = RotaryEmbedding(cfg, self.head_dim, cfg.max_position_embeddings)
         window = self.sliding_window(cfg, layer_idx)
         self.attn = PagedAttention(ctx.attention_backend, AttentionLayer(
@@ -73,10 +83,10 @@ class LlamaMLP(torch.nn.Module):
         act = getattr(cfg, "hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"hidden_act {act!r} is not supported (only 'silu')")
-        self.gate_up_proj = FusedLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, bias, ctx.quant_config,
-                                        f"{prefix}.gate_up_proj", ctx.dtype)
-        self.down_proj = FusedLinear(cfg.intermediate_size, [cfg.hidden_size], bias, ctx.quant_config,
-                                     f"{prefix}.down_proj", ctx.dtype)
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, bias,
+                                                       ctx.quant_config, f"{prefix}.gate_up_proj", ctx.dtype)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias, ctx.quant_config,
+                                           f"{prefix}.down_proj", ctx.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -88,9 +98,13 @@ class LlamaDecoderLayer(torch.nn.Module):
     def __init__(self, cfg, ctx: ModelContext, layer_idx: int, prefix: str) -> None:
         super().__init__()
         self.self_attn = self.attention_cls(cfg, ctx, layer_idx, f"{prefix}.self_attn")
-        self.mlp = LlamaMLP(cfg, ctx, f"{prefix}.mlp")
+        self.mlp = self.make_mlp(cfg, ctx, layer_idx, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype)
+
+    def make_mlp(self, cfg, ctx: ModelContext, layer_idx: int, prefix: str) -> torch.nn.Module:
+        """The feed-forward block (MoE plugins return their sparse block here)."""
+        return LlamaMLP(cfg, ctx, prefix)
 
     def forward(self, positions, x, residual, meta):
         if residual is None:
@@ -102,19 +116,35 @@ class LlamaDecoderLayer(torch.nn.Module):
         return self.mlp(x), residual
 
 
+class PPMissingLayer(torch.nn.Identity):
+    """Placeholder for a module another pipeline stage owns (no parameters)."""
+
+
 class LlamaModel(torch.nn.Module):
     def __init__(self, cfg, ctx: ModelContext, layer_cls: type) -> None:
         super().__init__()
-        self.embed_tokens = torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=ctx.dtype)
-        self.embed_tokens.weight.requires_grad_(False)
+        self.is_first_stage = ps.get_pp_rank() == 0
+        self.is_last_stage = ps.get_pp_rank() == ps.get_pp_size() - 1
+        self.start_layer, self.end_layer = ps.pp_layer_range(cfg.num_hidden_layers)
+        self.embed_tokens = (VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ctx.dtype)
+                             if self.is_first_stage else PPMissingLayer())
         self.layers = torch.nn.ModuleList(
-            layer_cls(cfg, ctx, i, f"model.layers.{i}") for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype)
+            layer_cls(cfg, ctx, i, f"model.layers.{i}") if self.start_layer <= i < self.end_layer
+            else PPMissingLayer() for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype) if self.is_last_stage else PPMissingLayer()
 
-    def forward(self, input_ids, positions, meta):
-        x, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
+    def forward(self, input_ids, positions, meta, intermediate_tensors=None):
+        """First stage: from ``input_ids``; later stages: from ``intermediate_tensors``
+        (``hidden_states``, ``residual``). The last stage returns the final hidden
+        states [T, H], the others the intermediate tensors for the next stage."""
+        if self.is_first_stage:
+            x, residual = self.embed_tokens(input_ids), None
+        else:
+            x, residual = intermediate_tensors["hidden_states"], intermediate_tensors["residual"]
+        for layer in self.layers[self.start_layer:self.end_layer]:
             x, residual = layer(positions, x, residual, meta)
+        if not self.is_last_stage:
+            return {"hidden_states": x, "residual": residual}
         x, _ = self.norm(x, residual)
         return x
 
@@ -123,24 +153,38 @@ class LlamaForCausalLM(Model):
     """Llama-family causal LM. Shapes: input_ids/positions int64 [T] -> hidden [T, hidden_size]."""
 
     layer_cls = LlamaDecoderLayer
+    #: forward takes/returns ``intermediate_tensors`` between pipeline stages.
+    supports_pipeline_parallel = True
 
     def __init__(self, hf_config, ctx: ModelContext) -> None:
         super().__init__()
         self.config = hf_config
         self.model = LlamaModel(hf_config, ctx, self.layer_cls)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-        if self.tie_word_embeddings:
+        if not self.model.is_last_stage:
+            self.lm_head = PPMissingLayer()
+        elif self.tie_word_embeddings and self.model.is_first_stage:
             self.lm_head = self.model.embed_tokens
-        else:
-            self.lm_head = torch.nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False,
-                                           dtype=ctx.dtype)
-            self.lm_head.weight.requires_grad_(False)
+        else:  # (a tied head on a later pipeline stage keeps its own copy of the embedding)
+            self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, ctx.dtype)
 
-    def forward(self, input_ids, positions, metadata):
-        return self.model(input_ids, positions, metadata)
+    def forward(self, input_ids, positions, metadata, intermediate_tensors=None):
+        return self.model(input_ids, positions, metadata, intermediate_tensors)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(hidden_states, self.lm_head.weight).float()
+        return vocab_parallel_logits(hidden_states, self.lm_head)
+
+    def _is_local(self, name: str) -> bool:
+        """Whether checkpoint tensor ``name`` belongs to this pipeline stage."""
+        m = self.model
+        parts = name.split(".")
+        if len(parts) > 2 and parts[0] == "model" and parts[1] == "layers" and parts[2].isdigit():
+            return m.start_layer <= int(parts[2]) < m.end_layer
+        if name.startswith("model.embed_tokens."):
+            return m.is_first_stage or (self.tie_word_embeddings and m.is_last_stage)
+        if name.startswith("model.norm.") or name.startswith("lm_head."):
+            return m.is_last_stage
+        return True
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load HF-named tensors; raise ValueError naming any unknown or mis-shaped tensor."""
@@ -149,6 +193,13 @@ class LlamaForCausalLM(Model):
             if "rotary_emb.inv_freq" in name:
                 continue
             if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            if not self._is_local(name):  # another pipeline stage's tensor
+                continue
+            if (name == "model.embed_tokens.weight" and self.tie_word_embeddings and self.model.is_last_stage
+                    and not self.model.is_first_stage):
+                self.lm_head.weight.weight_loader(self.lm_head.weight, tensor)
+                loaded.add("lm_head.weight")
                 continue
             module_path, pname = name.rsplit(".", 1)
             parent, _, proj = module_path.rpartition(".")
@@ -167,6 +218,14 @@ class LlamaForCausalLM(Model):
             param = getattr(module, pname, None)
             if not isinstance(param, torch.nn.Parameter):
                 raise ValueError(f"checkpoint tensor {name!r} does not belong to {type(self).__name__}")
+            loader = getattr(param, "weight_loader", None)
+            if loader is not None:  # vocabulary-parallel tables keep this rank's rows
+                try:
+                    loader(param, tensor.to(param.dtype))
+                except ValueError as e:
+                    raise ValueError(f"checkpoint tensor {name!r}: {e}") from None
+                loaded.add(name)
+                continue
             if param.shape != tensor.shape:
                 raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
                                  f"expected {tuple(param.shape)}")
@@ -188,7 +247,7 @@ class LlamaForCausalLM(Model):
             mod = pname.rsplit(".", 1)[0]
             if not isinstance(self.get_submodule(mod), FusedLinear):
                 names.add(pname)
-        if self.tie_word_embeddings:
+        if self.tie_word_embeddings and self.model.is_first_stage:
             names.discard("lm_head.weight")
         return names
 

@@ -144,7 +144,6 @@ def run_server(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
 
     import uvicorn
 
-    from kvforge.engine.llm_engine import LLMEngine
     from kvforge.config import EngineConfig
 
     chat_template = None
@@ -152,7 +151,8 @@ def run_server(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
         with open(args.chat_template, encoding="utf-8") as f:
             chat_template = f.read()
     api_key = args.api_key or os.environ.get("KVFORGE_API_KEY") or None
-    engine = AsyncLLMEngine(LLMEngine(EngineConfig.from_sources(args.config, overrides)))
+    from kvforge.engine.executor import create_engine  # LLMEngine, or data-parallel replicas
+    engine = AsyncLLMEngine(create_engine(EngineConfig.from_sources(args.config, overrides)))
     app = build_app(engine, args.served_model_name, api_key, chat_template, args.drain_timeout)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.drain_timeout, timeout_keep_alive=5)

@@ -1,0 +1,163 @@
+"""The driver side of a distributed replica, shared by the mp and Ray executors.
+
+The driver keeps the scheduler, the KV allocator and the sampler; each step it flattens
+the :class:`~kvforge.interfaces.SchedulerOutput` (:func:`~kvforge.distributed.protocol.encode_step`),
+sends it to every worker, waits for all of them, and hands the output rank's logits to
+the sampler as an :class:`~kvforge.engine.model_runner.ExecuteOutput`.
+
+Failure policy: the ranks of a replica run in lock-step collectives, so one failed rank
+leaves the others out of step. Any worker error, death or timeout therefore kills the
+replica's workers and marks the executor dead; that step raises :class:`WorkerError`
+(the engine ends the step's requests with ``finish_reason="error"``) and every later
+step raises at once, so every request ends quickly with a clear error and nothing waits.
+"""
+from __future__ import annotations
+
+import logging
+from abc import abstractmethod
+from typing import Any
+
+import torch
+
+from kvforge.distributed.protocol import encode_step
+from kvforge.engine.executor import Executor
+
+log = logging.getLogger("kvforge.distributed")
+
+
+class WorkerError(RuntimeError):
+    """A worker of the replica failed; the executor is dead."""
+
+
+class WorkerDiedError(WorkerError):
+    """A worker process or actor exited."""
+
+
+class WorkerTimeoutError(WorkerError):
+    """Workers did not answer within ``parallel.worker_timeout_s``."""
+
+
+class _WorkerRunner:
+    """The ``ModelRunner`` surface the engine's step loop calls, forwarded to the workers."""
+
+    def __init__(self, executor: "DistributedExecutor") -> None:
+        self._ex = executor
+        self.graphs = None
+        self.return_hidden_states = False
+        self.kv_caches: list[torch.Tensor] = []  # held by the workers
+
+    @property
+    def allocator(self):
+        return self._ex.allocator
+
+    def execute(self, so):
+        return self._ex.execute(so)
+
+    def swap(self, pairs, to_cpu: bool) -> None:
+        if pairs:
+            self._ex.call_all("swap", list(pairs), to_cpu)
+
+
+class DistributedExecutor(Executor):
+    """Driver of one replica's ``world_size`` workers (transport in subclasses).
+
+    Args:
+        config: the engine config (``max_num_batched_tokens`` already resolved).
+        max_model_len: resolved by the builder.
+        device: the driver's device (where the sampler runs).
+    """
+
+    def __init__(self, config, max_model_len: int, device: torch.device) -> None:
+        self.config = config
+        self.max_model_len = max_model_len
+        self.device = device
+        self.world_size = config.parallel.world_size
+        self.timeout_s = config.parallel.worker_timeout_s
+        self.dead: BaseException | None = None
+        self.allocator = None
+        self.output_rank = (config.parallel.pipeline_parallel_size - 1) * config.parallel.tensor_parallel_size
+        self.runner = _WorkerRunner(self)
+        self._out_buf: torch.Tensor | None = None
+
+    # -- transport (subclasses) ---------------------------------------------------------
+    @abstractmethod
+    def _call_all(self, method: str, args: tuple, timeout: float) -> list[Any]:
+        """Call ``Worker.<method>(*args)`` on every rank; return the results by rank.
+        Raises :class:`WorkerError` (or the remote ``ValueError`` while loading)."""
+
+    @abstractmethod
+    def _kill_workers(self) -> None:
+        """Stop every worker now, without waiting for them."""
+
+    def _share_output(self) -> bool:
+        """Whether workers can hand the logits over through a buffer shared once."""
+        return False
+
+    # -- driver API ---------------------------------------------------------------------
+    def call_all(self, method: str, *args, timeout: float | None = None) -> list[Any]:
+        self.check_health()
+        try:
+            return self._call_all(method, args, self.timeout_s if timeout is None else timeout)
+        except BaseException as e:
+            self._mark_dead(e)
+            raise
+
+    def check_health(self) -> None:
+        if self.dead is not None:
+            raise WorkerError(f"the distributed executor is dead ({type(self.dead).__name__}: {self.dead}); "
+                              "rebuild the engine")
+
+    def _mark_dead(self, exc: BaseException) -> None:
+        if self.dead is None:
+            self.dead = exc
+            log.error("distributed executor failed: %s: %s; stopping its workers", type(exc).__name__, exc)
+            try:
+                self._kill_workers()
+            except Exception:  # noqa: BLE001
+                log.exception("could not stop the workers")
+
+    def load_model(self, timeout: float) -> list[dict]:
+        """Every rank builds its model shard; returns their reports."""
+        return self.call_all("load_model", timeout=timeout)
+
+    def init_cache(self, allocator, num_blocks: int, num_cpu_blocks: int, timeout: float) -> None:
+        self.allocator = allocator
+        res = self.call_all("init_cache", num_blocks, num_cpu_blocks, self._share_output(), timeout=timeout)
+        buf = res[self.output_rank]
+        self._out_buf = buf if isinstance(buf, torch.Tensor) else None
+
+    def execute(self, so):
+        """One step on the workers -> :class:`~kvforge.engine.model_runner.ExecuteOutput`."""
+        from kvforge.engine.model_runner import ExecuteOutput
+        self.check_health()
+        msg, plan = encode_step(so, self.allocator)
+        res = self.call_all("execute", msg)
+        n, data = res[self.output_rank]
+        if data is not None:
+            logits = torch.from_numpy(data if data.flags.writeable else data.copy()).to(self.device)
+        elif n:
+            logits = self._out_buf[:n].to(self.device, copy=True)
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()  # read before the buffer is reused
+        else:
+            logits = torch.empty((0, 0), dtype=torch.float32, device=self.device)
+        k = plan.num_sample_rows
+        sample = logits[:k] if k else torch.empty((0, 0), dtype=torch.float32, device=self.device)
+        prompt = {rid: (first, logits[k + off:k + off + cnt]) for rid, first, off, cnt in plan.prompt_slices}
+        return ExecuteOutput(sample, plan.sample_requests, prompt)
+
+    def shutdown(self) -> None:
+        if self.dead is None:
+            self.dead = RuntimeError("executor was shut down")
+            try:
+                self._shutdown_workers()
+            except Exception:  # noqa: BLE001
+                pass
+            self._kill_workers()
+
+    def _shutdown_workers(self) -> None:
+        """Ask the workers to leave cleanly (best effort, short timeout)."""
+        try:
+            self._call_all("shutdown", (), 5.0)
+        except BaseException:  # noqa: BLE001
+            pass

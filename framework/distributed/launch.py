@@ -1,0 +1,67 @@
+"""Engine build for a replica of several ranks: start the workers (they build the model
+shards), size the KV cache from what fits on every rank, then build the driver's
+allocator and scheduler. Called by ``build_engine_parts`` when
+``tensor_parallel_size * pipeline_parallel_size > 1``.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+log = logging.getLogger("kvforge.distributed")
+
+#: Seconds allowed for loading the model and capturing CUDA graphs on the workers.
+INIT_TIMEOUT_S = 1800.0
+
+
+def make_executor(config, max_model_len: int, device: torch.device):
+    """The executor ``parallel.distributed_executor_backend`` names (default ``mp``)."""
+    backend = config.parallel.distributed_executor_backend or "mp"
+    if backend == "ray":
+        from kvforge.distributed.ray_executor import RayExecutor
+        return RayExecutor(config, max_model_len, device)
+    from kvforge.distributed.mp import MultiprocExecutor
+    return MultiprocExecutor(config, max_model_len, device)
+
+
+def build_parallel_parts(config, registry, hf_config, arch: str, device: torch.device, dtype: torch.dtype,
+                         max_model_len: int, sched_spec, sched_settings: Any, alloc_spec, alloc_settings: Any):
+    """:class:`~kvforge.engine.builder.EngineParts` whose model lives on the workers
+    (``model``/``backend`` None, no KV tensors here; ``executor`` set).
+
+    Raises:
+        ValueError: bad parallel sizes for this model, or a worker's build error.
+        kvforge.distributed.executor_base.WorkerError: a worker failed or died while loading.
+    """
+    from kvforge.engine.builder import EngineParts
+    from kvforge.interfaces import SchedulerContext
+
+    par = config.parallel
+    if par.pipeline_parallel_size > hf_config.num_hidden_layers:
+        raise ValueError(f"parallel.pipeline_parallel_size {par.pipeline_parallel_size} exceeds the model's "
+                         f"{hf_config.num_hidden_layers} layers")
+    executor = make_executor(config, max_model_len, device)
+    try:
+        infos = executor.load_model(timeout=INIT_TIMEOUT_S)
+        num_blocks = config.cache.num_gpu_blocks or min(i["num_blocks"] for i in infos)
+        block_bytes = max(i["block_bytes"] for i in infos)
+        num_cpu_blocks = config.cache.swap_space_bytes // max(block_bytes, 1)
+        allocator = alloc_spec.factory(num_blocks, config.cache.block_size, alloc_settings, config.cache)
+        executor.init_cache(allocator, num_blocks, num_cpu_blocks, timeout=INIT_TIMEOUT_S)
+    except BaseException:
+        executor.shutdown()
+        raise
+    scheduler = sched_spec.factory(config.scheduler, allocator, sched_settings,
+                                   SchedulerContext(max_model_len, num_cpu_blocks))
+    choices = {"model": arch, "scheduler": sched_spec.name, "kv_allocator": alloc_spec.name,
+               **infos[0]["choices"], "executor": par.distributed_executor_backend or "mp",
+               "parallel": f"tp={par.tensor_parallel_size} pp={par.pipeline_parallel_size}"
+                           + (" ep" if par.enable_expert_parallel else "")}
+    log.info("kvforge engine: %s on %d ranks (%s), %d KV blocks of %d tokens", choices, par.world_size,
+             infos[0]["device"], num_blocks, config.cache.block_size)
+    parts = EngineParts(config, hf_config, device, dtype, None, None, allocator, scheduler, [], [], max_model_len,
+                        choices, False, drafters={})
+    parts.executor = executor
+    return parts

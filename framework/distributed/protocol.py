@@ -1,0 +1,176 @@
+"""What the driver sends the workers each step, and how a worker turns it into tensors.
+
+The driver (the engine's process: scheduler, KV allocator, sampler) owns every
+:class:`~kvforge.engine.request.Request`; workers own the model shards and KV caches.
+A step crosses as a :class:`StepMessage` of flat numpy arrays (cheap to pickle): the new
+tokens of every scheduled request, where they start, their block tables, and which rows
+need logits. The row rule is :meth:`kvforge.engine.model_runner.ModelRunner.execute`'s:
+the last ``1 + num_drafts`` rows of a request that reaches its last known token, and the
+prompt rows of a request that asks for ``prompt_logprobs``.
+
+For pipeline parallelism a worker splits the step into micro-batches of whole requests
+(GPipe, Huang et al. 2019), balanced by token count; every rank computes the same split.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from kvforge.interfaces import AttentionInputs
+
+
+@dataclass
+class StepMessage:
+    """One step, flattened. B requests, T new tokens, R logit rows.
+
+    Attributes:
+        tokens: int64 [T] new token ids, request after request.
+        starts: int64 [B] position of each request's first new token (its computed tokens).
+        qlens: int64 [B] new tokens per request.
+        tables: int32 [sum(table_lens)] block tables, concatenated.
+        table_lens: int64 [B].
+        rows: int64 [R] rows of the flattened batch whose logits are returned, in order
+            (first the sampling rows, then the prompt-logprob rows).
+        swap_out, swap_in: (src, dst) block pairs copied before the forward.
+    """
+
+    tokens: np.ndarray
+    starts: np.ndarray
+    qlens: np.ndarray
+    tables: np.ndarray
+    table_lens: np.ndarray
+    rows: np.ndarray
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+
+
+@dataclass
+class StepPlan:
+    """Driver-side bookkeeping of a :class:`StepMessage`: what the returned rows mean."""
+
+    sample_requests: list
+    num_sample_rows: int
+    prompt_slices: list[tuple[str, int, int, int]]  # (request_id, first position, row offset, rows)
+
+
+def encode_step(so, allocator) -> tuple[StepMessage, StepPlan]:
+    """Flatten a :class:`~kvforge.interfaces.SchedulerOutput` (driver side)."""
+    toks: list[int] = []
+    starts, qlens, table_lens = [], [], []
+    tables: list[int] = []
+    sample_rows: list[int] = []
+    prompt_rows: list[int] = []
+    sample_reqs = []
+    prompt_slices = []
+    offset = 0
+    for req in so.scheduled:
+        rid = req.request_id
+        n = so.num_scheduled_tokens[rid]
+        start = req.num_computed_tokens
+        drafts = so.spec_token_ids.get(rid) if so.spec_token_ids else None
+        if drafts:  # verification: the drafts follow the last token
+            toks.extend((req.token_slice(start, req.num_tokens) + list(drafts))[:n])
+        elif n == 1:
+            toks.append(req.token_id_at(start))
+        else:
+            toks.extend(req.token_slice(start, start + n))
+        table = allocator.get_block_table(rid)
+        tables.extend(table)
+        table_lens.append(len(table))
+        starts.append(start)
+        qlens.append(n)
+        if start + n >= req.num_tokens:
+            nd = len(drafts or ())
+            sample_rows.extend(range(offset + n - 1 - nd, offset + n))
+            sample_reqs.append(req)
+        if req.sampling_params.prompt_logprobs is not None and start < req.num_prompt_tokens - 1:
+            hi = min(start + n, req.num_prompt_tokens - 1)
+            prompt_slices.append((rid, start + 1, len(prompt_rows), hi - start))
+            prompt_rows.extend(range(offset, offset + hi - start))
+        offset += n
+    msg = StepMessage(np.asarray(toks, dtype=np.int64), np.asarray(starts, dtype=np.int64),
+                      np.asarray(qlens, dtype=np.int64), np.asarray(tables, dtype=np.int32),
+                      np.asarray(table_lens, dtype=np.int64),
+                      np.asarray(sample_rows + prompt_rows, dtype=np.int64),
+                      list(so.swap_out), list(so.swap_in))
+    return msg, StepPlan(sample_reqs, len(sample_rows), prompt_slices)
+
+
+@dataclass
+class MicroBatch:
+    """Tensors of a group of whole requests: ``input_ids``/``positions`` [t], attention
+    inputs, ``row_idx`` rows of this group (local) that need logits and ``out_idx`` their
+    places in the step's row order."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    inputs: AttentionInputs
+    row_idx: torch.Tensor
+    out_idx: torch.Tensor
+    num_tokens: int
+
+
+def split_requests(qlens: np.ndarray, num_parts: int) -> list[tuple[int, int]]:
+    """Contiguous request ranges ``[lo, hi)``, at most ``num_parts``, each non-empty, with
+    token counts as even as whole requests allow (cut where the running total passes
+    each ``k / num_parts`` of the tokens)."""
+    b = len(qlens)
+    num_parts = max(1, min(num_parts, b))
+    if num_parts == 1:
+        return [(0, b)]
+    cum = np.cumsum(qlens)
+    total = int(cum[-1])
+    cuts = [0]
+    for k in range(1, num_parts):
+        c = int(np.searchsorted(cum, total * k / num_parts, side="left")) + 1
+        c = max(c, cuts[-1] + 1)
+        c = min(c, b - (num_parts - k))
+        cuts.append(c)
+    cuts.append(b)
+    return [(cuts[i], cuts[i + 1]) for i in range(num_parts)]
+
+
+def build_micro_batches(msg: StepMessage, num_parts: int, block_size: int, device: torch.device) -> list[MicroBatch]:
+    """The step's micro-batches as device tensors (the layout of ``ModelRunner._prepare``),
+    built with vectorized numpy (no per-request Python work)."""
+    tok_off = np.zeros(len(msg.qlens) + 1, dtype=np.int64)
+    np.cumsum(msg.qlens, out=tok_off[1:])
+    tab_off = np.zeros(len(msg.table_lens) + 1, dtype=np.int64)
+    np.cumsum(msg.table_lens, out=tab_off[1:])
+    rows = msg.rows
+    bs = block_size
+    out = []
+    for lo, hi in split_requests(msg.qlens, num_parts):
+        b = hi - lo
+        t0, t1 = int(tok_off[lo]), int(tok_off[hi])
+        q = msg.qlens[lo:hi].astype(np.int64)
+        ctx = msg.starts[lo:hi].astype(np.int64)
+        qsl = tok_off[lo:hi + 1] - t0
+        row = np.repeat(np.arange(b), q)
+        pos = ctx[row] + (np.arange(t1 - t0) - qsl[:-1][row])
+        tl = msg.table_lens[lo:hi].astype(np.int64)
+        flat = msg.tables[tab_off[lo]:tab_off[hi]]
+        trow = np.repeat(np.arange(b), tl)
+        table_np = np.zeros((b, max(int(tl.max()), 1)), dtype=np.int32)
+        table_np[trow, np.arange(flat.shape[0]) - (tab_off[lo:hi] - tab_off[lo])[trow]] = flat
+        slots = table_np[row, pos // bs].astype(np.int64) * bs + pos % bs
+        seq = ctx + q
+        inputs = AttentionInputs(
+            query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(device),
+            context_lens=torch.from_numpy(ctx.astype(np.int32)).to(device),
+            seq_lens=torch.from_numpy(seq.astype(np.int32)).to(device),
+            block_table=torch.from_numpy(table_np).to(device),
+            slot_mapping=torch.from_numpy(slots).to(device),
+            max_query_len=int(q.max()),
+            max_seq_len=int(seq.max()),
+            query_lens_cpu=q.tolist(),
+            context_lens_cpu=ctx.tolist(),
+            block_size=bs,
+        )
+        sel = np.nonzero((rows >= t0) & (rows < t1))[0]
+        out.append(MicroBatch(torch.from_numpy(msg.tokens[t0:t1]).to(device), torch.from_numpy(pos).to(device),
+                              inputs, torch.from_numpy(rows[sel] - t0).to(device), torch.from_numpy(sel).to(device),
+                              t1 - t0))
+    return out

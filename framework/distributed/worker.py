@@ -1,0 +1,217 @@
+"""A worker: one rank of one engine replica. Holds its model shard and its KV caches and
+runs the forward of every step the driver sends (transport-agnostic: the mp and Ray
+executors both drive this class).
+
+Life cycle: ``Worker(...)`` -> :meth:`load_model` (joins the process groups, builds the
+model, reports how many KV blocks fit) -> :meth:`init_cache` (the driver's block count;
+captures CUDA graphs) -> :meth:`execute` per step -> :meth:`shutdown`.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import transformers.configuration_utils  # noqa: F401 - heavy lazy imports, done once by a forkserver
+import transformers.models.auto.configuration_auto  # noqa: F401
+import transformers.utils.type_validators  # noqa: F401 - (what every model config module imports)
+from transformers import AutoConfig
+
+from kvforge.distributed import parallel_state as ps
+from kvforge.distributed.communication import pp_isend, pp_recv
+from kvforge.distributed.protocol import StepMessage, build_micro_batches
+
+log = logging.getLogger("kvforge.worker")
+
+
+class Worker:
+    """Rank ``rank`` of a ``world_size``-rank replica.
+
+    Args:
+        config: the engine's :class:`~kvforge.config.EngineConfig` as a dict (``model_dump()``).
+        max_model_len: resolved by the driver.
+        device_index: the local CUDA device of this rank (ignored on CPU).
+        init_method: ``tcp://host:port`` rendezvous of the replica's process group.
+    """
+
+    def __init__(self, rank: int, world_size: int, config: dict, max_model_len: int, device_index: int,
+                 init_method: str) -> None:
+        from kvforge.config import EngineConfig
+        self.rank = rank
+        self.world_size = world_size
+        self.config = EngineConfig.model_validate(config)
+        self.max_model_len = max_model_len
+        self.device_index = device_index
+        self.init_method = init_method
+        self.graphs = None
+        self.out_buf: torch.Tensor | None = None
+
+    # -- build --------------------------------------------------------------------------
+    def load_model(self) -> dict[str, Any]:
+        """Join the process groups, build this rank's model shard and load its weights.
+
+        Returns: ``num_blocks`` (KV blocks that fit here), ``block_bytes`` (bytes of one
+        block on this rank), ``choices`` (plugins picked), ``is_output_rank``.
+        """
+        from kvforge.engine.builder import _num_blocks, build_model_stack, resolve_device, resolve_dtype
+        from kvforge.layers.attention import PagedAttention
+        from kvforge.plugin_manager import load_registry
+
+        cfg = self.config
+        par = cfg.parallel
+        device = resolve_device(cfg.model.device)
+        if device.type == "cuda":
+            device = torch.device("cuda", self.device_index)
+        self.device = device
+        self.state = ps.init_parallel_state(
+            rank=self.rank, world_size=self.world_size, tp_size=par.tensor_parallel_size,
+            pp_size=par.pipeline_parallel_size, init_method=self.init_method, device=device,
+            expert_parallel=par.enable_expert_parallel, timeout_s=par.worker_timeout_s)
+        registry = load_registry()
+        hf_config = AutoConfig.from_pretrained(cfg.model.model, local_files_only=True)
+        arch = (getattr(hf_config, "architectures", None) or ["?"])[0]
+        model_spec = registry.get("model", arch)
+        if par.pipeline_parallel_size > 1 and not getattr(model_spec.factory, "supports_pipeline_parallel", False):
+            raise ValueError(f"model {arch!r} ({model_spec.name}) does not support pipeline parallelism "
+                             "(its class lacks supports_pipeline_parallel)")
+        self.hf_config = hf_config
+        self.dtype = resolve_dtype(cfg.model.dtype, hf_config)
+        stack = build_model_stack(registry, hf_config, model_spec, cfg.model.model, dtype=self.dtype, device=device,
+                                  block_size=cfg.cache.block_size, attention=cfg.attention,
+                                  quant_method=cfg.quantization.method, quant_settings=cfg.quantization.settings,
+                                  load_format=cfg.model.load_format, seed=cfg.model.seed)
+        self.model, self.backend, self.stack = stack.model, stack.backend, stack
+        self.attn_spec = stack.attn_spec
+        # This rank's attention layers (a pipeline stage has only some) and their local KV heads.
+        self.layers = {m.layer.layer_idx: m.layer for m in self.model.modules() if isinstance(m, PagedAttention)}
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        bs = cfg.cache.block_size
+        self.block_bytes = sum(2 * bs * L.num_kv_heads * L.head_size * elem for L in self.layers.values())
+        num_blocks = _num_blocks(cfg, device, max(self.block_bytes, 1), self.max_model_len)
+        st = self.state
+        self.is_output_rank = st.is_last_stage and st.tp_rank == 0
+        return {"num_blocks": num_blocks, "block_bytes": self.block_bytes, "is_output_rank": self.is_output_rank,
+                "choices": {"attention": stack.attn_spec.name, "quantizer": stack.quant_spec.name},
+                "device": str(device)}
+
+    def init_cache(self, num_blocks: int, num_cpu_blocks: int, share_output: bool) -> Any:
+        """Allocate the KV caches (``num_blocks`` + one scratch block), capture CUDA graphs.
+
+        Returns: on the output rank with ``share_output``, the logits buffer the driver
+        reads (shared once; CUDA IPC on GPU); else None.
+        """
+        cfg = self.config
+        bs = cfg.cache.block_size
+        n_layers = self.hf_config.num_hidden_layers
+        self.kv_caches, self.cpu_caches = [], []
+        for i in range(n_layers):
+            L = self.layers.get(i)
+            if L is None:  # another pipeline stage's layer
+                self.kv_caches.append(torch.empty(0, dtype=self.dtype, device=self.device))
+                continue
+            shape = self.backend.kv_cache_shape(num_blocks + 1, bs, L.num_kv_heads, L.head_size)
+            self.kv_caches.append(torch.zeros(shape, dtype=self.dtype, device=self.device))
+            if num_cpu_blocks:
+                cshape = self.backend.kv_cache_shape(num_cpu_blocks, bs, L.num_kv_heads, L.head_size)
+                self.cpu_caches.append(torch.zeros(cshape, dtype=self.dtype, device="cpu",
+                                                   pin_memory=self.device.type == "cuda"))
+        self.num_blocks = num_blocks
+        par = cfg.parallel
+        use_graphs = (self.device.type == "cuda" and not cfg.model.enforce_eager and par.pipeline_parallel_size == 1
+                      and not self.state.expert_parallel and bool(self.attn_spec.capabilities.get("cuda_graphs"))
+                      and getattr(self.model, "supports_cuda_graphs", True))
+        if use_graphs:
+            from kvforge.engine.cuda_graphs import CudaGraphRunner
+            self.graphs = CudaGraphRunner(self.model, self.backend, self.kv_caches,
+                                          min(cfg.scheduler.max_num_seqs, 512), self.max_model_len, bs,
+                                          scratch_block=num_blocks, device=self.device)
+            self.graphs.capture()
+        if share_output and self.is_output_rank:
+            rows = max(cfg.scheduler.max_num_seqs, 1)
+            self.out_buf = torch.empty(rows, self.hf_config.vocab_size, dtype=torch.float32, device=self.device)
+            return self.out_buf
+        return None
+
+    # -- step ---------------------------------------------------------------------------
+    def swap(self, pairs: list[tuple[int, int]], to_cpu: bool) -> None:
+        """Copy whole blocks between this rank's device and CPU caches (ModelRunner.swap)."""
+        if not pairs:
+            return
+        dim = self.backend.block_dim
+        src_ids = torch.tensor([p[0] for p in pairs], dtype=torch.int64)
+        dst_ids = torch.tensor([p[1] for p in pairs], dtype=torch.int64)
+        caches = [c for c in self.kv_caches if c.numel()]
+        for dev_cache, cpu_cache in zip(caches, self.cpu_caches):
+            src, dst = (dev_cache, cpu_cache) if to_cpu else (cpu_cache, dev_cache)
+            blocks = src.index_select(dim, src_ids.to(src.device))
+            dst.index_copy_(dim, dst_ids.to(dst.device), blocks.to(dst.device))
+
+    @torch.inference_mode()
+    def execute(self, msg: StepMessage) -> Any:
+        """Run one step. Returns, on the output rank, ``(num_rows, logits)`` with ``logits``
+        a float32 numpy array [R, V], or None when the rows were written to the shared
+        buffer; on the other ranks None."""
+        from kvforge.interfaces import ForwardMetadata
+        self.swap(msg.swap_out, to_cpu=True)
+        self.swap(msg.swap_in, to_cpu=False)
+        if len(msg.qlens) == 0:
+            return (0, None) if self.is_output_rank else None
+        st = self.state
+        par = self.config.parallel
+        num_mb = (par.pipeline_micro_batches or st.pp_size) if st.pp_size > 1 else 1
+        mbs = build_micro_batches(msg, num_mb, self.config.cache.block_size, self.device)
+        n_rows = len(msg.rows)
+        logits = None
+        if st.pp_size == 1:
+            mb = mbs[0]
+            hidden = None
+            if self.graphs is not None and mb.inputs.max_query_len == 1:
+                hidden = self.graphs.run(mb.input_ids, mb.positions, mb.inputs)
+            if hidden is None:
+                meta = ForwardMetadata(self.backend.build_metadata(mb.inputs), self.kv_caches)
+                hidden = self.model(mb.input_ids, mb.positions, meta)
+            if n_rows:
+                logits = self.model.compute_logits(hidden[mb.row_idx])
+        else:
+            logits = self._pipeline(mbs, n_rows)
+        if not self.is_output_rank:
+            return None
+        if logits is None:
+            return (0, None)
+        if self.out_buf is not None and n_rows <= self.out_buf.shape[0]:
+            self.out_buf[:n_rows].copy_(logits)
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()
+            return (n_rows, None)
+        return (n_rows, logits.float().cpu().numpy())
+
+    def _pipeline(self, mbs, n_rows: int) -> torch.Tensor | None:
+        """GPipe forward over the micro-batches: receive a micro-batch's activations from the
+        previous stage, run this stage's layers, send them on without waiting (``isend``),
+        and start the next micro-batch — so stage s works on micro-batch m while stage s+1
+        works on m - 1. The last stage computes the logits of each micro-batch's rows."""
+        from kvforge.interfaces import ForwardMetadata
+        st = self.state
+        h = self.hf_config.hidden_size
+        sends = []
+        logits = None
+        if st.is_last_stage and n_rows:
+            logits = torch.empty(n_rows, self.hf_config.vocab_size, dtype=torch.float32, device=self.device)
+        for mb in mbs:
+            inter = None
+            if not st.is_first_stage:
+                buf = pp_recv((2, mb.num_tokens, h), self.dtype, st.pp_rank - 1, self.device)
+                inter = {"hidden_states": buf[0], "residual": buf[1]}
+            meta = ForwardMetadata(self.backend.build_metadata(mb.inputs), self.kv_caches)
+            out = self.model(mb.input_ids, mb.positions, meta, intermediate_tensors=inter)
+            if not st.is_last_stage:
+                sends.append(pp_isend(torch.stack([out["hidden_states"], out["residual"]]), st.pp_rank + 1))
+            elif logits is not None and mb.row_idx.numel():
+                logits[mb.out_idx] = self.model.compute_logits(out[mb.row_idx])
+        for w in sends:
+            w.wait()
+        return logits
+
+    def shutdown(self) -> None:
+        ps.destroy_parallel_state()
+
