@@ -1,0 +1,227 @@
+"""Capability declarations and the build-time compatibility check.
+
+A plugin declares what it supports as keyword arguments of its ``register``
+call (``register("paged", make_paged, PagedSettings, prefix_caching=True)``);
+they land in :attr:`kvforge.plugin_manager.PluginSpec.capabilities`.
+:func:`check_capabilities` runs once per engine build, after names and
+settings are resolved and before the model is built or any weight is read,
+and refuses an incompatible combination with a message naming both plugins.
+
+Rule: a check refuses only on a *declared* conflict. A missing key means "not
+declared": no restriction for lists (``dtypes``, ``block_sizes``, ``devices``)
+and for opt-out flags (``rollback``, ``spec_decode``, ``priorities`` refuse only
+when declared False), and "no" for the features another plugin may require
+(``prefix_caching``, ``eviction_hints``). Known keys must have the documented
+type (a typo'd value fails the build, naming the plugin); unknown keys are
+allowed (free-form) but logged once, as they are likely typos.
+"""
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvforge.config import EngineConfig
+    from kvforge.plugin_manager import PluginSpec, Registry
+
+log = logging.getLogger("kvforge")
+
+_DTYPE_NAMES = ("float32", "float16", "bfloat16")
+_DEVICE_TYPES = ("cpu", "cuda")
+
+#: kind -> capability key -> (type check name, meaning). Documented in docs/plugins.md.
+KNOWN_CAPABILITIES: dict[str, dict[str, tuple[str, str]]] = {
+    "attention": {
+        "priority": ("int", "order among `attention.backend: auto` candidates; higher wins"),
+        "dtypes": ("dtypes", "model dtypes it computes in; the configured dtype must be listed"),
+        "block_sizes": ("ints", "KV block sizes (tokens) it supports; cache.block_size must be listed"),
+        "devices": ("devices", "device types it runs on ('cpu', 'cuda'); the engine's device must be listed"),
+        "cuda_graphs": ("bool", "pure-decode steps can be captured in CUDA graphs"),
+        "spec_decode": ("bool", "False: cannot verify draft tokens (multi-token decode rows); refuses drafters"),
+    },
+    "kv_allocator": {
+        "prefix_caching": ("bool", "implements get_computed_tokens (automatic prefix caching)"),
+        "block_sizes": ("ints", "block sizes it supports; cache.block_size must be listed"),
+        "rollback": ("bool", "False: cannot return rejected draft slots (free_tail) or caches lookahead "
+                             "blocks; refuses drafters"),
+        "eviction_hints": ("strs", "per-request eviction hints it honours; request_choices.eviction_hints "
+                                   "must be a subset"),
+    },
+    "scheduler": {
+        "requires_prefix_caching": ("bool", "needs an allocator declaring prefix_caching=True and "
+                                            "cache.enable_prefix_caching: true"),
+        "priorities": ("bool", "False: ignores request priority; refuses request_choices.priorities"),
+        "spec_decode": ("bool", "False: cannot schedule draft tokens; refuses drafters"),
+        "chunked_prefill": ("bool", "splits prompts across steps (informational)"),
+    },
+    "quantizer": {
+        "dtypes": ("dtypes", "activation dtypes it supports; the configured dtype must be listed"),
+        "devices": ("devices", "device types it runs on"),
+    },
+    "drafter": {
+        "needs_hidden_states": ("bool", "propose() receives the target's last hidden states"),
+        "max_speculative_tokens": ("int", "largest speculative.num_speculative_tokens it supports"),
+        "dtypes": ("dtypes", "model dtypes it supports"),
+        "devices": ("devices", "device types it runs on"),
+    },
+    "model": {},
+}
+
+_warned: set[tuple[str, str, str]] = set()
+
+
+def describe(spec: "PluginSpec") -> str:
+    """``scheduler 'fcfs' (plugin fcfs, distribution kvforge 0.1.0)``."""
+    return f"{spec.kind} {spec.name!r} (plugin {spec.plugin}, distribution {spec.distribution} {spec.version})"
+
+
+def _type_ok(kind: str, value: Any) -> bool:
+    def seq(items_ok) -> bool:
+        return isinstance(value, (list, tuple, set, frozenset)) and all(items_ok(v) for v in value)
+
+    if kind == "bool":
+        return isinstance(value, bool)
+    if kind == "int":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind == "ints":
+        return seq(lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0)
+    if kind == "strs":
+        return seq(lambda v: isinstance(v, str))
+    if kind == "dtypes":
+        return seq(lambda v: v in _DTYPE_NAMES)
+    if kind == "devices":
+        return seq(lambda v: v in _DEVICE_TYPES)
+    return True
+
+
+def validate_declarations(spec: "PluginSpec") -> None:
+    """Check the types of ``spec``'s known capability keys; log unknown keys once.
+
+    Raises:
+        ValueError: naming the plugin and the key.
+    """
+    known = KNOWN_CAPABILITIES.get(spec.kind, {})
+    for key, value in spec.capabilities.items():
+        if key not in known:
+            tag = (spec.kind, spec.name, key)
+            if tag not in _warned:
+                _warned.add(tag)
+                log.warning("%s declares unknown capability %r (known for %s: %s)", describe(spec), key, spec.kind,
+                            ", ".join(sorted(known)) or "none")
+            continue
+        kind, meaning = known[key]
+        if not _type_ok(kind, value):
+            allowed = {"dtypes": f" from {_DTYPE_NAMES}", "devices": f" from {_DEVICE_TYPES}"}.get(kind, "")
+            raise ValueError(f"{describe(spec)} declares capability {key}={value!r}, which must be of type "
+                             f"{kind}{allowed} ({meaning})")
+
+
+def _listed(spec: "PluginSpec", key: str, value: Any, what: str) -> None:
+    declared = spec.capabilities.get(key)
+    if declared is not None and value not in declared:
+        raise ValueError(f"{describe(spec)} does not support {what} {value!r} (it declares {key}="
+                         f"{tuple(declared)!r})")
+
+
+def resolve_specs(config: "EngineConfig", registry: "Registry", hf_config, dtype: "torch.dtype",
+                  device: "torch.device") -> dict[str, "PluginSpec"]:
+    """The spec of every plugin the config selects, resolved without building anything
+    (``attention.backend: auto`` is resolved by the backends' ``validate``, as the builder does)."""
+    from kvforge.engine.builder import choose_attention
+    from kvforge.interfaces import AttentionRequirements
+    specs = {"scheduler": registry.get("scheduler", config.scheduler.name),
+             "kv_allocator": registry.get("kv_allocator", config.cache.allocator)}
+    if config.speculative.method is not None:
+        specs["drafter"] = registry.get("drafter", config.speculative.method)
+    hf_quant = getattr(hf_config, "quantization_config", None)
+    if hf_quant is not None and not isinstance(hf_quant, dict):
+        hf_quant = hf_quant.to_dict()
+    qname = config.quantization.method
+    if qname == "auto":
+        qname = (hf_quant or {}).get("quant_method", "unquantized")
+    specs["quantizer"] = registry.get("quantizer", qname)
+    num_heads = hf_config.num_attention_heads
+    num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+    req = AttentionRequirements(dtype, head_dim, num_heads, num_kv_heads, config.cache.block_size, dtype,
+                                getattr(hf_config, "sliding_window", None))
+    specs["attention"], _ = choose_attention(registry, config.attention.backend, req, device)
+    return specs
+
+
+def check_combination(config: "EngineConfig", specs: dict[str, "PluginSpec"], dtype_name: str,
+                      device_type: str, registry: "Registry | None" = None) -> None:
+    """The compatibility rules over resolved specs (kind -> spec).
+
+    Raises:
+        ValueError: the first conflict, naming both plugins (or the plugin and the config field).
+    """
+    for spec in specs.values():
+        validate_declarations(spec)
+    bs = config.cache.block_size
+    attn, alloc, sched = specs.get("attention"), specs["kv_allocator"], specs["scheduler"]
+    quant, drafter = specs.get("quantizer"), specs.get("drafter")
+    if attn is not None:
+        _listed(attn, "dtypes", dtype_name, "model dtype")
+        _listed(attn, "block_sizes", bs, "cache.block_size")
+        _listed(attn, "devices", device_type, "device")
+    _listed(alloc, "block_sizes", bs, "cache.block_size")
+    if quant is not None:
+        _listed(quant, "dtypes", dtype_name, "model dtype")
+        _listed(quant, "devices", device_type, "device")
+    if sched.capabilities.get("requires_prefix_caching"):
+        if alloc.capabilities.get("prefix_caching") is not True:
+            raise ValueError(f"incompatible plugins: {describe(sched)} requires prefix caching, but "
+                             f"{describe(alloc)} does not declare prefix_caching=True; choose another "
+                             f"cache.allocator or scheduler.name")
+        if not config.cache.enable_prefix_caching:
+            raise ValueError(f"{describe(sched)} requires prefix caching: set cache.enable_prefix_caching: true "
+                             f"(flag --enable-prefix-caching true)")
+    drafters = [drafter] if drafter is not None else []
+    rc = getattr(config, "request_choices", None)
+    for name in (rc.drafters if rc is not None and registry is not None else ()):
+        if name != "none" and all(d.name != name for d in drafters):
+            try:
+                drafters.append(registry.get("drafter", name))
+            except ValueError as e:
+                raise ValueError(f"request_choices.drafters: {e}") from None
+    for drafter in drafters:
+        validate_declarations(drafter)
+        _listed(drafter, "dtypes", dtype_name, "model dtype")
+        _listed(drafter, "devices", device_type, "device")
+        for other, key, what in ((alloc, "rollback", "cannot roll back rejected draft slots"),
+                                 (sched, "spec_decode", "cannot schedule draft tokens"),
+                                 (attn, "spec_decode", "cannot verify draft tokens")):
+            if other is not None and other.capabilities.get(key) is False:
+                raise ValueError(f"incompatible plugins: {describe(drafter)} needs speculative decoding support, "
+                                 f"but {describe(other)} {what} (it declares {key}=False)")
+        cap = drafter.capabilities.get("max_speculative_tokens")
+        if cap is not None and config.speculative.num_speculative_tokens > cap:
+            raise ValueError(f"speculative.num_speculative_tokens {config.speculative.num_speculative_tokens} "
+                             f"exceeds the {cap} that {describe(drafter)} supports (max_speculative_tokens)")
+    if rc is not None:
+        honoured = alloc.capabilities.get("eviction_hints") or ()
+        missing = [h for h in rc.eviction_hints if h not in honoured]
+        if missing:
+            raise ValueError(f"request_choices.eviction_hints {missing} are not honoured by {describe(alloc)} "
+                             f"(it declares eviction_hints={tuple(honoured)!r})")
+        if rc.priorities is not None and sched.capabilities.get("priorities") is False:
+            raise ValueError(f"request_choices.priorities is set, but {describe(sched)} ignores request priority "
+                             f"(it declares priorities=False)")
+
+
+def check_capabilities(config: "EngineConfig", registry: "Registry", hf_config, dtype: "torch.dtype",
+                       device: "torch.device") -> dict[str, "PluginSpec"]:
+    """Resolve the selected plugins and refuse incompatible combinations; called once by
+    :func:`kvforge.engine.builder.build_engine_parts` before the model is built.
+
+    Returns: kind -> the resolved spec.
+
+    Raises:
+        ValueError: a declared conflict, naming both plugins (see the module docstring).
+    """
+    specs = resolve_specs(config, registry, hf_config, dtype, device)
+    check_combination(config, specs, str(dtype).removeprefix("torch."), device.type, registry)
+    return specs
