@@ -100,4 +100,4 @@ class TorchRefBackend(AttentionBackend):
 @hookimpl
 def kvforge_register_attention_backends(register) -> None:
     register("torch_ref", TorchRefBackend, priority=0, dtypes=("float32", "float16", "bfloat16"),
-             cuda_graphs=False)
+             devices=("cpu", "cuda"), cuda_graphs=False, spec_decode=True)

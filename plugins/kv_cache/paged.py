@@ -203,4 +203,4 @@ def make_paged(num_blocks: int, block_size: int, settings, cache_config) -> Page
 
 @hookimpl
 def kvforge_register_kv_allocators(register) -> None:
-    register("paged", make_paged, PagedSettings, prefix_caching=True)
+    register("paged", make_paged, PagedSettings, prefix_caching=True, rollback=True)

@@ -16,4 +16,5 @@ class ChunkedPrefillScheduler(QueueScheduler):
 
 @hookimpl
 def kvforge_register_schedulers(register) -> None:
-    register("chunked_prefill", queue_factory(ChunkedPrefillScheduler), QueueSettings)
+    register("chunked_prefill", queue_factory(ChunkedPrefillScheduler), QueueSettings, chunked_prefill=True,
+             priorities=False, spec_decode=True)

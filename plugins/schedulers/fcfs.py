@@ -18,4 +18,4 @@ make_fcfs = queue_factory(FCFSScheduler)
 
 @hookimpl
 def kvforge_register_schedulers(register) -> None:
-    register("fcfs", make_fcfs, QueueSettings)
+    register("fcfs", make_fcfs, QueueSettings, chunked_prefill=False, priorities=False, spec_decode=True)

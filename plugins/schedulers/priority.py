@@ -21,4 +21,5 @@ class PriorityScheduler(QueueScheduler):
 
 @hookimpl
 def kvforge_register_schedulers(register) -> None:
-    register("priority", queue_factory(PriorityScheduler), QueueSettings)
+    register("priority", queue_factory(PriorityScheduler), QueueSettings, chunked_prefill=True,
+             priorities=True, spec_decode=True)

@@ -18,4 +18,5 @@ class SJFScheduler(QueueScheduler):
 
 @hookimpl
 def kvforge_register_schedulers(register) -> None:
-    register("sjf", queue_factory(SJFScheduler), QueueSettings)
+    register("sjf", queue_factory(SJFScheduler), QueueSettings, chunked_prefill=True, priorities=False,
+             spec_decode=True)

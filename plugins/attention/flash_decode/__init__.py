@@ -135,4 +135,4 @@ class FlashDecodeBackend(AttentionBackend):
 @hookimpl
 def kvforge_register_attention_backends(register) -> None:
     register("flash_decode", FlashDecodeBackend, priority=5, dtypes=("float16", "bfloat16", "float32"),
-             block_sizes=(8, 16, 32), cuda_graphs=True)
+             block_sizes=(8, 16, 32), devices=("cuda",), cuda_graphs=True)
