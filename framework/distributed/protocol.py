@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from kvforge.engine.step_inputs import build_attention_inputs
 from kvforge.interfaces import AttentionInputs
 
 
@@ -147,30 +148,10 @@ def build_micro_batches(msg: StepMessage, num_parts: int, block_size: int, devic
         t0, t1 = int(tok_off[lo]), int(tok_off[hi])
         q = msg.qlens[lo:hi].astype(np.int64)
         ctx = msg.starts[lo:hi].astype(np.int64)
-        qsl = tok_off[lo:hi + 1] - t0
-        row = np.repeat(np.arange(b), q)
-        pos = ctx[row] + (np.arange(t1 - t0) - qsl[:-1][row])
         tl = msg.table_lens[lo:hi].astype(np.int64)
-        flat = msg.tables[tab_off[lo]:tab_off[hi]]
-        trow = np.repeat(np.arange(b), tl)
-        table_np = np.zeros((b, max(int(tl.max()), 1)), dtype=np.int32)
-        table_np[trow, np.arange(flat.shape[0]) - (tab_off[lo:hi] - tab_off[lo])[trow]] = flat
-        slots = table_np[row, pos // bs].astype(np.int64) * bs + pos % bs
-        seq = ctx + q
-        inputs = AttentionInputs(
-            query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(device),
-            context_lens=torch.from_numpy(ctx.astype(np.int32)).to(device),
-            seq_lens=torch.from_numpy(seq.astype(np.int32)).to(device),
-            block_table=torch.from_numpy(table_np).to(device),
-            slot_mapping=torch.from_numpy(slots).to(device),
-            max_query_len=int(q.max()),
-            max_seq_len=int(seq.max()),
-            query_lens_cpu=q.tolist(),
-            context_lens_cpu=ctx.tolist(),
-            block_size=bs,
-        )
+        pos, inputs, _ = build_attention_inputs(q, ctx, msg.tables[tab_off[lo]:tab_off[hi]], tl, bs, device)
         sel = np.nonzero((rows >= t0) & (rows < t1))[0]
-        out.append(MicroBatch(torch.from_numpy(msg.tokens[t0:t1]).to(device), torch.from_numpy(pos).to(device),
+        out.append(MicroBatch(torch.from_numpy(msg.tokens[t0:t1]).to(device), pos,
                               inputs, torch.from_numpy(rows[sel] - t0).to(device), torch.from_numpy(sel).to(device),
                               t1 - t0))
     return out

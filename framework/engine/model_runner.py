@@ -8,8 +8,8 @@ import numpy as np
 import torch
 
 from kvforge.engine.request import Request
-from kvforge.interfaces import (AttentionBackend, AttentionInputs, ForwardMetadata, KVAllocator, Model,
-                                SchedulerOutput)
+from kvforge.engine.step_inputs import build_attention_inputs
+from kvforge.interfaces import AttentionBackend, ForwardMetadata, KVAllocator, Model, SchedulerOutput
 
 
 @dataclass
@@ -77,39 +77,11 @@ class ModelRunner:
                 ids.extend((req.token_slice(start, req.num_tokens) + list(drafts))[:n])
             else:
                 ids.extend(req.token_slice(start, start + n))
-        bs = self.block_size
-        q_np = np.asarray(qlens, dtype=np.int64)
-        ctx_np = np.asarray(ctx_lens, dtype=np.int64)
-        qsl_np = np.zeros(b + 1, dtype=np.int64)
-        np.cumsum(q_np, out=qsl_np[1:])
-        total = int(qsl_np[-1])
-        row = np.repeat(np.arange(b), q_np)
-        pos = ctx_np[row] + (np.arange(total) - qsl_np[:-1][row])
         tlens = np.fromiter((len(t) for t in tables), dtype=np.int64, count=b)
-        width = int(tlens.max())
         flat = np.fromiter(chain.from_iterable(tables), dtype=np.int32, count=int(tlens.sum()))
-        trow = np.repeat(np.arange(b), tlens)
-        tstart = np.zeros(b, dtype=np.int64)
-        np.cumsum(tlens[:-1], out=tstart[1:])
-        table_np = np.zeros((b, width), dtype=np.int32)
-        table_np[trow, np.arange(flat.shape[0]) - tstart[trow]] = flat
-        slots = table_np[row, pos // bs].astype(np.int64) * bs + pos % bs
-        seq_np = ctx_np + q_np
-        dev = self.device
-        inputs = AttentionInputs(
-            query_start_loc=torch.from_numpy(qsl_np.astype(np.int32)).to(dev),
-            context_lens=torch.from_numpy(ctx_np.astype(np.int32)).to(dev),
-            seq_lens=torch.from_numpy(seq_np.astype(np.int32)).to(dev),
-            block_table=torch.from_numpy(table_np).to(dev),
-            slot_mapping=torch.from_numpy(slots).to(dev),
-            max_query_len=int(q_np.max()),
-            max_seq_len=int(seq_np.max()),
-            query_lens_cpu=qlens,
-            context_lens_cpu=ctx_lens,
-            block_size=bs,
-        )
-        qsl = qsl_np.tolist()
-        return (torch.tensor(ids, dtype=torch.int64, device=dev), torch.from_numpy(pos).to(dev), inputs, qsl)
+        pos, inputs, qsl = build_attention_inputs(np.asarray(qlens, dtype=np.int64), np.asarray(ctx_lens, dtype=np.int64),
+                                                  flat, tlens, self.block_size, self.device)
+        return torch.tensor(ids, dtype=torch.int64, device=self.device), pos, inputs, qsl
 
     def swap(self, pairs: list[tuple[int, int]], to_cpu: bool) -> None:
         """Copy whole blocks between device and CPU caches: (src, dst) block-id pairs."""
