@@ -151,14 +151,14 @@ def test_stop_holdback_and_delta():
 
 
 def test_soak_random_aborts_no_leak(core):
-    """1000 short requests, 48 at a time, a third aborted at random points: every stream
+    """3000 short requests, 48 at a time, a third aborted at random points: every stream
     ends, no id stays reserved, no KV block leaks, and the engine holds no request state."""
     import random
     import tracemalloc
 
     from helpers import fresh_rng
     rng: random.Random = fresh_rng("soak")
-    total, width = 1000, 48
+    total, width = 3000, 48
 
     async def go(eng):
         sem = asyncio.Semaphore(width)
@@ -192,7 +192,7 @@ def test_soak_random_aborts_no_leak(core):
         while eng.num_in_flight() and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.01)
         assert eng.num_in_flight() == 0
-        assert ended["finished"] + ended["aborted"] == total and ended["aborted"] > 60
+        assert ended["finished"] + ended["aborted"] == total and ended["aborted"] > 180
         assert grown < 2 * 2**20, f"traced memory grew by {grown / 2**20:.1f} MiB over 300 requests"
 
     _run(core, go)
