@@ -5,7 +5,7 @@
 1. Shared prefix: N requests = one 2000-token shared system prompt + 100 unique tokens,
    128 output tokens (ignore_eos), prefix caching on vs off; prints throughput and the ratio
    (target: on >= 4x off).
-2. Chunked prefill: 32 running decodes reach steady state, then one 8k-token prompt
+2. Chunked prefill: 32 running decodes reach steady state, then one 8000-token prompt
    arrives. ITL of the running decodes = wall time of each engine step (each step gives
    every running decode one token). Prints steady-state median ITL and the p99 ITL over
    the steps from the long prompt's arrival until its first token, for chunked_prefill
@@ -24,7 +24,7 @@ import torch
 from kvforge import LLM, SamplingParams
 
 
-SHARED, LONG = 2000, 8192
+SHARED, LONG = 2000, 8000
 
 
 def _sync():
@@ -98,6 +98,8 @@ if __name__ == "__main__":
     ap.add_argument("--num-requests", type=int, default=500)
     ap.add_argument("--output-json")
     ap.add_argument("--skip-prefix", action="store_true")
+    ap.add_argument("--chunk-budget", type=int, default=2048, help="max_num_batched_tokens for chunked_prefill")
+    ap.add_argument("--skip-unchunked", action="store_true")
     ap.add_argument("--smoke", action="store_true", help="tiny lengths for a CPU smoke run")
     a = ap.parse_args()
     if a.smoke:
@@ -109,7 +111,8 @@ if __name__ == "__main__":
         on = shared_prefix(a.model, a.num_requests, True)
         out["shared_prefix"] = {"off_req_s": off, "on_req_s": on, "ratio": on / off}
         print(f"shared prefix speed-up: {on / off:.2f}x (target >= 4x)")
-    out["chunked"] = chunked_itl(a.model, "chunked_prefill", 2048)
-    out["unchunked"] = chunked_itl(a.model, "fcfs", LONG + 256)
+    out["chunked"] = chunked_itl(a.model, "chunked_prefill", a.chunk_budget)
+    if not a.skip_unchunked:
+        out["unchunked"] = chunked_itl(a.model, "fcfs", LONG + 256)
     if a.output_json:
         json.dump(out, open(a.output_json, "w"), indent=2)
