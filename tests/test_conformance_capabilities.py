@@ -133,7 +133,7 @@ def test_builtin_declarations_are_well_typed():
 @pytest.fixture(scope="module")
 def chooser(registry):
     drafters = ["ngram"] if "ngram" in registry.names("drafter") else []
-    return build(registry, kv_allocator="hinted", enable_prefix_caching=True,
+    return build(registry, kv_allocator="hinted", enable_prefix_caching=True, scheduler="priority",
                  num_speculative_tokens=2 if drafters else 0,
                  **{"request_choices.drafters": drafters, "request_choices.priorities": [-2, 2],
                     "request_choices.eviction_hints": ["keep"]})
