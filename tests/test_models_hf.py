@@ -253,17 +253,8 @@ def hf_case(request, tmp_path_factory):
     return SimpleNamespace(name=name, hf=hf, dir=str(d), seed=seed, lens=lens, cfg=cfg)
 
 
-#: Diagnosis shown when a checkpoint with fused-projection biases fails to load.
-_BIAS_LOAD_BUG = (
-    "KNOWN KVFORGE BUG: LlamaForCausalLM.expected_weights (plugins/models/llama.py) expects a fused "
-    "layer's bias as '<layer>.bias', but load_weights records each q/k/v (gate/up) bias shard as "
-    "'<layer>.bias#<shard>', so every Qwen2 / attention_bias / mlp_bias checkpoint is reported as missing "
-    "its biases. Fix: in expected_weights use `if len(module.output_sizes) == 1:` (drop `pname == 'bias' or`).")
-
-
 def _load_failure(case, err: str) -> str:
-    hint = f"\n{_BIAS_LOAD_BUG}" if "_proj.bias" in err else ""
-    return f"[{case.name}] kvforge cannot load the checkpoint transformers saved: {err}{hint}"
+    return f"[{case.name}] kvforge cannot load the checkpoint transformers saved: {err}"
 
 
 def _engine(case, **kw) -> LLMEngine:
