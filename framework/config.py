@@ -28,6 +28,7 @@ class ModelConfig(_Section):
     seed: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"
     enforce_eager: bool = Field(False, description="Never capture CUDA graphs (debugging, profiling).")
+    max_logprobs: int = Field(20, ge=0, description="Largest logprobs / prompt_logprobs a request may ask for.")
 
 
 class CacheConfig(_Section):
@@ -190,12 +191,17 @@ class EngineConfig(_Section):
 def load_file(path: str | Path) -> dict[str, Any]:
     """Read a YAML (``.yaml``/``.yml``) or JSON config file into a dict."""
     p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"config file {p}: no such file")
     text = p.read_text()
-    if p.suffix in (".yaml", ".yml"):
-        import yaml
-        data = yaml.safe_load(text) or {}
-    else:
-        data = json.loads(text)
+    try:
+        if p.suffix in (".yaml", ".yml"):
+            import yaml
+            data = yaml.safe_load(text) or {}
+        else:
+            data = json.loads(text)
+    except Exception as e:  # YAML/JSON syntax: name the file, keep the parser's position
+        raise ValueError(f"config file {p}: cannot parse: {e}") from None
     if not isinstance(data, dict):
         raise ValueError(f"config file {p}: top level must be a mapping")
     return data

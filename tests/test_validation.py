@@ -249,3 +249,31 @@ def test_config_error_raised_before_reading_weights(monkeypatch):
             LLM(STORIES_MODEL, **kw)
     with pytest.raises(ValidationError):
         EngineConfig.from_sources(None, {"model": STORIES_MODEL, "max_num_seqs": 0})
+
+
+# -- inputs found by a fresh-user trial ------------------------------------------------------
+
+def test_more_bad_inputs_name_their_field(tmp_path):
+    import pytest as _pytest
+
+    from kvforge import LLM, SamplingParams
+    from kvforge.config import EngineConfig
+    with _pytest.raises(ValueError, match="seed"):
+        SamplingParams(seed="a")
+    with _pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias={5: float("inf")})
+    with _pytest.raises(ValueError, match="model.model"):
+        LLM(str(tmp_path / "missing"))
+    with _pytest.raises(ValueError, match="no such file"):
+        EngineConfig.from_sources(tmp_path / "missing.yaml", {})
+    bad_yaml = tmp_path / "bad.yaml"
+    bad_yaml.write_text("model: [unclosed\n")
+    with _pytest.raises(ValueError, match="cannot parse"):
+        EngineConfig.from_sources(bad_yaml, {})
+    llm = LLM(STORIES_MODEL, dtype="float32")
+    with _pytest.raises(ValueError, match="priority: got 1 values for 2 prompts"):
+        llm.generate(["Once", "Lily"], SamplingParams(max_tokens=2), use_tqdm=False, priority=[1])
+    with _pytest.raises(ValueError, match="max_logprobs"):
+        llm.generate("Once", SamplingParams(max_tokens=2, logprobs=21), use_tqdm=False)
+    e = llm.llm_engine
+    assert not e.has_unfinished_requests() and e.allocator.num_free_blocks == e.allocator.num_blocks

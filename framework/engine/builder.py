@@ -358,6 +358,10 @@ def build_engine_parts(config: EngineConfig, registry: Registry) -> EngineParts:
         raise ValueError("speculative.num_speculative_tokens: must be >= 1 when a drafter is configured "
                          "(speculative.method or request_choices.drafters)")
 
+    import os
+    if not os.path.isdir(config.model.model):
+        raise ValueError(f"model.model: {config.model.model!r} is not a directory (a Hugging Face-layout "
+                         "checkpoint folder with config.json is expected)")
     try:
         hf_config = AutoConfig.from_pretrained(config.model.model, local_files_only=True)
     except Exception as e:

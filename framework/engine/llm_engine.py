@@ -127,6 +127,11 @@ class LLMEngine:
         if bad:
             raise ValueError(f"prompt_token_ids: ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
         params.verify_vocab(self.vocab_size)
+        for name in ("logprobs", "prompt_logprobs"):
+            asked = getattr(params, name)
+            if asked is not None and asked > self.config.model.max_logprobs:
+                raise ValueError(f"{name}: {asked} exceeds max_logprobs ({self.config.model.max_logprobs}); "
+                                 "raise model.max_logprobs to allow more")
         validate_request_choices(self.config, self.registry, params, priority)
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
         if len(ids) + max_tokens > self.max_model_len:

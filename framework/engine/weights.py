@@ -13,7 +13,7 @@ def safetensors_files(model_dir: str | Path) -> list[Path]:
     """The checkpoint's ``*.safetensors`` files, from ``model.safetensors.index.json`` if present.
 
     Raises:
-        FileNotFoundError: no safetensors file in ``model_dir``.
+        ValueError: no safetensors file in ``model_dir``.
     """
     d = Path(model_dir)
     index = d / "model.safetensors.index.json"
@@ -22,7 +22,7 @@ def safetensors_files(model_dir: str | Path) -> list[Path]:
         return [d / s for s in shards]
     files = sorted(d.glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"model: no *.safetensors files in {d}")
+        raise ValueError(f"model: no *.safetensors files in {d} (use load_format='dummy' for random weights)")
     return files
 
 

@@ -58,6 +58,8 @@ class LLM:
             if len(params) != len(prompts):
                 raise ValueError(f"sampling_params: got {len(params)} for {len(prompts)} prompts")
         prios = list(priority) if priority is not None else [0] * len(prompts)
+        if len(prios) != len(prompts):
+            raise ValueError(f"priority: got {len(prios)} values for {len(prompts)} prompts")
         engine = self.llm_engine
         ids = [f"llm-{next(self._counter)}" for _ in prompts]
         # Validate the whole batch first: a bad prompt queues nothing.
