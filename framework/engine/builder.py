@@ -7,80 +7,17 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ValidationError
 
 from kvforge.config import EngineConfig
 from kvforge.engine.capabilities import check_capabilities
+from kvforge.engine.resolve import _DTYPES, choose_attention, resolve_device, resolve_dtype, validate_plugin_settings
 from kvforge.interfaces import (AttentionBackend, AttentionRequirements, KVAllocator, Model, ModelContext,
                                 QuantizationConfig, Scheduler, SchedulerContext)
 from kvforge.plugin_manager import PluginSpec, Registry
 
 log = logging.getLogger("kvforge")
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _CPU_DEFAULT_KV_BYTES = 1 << 30
-
-
-def validate_plugin_settings(spec: PluginSpec, settings: dict[str, Any], field: str) -> Any:
-    """Validate ``settings`` with the plugin's own model; errors name ``field``.
-
-    Raises:
-        ValueError: settings given to a plugin that takes none, or invalid settings.
-    """
-    model = spec.settings_model
-    if model is None:
-        if settings:
-            raise ValueError(f"{field}: {spec.kind} {spec.name!r} takes no settings, got {sorted(settings)}")
-        return None
-    try:
-        return model.model_validate(settings)
-    except ValidationError as e:
-        msgs = "; ".join(f"{field}.{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
-        raise ValueError(f"invalid settings for {spec.kind} {spec.name!r}: {msgs}") from None
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("model.device: 'cuda' requested but no CUDA device is available")
-    return torch.device(name)
-
-
-def resolve_dtype(name: str, hf_config) -> torch.dtype:
-    if name != "auto":
-        return _DTYPES[name]
-    d = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
-    if isinstance(d, str):
-        d = _DTYPES.get(d)
-    return d if d in _DTYPES.values() else torch.float32
-
-
-def choose_attention(registry: Registry, name: str, req: AttentionRequirements,
-                     device: torch.device) -> tuple[PluginSpec, dict[str, list[str]]]:
-    """Pick the backend named ``name``, or for ``auto`` the highest-priority one whose
-    ``validate`` returns no reasons. Returns (spec, rejected name -> reasons).
-
-    Raises:
-        ValueError: the named backend cannot run here, or no backend can (reasons listed).
-    """
-    if name != "auto":
-        spec = registry.get("attention", name)
-        reasons = spec.factory.validate(req, device)
-        if reasons:
-            raise ValueError(f"attention.backend {name!r} cannot run here: {'; '.join(reasons)}")
-        return spec, {}
-    rejected: dict[str, list[str]] = {}
-    ok: list[PluginSpec] = []
-    for n in registry.names("attention"):
-        spec = registry.get("attention", n)
-        reasons = spec.factory.validate(req, device)
-        (rejected.__setitem__(n, reasons) if reasons else ok.append(spec))
-    if not ok:
-        detail = "; ".join(f"{n}: {', '.join(r)}" for n, r in rejected.items()) or "none registered"
-        raise ValueError(f"attention.backend 'auto': no backend can run here ({detail})")
-    ok.sort(key=lambda s: -int(s.capabilities.get("priority", 0)))
-    return ok[0], rejected
 
 
 @dataclass
