@@ -117,11 +117,7 @@ async def _stream(ctx: sc.ServerContext, req: ChatCompletionRequest, rid: str, n
     completion_tokens = 0
 
     def chunk(choices: list[dict], usage: dict | None = None) -> str:
-        body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": ctx.model_name,
-                "system_fingerprint": None, "choices": choices}
-        if include_usage:
-            body["usage"] = usage
-        return sc.sse(body)
+        return sc.stream_chunk(rid, "chat.completion.chunk", created, ctx.model_name, choices, include_usage, usage)
 
     try:
         first = {"role": "assistant", "content": echo}

@@ -260,6 +260,17 @@ def sse(obj: Any) -> str:
 SSE_DONE = "data: [DONE]\n\n"
 
 
+def stream_chunk(rid: str, obj: str, created: int, model: str, choices: list[dict], include_usage: bool,
+                 usage: dict | None) -> str:
+    """One SSE chunk of a streamed completion (``obj``: ``text_completion`` or
+    ``chat.completion.chunk``); ``usage`` is present (maybe null) only when asked for."""
+    body = {"id": rid, "object": obj, "created": created, "model": model, "system_fingerprint": None,
+            "choices": choices}
+    if include_usage:
+        body["usage"] = usage
+    return sse(body)
+
+
 class SSEResponse(StreamingResponse):
     """``text/event-stream`` response that, however it ends, closes its body iterator and
     aborts ``streams`` (a no-op for finished ones), so a request whose client vanished

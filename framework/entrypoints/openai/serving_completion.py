@@ -131,11 +131,7 @@ async def _stream(ctx: sc.ServerContext, req: CompletionRequest, rid: str, promp
     prompt_tokens = sum(len(ids) for _, ids in prompts)
 
     def chunk(choices: list[dict], usage: dict | None = None) -> str:
-        body = {"id": rid, "object": "text_completion", "created": created, "model": ctx.model_name,
-                "system_fingerprint": None, "choices": choices}
-        if include_usage:
-            body["usage"] = usage
-        return sc.sse(body)
+        return sc.stream_chunk(rid, "text_completion", created, ctx.model_name, choices, include_usage, usage)
 
     try:
         async for pi, out in sc.merge_streams(streams):
