@@ -78,12 +78,16 @@ def chunked_itl(model: str, scheduler: str, budget: int) -> dict:
         outs = e.step()
         window.append(time.perf_counter() - t)
         got_first = any(o.request_id == "long" and o.outputs[0].token_ids for o in outs)
+    in_order = [round(w * 1e3, 3) for w in window]
     window.sort()
     p99 = window[min(len(window) - 1, int(round(0.99 * (len(window) - 1))))]
     res = {"scheduler": scheduler, "budget": budget, "steady_itl_ms": steady * 1e3, "p99_itl_ms": p99 * 1e3,
-           "max_itl_ms": window[-1] * 1e3, "steps_to_first_token": len(window), "ratio": p99 / steady}
+           "max_itl_ms": window[-1] * 1e3, "steps_to_first_token": len(window), "ratio": p99 / steady,
+           "median_itl_during_ms": statistics.median(window) * 1e3, "itl_during_ms": in_order}
     print(f"{scheduler:16s} budget {budget:5d}: steady ITL {steady * 1e3:6.2f} ms, p99 during 8k arrival "
-          f"{p99 * 1e3:7.2f} ms (max {window[-1] * 1e3:.2f}, {len(window)} steps) -> {p99 / steady:.2f}x steady")
+          f"{p99 * 1e3:7.2f} ms (max {window[-1] * 1e3:.2f}, median {statistics.median(window) * 1e3:.2f}, "
+          f"{len(window)} steps) -> {p99 / steady:.2f}x steady")
+    print(f"  ITL per step during the arrival (ms): {in_order}")
     e.abort_request([f"d{i}" for i in range(32)] + ["long"])
     while e.has_unfinished_requests():
         e.step()
@@ -98,7 +102,8 @@ if __name__ == "__main__":
     ap.add_argument("--num-requests", type=int, default=500)
     ap.add_argument("--output-json")
     ap.add_argument("--skip-prefix", action="store_true")
-    ap.add_argument("--chunk-budget", type=int, default=2048, help="max_num_batched_tokens for chunked_prefill")
+    ap.add_argument("--chunk-budget", type=int, nargs="+", default=[2048],
+                    help="max_num_batched_tokens for chunked_prefill (several: one run each)")
     ap.add_argument("--skip-unchunked", action="store_true")
     ap.add_argument("--smoke", action="store_true", help="tiny lengths for a CPU smoke run")
     a = ap.parse_args()
@@ -111,7 +116,8 @@ if __name__ == "__main__":
         on = shared_prefix(a.model, a.num_requests, True)
         out["shared_prefix"] = {"off_req_s": off, "on_req_s": on, "ratio": on / off}
         print(f"shared prefix speed-up: {on / off:.2f}x (target >= 4x)")
-    out["chunked"] = chunked_itl(a.model, "chunked_prefill", a.chunk_budget)
+    for budget in a.chunk_budget:
+        out[f"chunked_{budget}"] = chunked_itl(a.model, "chunked_prefill", budget)
     if not a.skip_unchunked:
         out["unchunked"] = chunked_itl(a.model, "fcfs", LONG + 256)
     if a.output_json:

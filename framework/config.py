@@ -47,6 +47,10 @@ class SchedulerConfig(_Section):
     name: str = "chunked_prefill"
     max_num_seqs: int = Field(256, gt=0)
     max_num_batched_tokens: int | None = Field(None, gt=0, description="Token budget per step (default: max(2048, max_model_len)).")
+    async_scheduling: bool | None = Field(
+        None, description="Schedule and prepare step N+1 while the device runs step N (vLLM's async "
+        "scheduling); outputs are unchanged. None: on for CUDA with the in-process executor and no "
+        "speculative decoding.")
     settings: dict[str, Any] = Field(default_factory=dict)
 
 

@@ -32,7 +32,7 @@ def test_kernels_under_triton_interpreter():
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    assert "10 passed" in proc.stdout.splitlines()[-1], proc.stdout[-500:]  # every kernel case ran
+    assert "14 passed" in proc.stdout.splitlines()[-1], proc.stdout[-500:]  # every kernel case ran
 
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
@@ -86,6 +86,35 @@ def test_rope_inplace(dtype, rotary_frac):
     triton_ops.rope_inplace(x, pos, cos, sin)
     assert torch.allclose(x.float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
     assert torch.equal(qkv[:, nh * d:], other)  # nothing outside the view was touched
+
+
+@kernel_test
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rotary_frac", [1.0, 0.5])
+def test_rope_qk_inplace(dtype, rotary_frac):
+    """q and k rotated in one launch, as views into one fused QKV output (GQA: fewer k heads)."""
+    t, hq, hk, d, max_pos = 11, 8, 2, 32, 128
+    rd = int(d * rotary_frac)
+    inv = 1.0 / (10000 ** (torch.arange(0, rd, 2).float() / rd))
+    freqs = torch.outer(torch.arange(max_pos).float(), inv)
+    cos, sin = freqs.cos().to(DEV), freqs.sin().to(DEV)
+    qkv = torch.randn(t, (hq + 2 * hk) * d, device=DEV).to(dtype)
+    q = qkv[:, : hq * d].view(t, hq, d)
+    k = qkv[:, hq * d: (hq + hk) * d].view(t, hk, d)
+    pos = torch.randint(0, max_pos, (t,), device=DEV)
+    c, s = cos[pos].unsqueeze(1), sin[pos].unsqueeze(1)
+
+    def ref(x):
+        xr = x.float()
+        x1, x2 = xr[..., : rd // 2], xr[..., rd // 2: rd]
+        return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s, xr[..., rd:]], -1)
+
+    rq, rk = ref(q), ref(k)
+    v = qkv[:, (hq + hk) * d:].clone()
+    triton_ops.rope_qk_inplace(q, k, pos, cos, sin)
+    assert torch.allclose(q.float(), rq, atol=TOL[dtype], rtol=TOL[dtype])
+    assert torch.allclose(k.float(), rk, atol=TOL[dtype], rtol=TOL[dtype])
+    assert torch.equal(qkv[:, (hq + hk) * d:], v)  # the V part is untouched
 
 
 @kernel_test

@@ -5,9 +5,10 @@ Method. A real :class:`LLMEngine` is built from the engine flags. For each batch
 length P of the sweep, B requests of P random token ids and ``--decode-steps`` output tokens
 (``ignore_eos``) are added together and the engine is stepped until they finish; a second pass per B
 adds half the requests two steps late, so prefill chunks and decodes share steps (mixed batches).
-Every ``engine.step()`` is timed on the wall clock (on CUDA the step already synchronizes when the
-sampled ids reach the CPU) and its shape is read off the SchedulerOutput, so the fitted time covers
-the whole step the simulator replaces: forward, sampling, detokenization and bookkeeping. The sweep
+Every ``engine.step()`` is timed (on CUDA on the device timeline, between events recorded after
+consecutive calls; on the CPU on the wall clock) and its shape is read off the SchedulerOutput, so
+the fitted time covers the whole step the simulator replaces: forward, sampling, detokenization and
+bookkeeping, or, under async scheduling, whichever of the host and the device takes longer. The sweep
 runs ``--repeats`` times with fresh token ids (identical shapes); each step's time is the median
 (or, with ``--statistic min``, the minimum) over repeats. A first, discarded run warms up the device.
 
@@ -99,7 +100,20 @@ def _run_batch(engine, prompts: list[list[int]], max_tokens: int, late: int, tag
     rest = prompts[len(prompts) - late:]
     for i, p in enumerate(first):
         engine.add_request(f"{tag}-{i}", p, sp)
-    out: list[tuple[Any, float]] = []
+    call_shapes: list = []
+    times: list[float] = []
+    # On CUDA each step is timed on the device timeline: an event recorded after each call
+    # completes when everything that call launched has run, so the time of the step
+    # scheduled in call i is event[i] - event[i-1]. This holds with async scheduling too,
+    # where a call returns before its own step ran (and a step with nothing to sample is
+    # not waited for at all); host work that overlaps the device is then not counted.
+    cuda = engine.parts.device.type == "cuda"
+    events = []
+    if cuda:
+        import torch
+        torch.cuda.synchronize()
+        events.append(torch.cuda.Event(enable_timing=True))
+        events[-1].record()
     sched.schedule = schedule
     try:
         steps = 0
@@ -110,14 +124,19 @@ def _run_batch(engine, prompts: list[list[int]], max_tokens: int, late: int, tag
                 rest = []
             t = time.perf_counter()
             engine.step()
-            dt = time.perf_counter() - t
+            if cuda:
+                events.append(torch.cuda.Event(enable_timing=True))
+                events[-1].record()
+            times.append(time.perf_counter() - t)
             steps += 1
-            if shapes and shapes[-1].num_seqs:
-                out.append((shapes[-1], dt))
+            call_shapes.append(shapes[-1] if shapes else None)
             shapes.clear()
     finally:
         sched.schedule = orig
-    return out
+    if cuda:
+        torch.cuda.synchronize()
+        times = [a.elapsed_time(b) / 1e3 for a, b in zip(events, events[1:])]
+    return [(s, t) for s, t in zip(call_shapes, times) if s is not None and s.num_seqs]
 
 
 def _measure_swap(engine, counts: list[int], repeats: int) -> tuple[float, float, list[list[float]]]:

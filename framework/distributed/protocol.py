@@ -149,9 +149,9 @@ def build_micro_batches(msg: StepMessage, num_parts: int, block_size: int, devic
         q = msg.qlens[lo:hi].astype(np.int64)
         ctx = msg.starts[lo:hi].astype(np.int64)
         tl = msg.table_lens[lo:hi].astype(np.int64)
-        pos, inputs, _ = build_attention_inputs(q, ctx, msg.tables[tab_off[lo]:tab_off[hi]], tl, bs, device)
         sel = np.nonzero((rows >= t0) & (rows < t1))[0]
-        out.append(MicroBatch(torch.from_numpy(msg.tokens[t0:t1]).to(device), pos,
-                              inputs, torch.from_numpy(rows[sel] - t0).to(device), torch.from_numpy(sel).to(device),
-                              t1 - t0))
+        pos, inputs, _, (tokens, mb_rows, mb_sel) = build_attention_inputs(
+            q, ctx, msg.tables[tab_off[lo]:tab_off[hi]], tl, bs, device,
+            extra=(np.ascontiguousarray(msg.tokens[t0:t1]), rows[sel] - t0, sel))
+        out.append(MicroBatch(tokens, pos, inputs, mb_rows, mb_sel, t1 - t0))
     return out

@@ -51,6 +51,10 @@ class UniProcExecutor(Executor):
         cfg = parts.config
         self.runner = ModelRunner(parts.model, parts.backend, parts.allocator, parts.kv_caches, parts.device,
                                   parts.cpu_caches)
+        if parts.device.type == "cuda":  # compile every prefill/extend kernel variant now, not mid-serving
+            from kvforge.engine.warmup import warm_up
+            warm_up(self.runner, cfg.scheduler.max_num_batched_tokens, parts.max_model_len,
+                    scratch_block=parts.allocator.num_blocks)
         if parts.use_cuda_graphs:
             from kvforge.engine.cuda_graphs import CudaGraphRunner
             self.runner.graphs = CudaGraphRunner(

@@ -12,7 +12,7 @@ from kvforge.config import EngineConfig
 from kvforge.engine.builder import EngineParts, build_engine_parts
 from kvforge.engine.output_processor import OutputProcessor
 from kvforge.engine.outputs import RequestOutput
-from kvforge.engine.request import Request, RequestStatus
+from kvforge.engine.request import Request, RequestStatus, drop_placeholders
 from kvforge.engine.request_choices import validate_request_choices
 from kvforge.engine.sampler import Sampler, compute_prompt_logprobs
 from kvforge.engine.sampling_params import SamplingParams
@@ -69,6 +69,13 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer)
         self._live: dict[str, Request] = {}  # child request_id -> request
         self._pending: list[RequestOutput] = []
+        # Live requests whose sampling reads their generated token ids (penalties): while
+        # any is live, async scheduling waits for each step's tokens before the next.
+        self._needs_history: set[str] = set()
+        self._overlap = None
+        if self.config.scheduler.async_scheduling:
+            from kvforge.engine.overlap import OverlapStepper
+            self._overlap = OverlapStepper(self)
 
     @classmethod
     def from_kwargs(cls, model: str, config_file: str | None = None, **kwargs: Any) -> "LLMEngine":
@@ -164,6 +171,9 @@ class LLMEngine:
         self.outputs.add(prepared.request_id, prepared.prompt, prepared.children)
         for c in prepared.children:
             self._live[c.request_id] = c
+            sp = c.sampling_params
+            if sp.repetition_penalty != 1.0 or sp.frequency_penalty != 0.0 or sp.presence_penalty != 0.0:
+                self._needs_history.add(c.request_id)
             self.scheduler.add_request(c)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
@@ -176,6 +186,8 @@ class LLMEngine:
                 continue
             self.scheduler.finish_requests([c.request.request_id for c in parent.children],
                                            RequestStatus.FINISHED_ABORTED)
+            for c in parent.children:  # a token still being sampled is dropped, not reported
+                drop_placeholders(c.request)
             if self.spec is not None:
                 for c in parent.children:
                     self.spec.free(c.request)
@@ -189,7 +201,12 @@ class LLMEngine:
 
     # -- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One engine iteration. Returns outputs of requests that changed (new tokens or finished)."""
+        """One engine iteration. Returns outputs of requests that changed (new tokens or finished).
+
+        With ``scheduler.async_scheduling`` the outputs of a step are returned by the next
+        call (see :mod:`kvforge.engine.overlap`); the tokens are the same."""
+        if self._overlap is not None:
+            return self._overlap.step()
         results = self._pending
         self._pending = []
         so = self.scheduler.schedule()
@@ -208,12 +225,7 @@ class LLMEngine:
         if so.scheduled:
             try:
                 ex = self.runner.execute(so)
-                for rid, (_, logits) in ex.prompt_logits.items():
-                    req = self._live[rid]
-                    first = ex.prompt_logits[rid][0]
-                    targets = req.prompt_token_ids[first:first + logits.shape[0]]
-                    entries = compute_prompt_logprobs(logits, targets, req.sampling_params.prompt_logprobs)
-                    self.outputs.add_prompt_logprobs(req, entries)
+                self._record_prompt_logprobs(ex)
                 if ex.sample_requests:
                     sample_reqs = ex.sample_requests
                     if self.spec is not None:
@@ -225,13 +237,7 @@ class LLMEngine:
                                                    [sout.sampled_logprobs[i]])
                     sampled = {rid: v[0] for rid, v in new.items()}
             except Exception as e:  # a failure fails this step's requests only; the engine stays up
-                log.exception("engine step failed")
-                failed = self.scheduler.finish_requests([r.request_id for r in so.scheduled],
-                                                        RequestStatus.FINISHED_ERROR)
-                for r in failed:
-                    r.error = f"engine error: {type(e).__name__}: {e}"
-                    touched[r.parent_id] = None
-                so.scheduled = []
+                self._fail_step(so, e, touched)
                 sampled = {}
                 new = {}
                 sample_reqs = []
@@ -254,17 +260,38 @@ class LLMEngine:
                 # tokens per step with speculation): the stop string is the reason.
                 req.stop_reason = stop
                 req.status = RequestStatus.FINISHED_STOPPED
+        self._emit_touched(touched, results)
+        if self.spec is not None:
+            self.spec.propose(self._live.values(), self.allocator.num_free_blocks)
+        return results
+
+    def _record_prompt_logprobs(self, ex) -> None:
+        for rid, (first, logits) in ex.prompt_logits.items():
+            req = self._live[rid]
+            targets = req.prompt_token_ids[first:first + logits.shape[0]]
+            entries = compute_prompt_logprobs(logits, targets, req.sampling_params.prompt_logprobs)
+            self.outputs.add_prompt_logprobs(req, entries)
+
+    def _fail_step(self, so, err: Exception, touched: dict[str, None]) -> None:
+        """A failed forward fails this step's requests only; the engine stays up."""
+        log.exception("engine step failed")
+        failed = self.scheduler.finish_requests([r.request_id for r in so.scheduled], RequestStatus.FINISHED_ERROR)
+        for r in failed:
+            r.error = f"engine error: {type(err).__name__}: {err}"
+            touched[r.parent_id] = None
+        so.scheduled = []
+
+    def _emit_touched(self, touched: dict[str, None], results: list[RequestOutput]) -> None:
+        """Emit an output per touched user request; forget finished sequences."""
         for pid in touched:
             if pid in self.outputs.parents:
                 results.append(self._emit(pid))
         for req in list(self._live.values()):
             if req.is_finished:
                 del self._live[req.request_id]
+                self._needs_history.discard(req.request_id)
                 if self.spec is not None:
                     self.spec.free(req)
-        if self.spec is not None:
-            self.spec.propose(self._live.values(), self.allocator.num_free_blocks)
-        return results
 
     def _emit(self, parent_id: str) -> RequestOutput:
         out = self.outputs.make_output(parent_id)

@@ -48,12 +48,15 @@ class ModelRunner:
         self.graphs = None  # CudaGraphRunner, set by the engine when CUDA graphs are on
         self.return_hidden_states = False  # set for drafters that need the target's hidden states
 
-    def _prepare(self, out: SchedulerOutput):
-        """Flatten the step into input_ids/positions [T] and AttentionInputs.
+    def _prepare(self, out: SchedulerOutput, prev_rows: dict[str, int] | None):
+        """Flatten the step into input_ids/positions [T], AttentionInputs and the rows to
+        sample, uploaded in one host-to-device copy.
 
         Per request only Python list work is done (one token for a decode); positions,
         slot mapping and the block table are built with a few vectorized numpy ops, since
-        this runs every step for every running request (issue 4's CPU-overhead target)."""
+        this runs every step for every running request (issue 4's CPU-overhead target).
+        A placeholder input token (async scheduling) is listed with its row in the previous
+        step's sampled tokens, for :meth:`execute` to fill in on the device."""
         reqs = out.scheduled
         nst = out.num_scheduled_tokens
         spec = out.spec_token_ids
@@ -63,6 +66,11 @@ class ModelRunner:
         qlens = [0] * b
         ctx_lens = [0] * b
         tables: list[list[int]] = [None] * b  # type: ignore[list-item]
+        rows: list[int] = []
+        sample_reqs: list[Request] = []
+        ph_pos: list[int] = []
+        ph_row: list[int] = []
+        end = 0
         for i, req in enumerate(reqs):
             rid = req.request_id
             n = nst[rid]
@@ -72,16 +80,31 @@ class ModelRunner:
             tables[i] = get_table(rid)
             drafts = spec.get(rid) if spec else None
             if n == 1 and not drafts:
-                ids.append(req.token_id_at(start))
+                tok = req.token_id_at(start)
+                if tok < 0:  # PLACEHOLDER_TOKEN_ID: sampled last step, still on the device
+                    ph_pos.append(end)
+                    ph_row.append(prev_rows[rid])  # type: ignore[index]
+                ids.append(tok)
             elif drafts:  # verification: the drafts follow the last token, in lookahead slots
                 ids.extend((req.token_slice(start, req.num_tokens) + list(drafts))[:n])
             else:
                 ids.extend(req.token_slice(start, start + n))
+            end += n
+            if start + n >= req.num_tokens:
+                num_drafts = len(drafts) if drafts else 0
+                rows.extend(range(end - 1 - num_drafts, end))
+                sample_reqs.append(req)
         tlens = np.fromiter((len(t) for t in tables), dtype=np.int64, count=b)
         flat = np.fromiter(chain.from_iterable(tables), dtype=np.int32, count=int(tlens.sum()))
-        pos, inputs, qsl = build_attention_inputs(np.asarray(qlens, dtype=np.int64), np.asarray(ctx_lens, dtype=np.int64),
-                                                  flat, tlens, self.block_size, self.device)
-        return torch.tensor(ids, dtype=torch.int64, device=self.device), pos, inputs, qsl
+        extra = [np.asarray(ids, dtype=np.int64), np.asarray(rows, dtype=np.int64)]
+        if ph_pos:
+            extra += [np.asarray(ph_pos, dtype=np.int64), np.asarray(ph_row, dtype=np.int64)]
+        pos, inputs, qsl, dev = build_attention_inputs(np.asarray(qlens, dtype=np.int64),
+                                                       np.asarray(ctx_lens, dtype=np.int64),
+                                                       flat, tlens, self.block_size, self.device, tuple(extra))
+        input_ids, rows_t = dev[0], dev[1]
+        placeholders = (dev[2], dev[3]) if ph_pos else None
+        return input_ids, pos, inputs, qsl, rows_t, len(rows), sample_reqs, placeholders
 
     def swap(self, pairs: list[tuple[int, int]], to_cpu: bool) -> None:
         """Copy whole blocks between device and CPU caches: (src, dst) block-id pairs."""
@@ -96,32 +119,44 @@ class ModelRunner:
             dst.index_copy_(dim, dst_ids.to(dst.device), blocks.to(dst.device))
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> ExecuteOutput:
-        """Apply the step's swaps, then run one forward over all scheduled tokens (no padding)."""
+    def execute(self, out: SchedulerOutput, prev_tokens: torch.Tensor | None = None,
+                prev_rows: dict[str, int] | None = None) -> ExecuteOutput:
+        """Apply the step's swaps, then run one forward over all scheduled tokens (no padding).
+
+        Args:
+            out: the scheduler's step.
+            prev_tokens: int64 [N'] the previous step's sampled tokens, still on the device
+                (async scheduling); ``prev_rows`` maps a request id to its row there. Input
+                tokens that are placeholders are taken from it, on the device.
+        Nothing here waits for the device unless a request asks for prompt_logprobs.
+        """
         self.swap(out.swap_out, to_cpu=True)
         self.swap(out.swap_in, to_cpu=False)
-        input_ids, positions, inputs, qsl = self._prepare(out)
+        input_ids, positions, inputs, qsl, rows, num_rows, sample_reqs, placeholders = self._prepare(out, prev_rows)
+        if placeholders is not None:
+            if prev_tokens is None:
+                raise RuntimeError("a placeholder input token without the previous step's sampled tokens")
+            input_ids[placeholders[0]] = prev_tokens[placeholders[1]]
         hidden = None
         if self.graphs is not None and inputs.max_query_len == 1:
             hidden = self.graphs.run(input_ids, positions, inputs)
         if hidden is None:
             meta = ForwardMetadata(self.backend.build_metadata(inputs), self.kv_caches)
             hidden = self.model(input_ids, positions, meta)
-        rows: list[int] = []
-        sample_reqs: list[Request] = []
         prompt_logits: dict[str, tuple[int, torch.Tensor]] = {}
         for i, req in enumerate(out.scheduled):
+            if req.sampling_params.prompt_logprobs is None:
+                continue
             n = out.num_scheduled_tokens[req.request_id]
             start = req.num_computed_tokens
-            if start + n >= req.num_tokens:
-                num_drafts = len(out.spec_token_ids.get(req.request_id, ()))
-                rows.extend(range(qsl[i + 1] - 1 - num_drafts, qsl[i + 1]))
-                sample_reqs.append(req)
-            if req.sampling_params.prompt_logprobs is not None and start < req.num_prompt_tokens - 1:
+            if start < req.num_prompt_tokens - 1:
                 # position p predicts prompt token p + 1; stop at the last prompt token.
                 hi = min(start + n, req.num_prompt_tokens - 1)
                 h = hidden[qsl[i]: qsl[i] + (hi - start)]
                 prompt_logits[req.request_id] = (start + 1, self.model.compute_logits(h))
-        logits = self.model.compute_logits(hidden[rows]) if rows else hidden.new_empty((0, 0)).float()
-        kept = hidden[rows] if self.return_hidden_states and rows else None
-        return ExecuteOutput(logits, sample_reqs, prompt_logits, kept)
+        if num_rows:
+            kept = hidden.index_select(0, rows)
+            logits = self.model.compute_logits(kept)
+        else:
+            kept, logits = None, hidden.new_empty((0, 0)).float()
+        return ExecuteOutput(logits, sample_reqs, prompt_logits, kept if self.return_hidden_states else None)

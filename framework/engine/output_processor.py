@@ -10,6 +10,10 @@ from kvforge.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from kvforge.engine.request import Request
 
 
+def _done(r: Request) -> bool:
+    return r.is_finished and not r.num_pending_tokens
+
+
 @dataclass
 class _Child:
     request: Request
@@ -95,12 +99,16 @@ class OutputProcessor:
         outs = []
         for c in p.children:
             r = c.request
+            # A placeholder (async scheduling) is not a token yet; a sequence whose last
+            # token is still on the device is not finished for the caller either.
+            known = len(r.output_token_ids) - r.num_pending_tokens
             outs.append(CompletionOutput(
-                index=r.index, text=c.detok.output_text, token_ids=list(r.output_token_ids),
+                index=r.index, text=c.detok.output_text, token_ids=r.output_token_ids[:known],
                 cumulative_logprob=c.cumulative_logprob if c.logprobs is not None else None,
                 logprobs=list(c.logprobs) if c.logprobs is not None else None,
-                finish_reason=r.status.finish_reason, stop_reason=r.stop_reason))
-        finished = all(c.request.is_finished for c in p.children)
+                finish_reason=r.status.finish_reason if _done(r) else None,
+                stop_reason=r.stop_reason if _done(r) else None))
+        finished = all(_done(c.request) for c in p.children)
         errors = [c.request.error for c in p.children if c.request.error]
         first = min((c.request.first_token_time for c in p.children if c.request.first_token_time),
                     default=None)
@@ -116,7 +124,7 @@ class OutputProcessor:
 
     def release_if_finished(self, parent_id: str) -> None:
         p = self.parents.get(parent_id)
-        if p is not None and all(c.request.is_finished for c in p.children):
+        if p is not None and all(_done(c.request) for c in p.children):
             for c in p.children:
                 self.child_to_parent.pop(c.request.request_id, None)
             del self.parents[parent_id]

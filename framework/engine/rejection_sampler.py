@@ -304,7 +304,7 @@ class RejectionSampler:
         flat = torch.tensor([t for ts in tokens for t in ts], dtype=torch.int64, device=dev)
         params = [requests[i].sampling_params for i in range(n) for _ in range(accepted[i] + 1)]
         sout = Sampler._finish(raw.index_select(0, torch.tensor(rows, dtype=torch.int64, device=raw.device)),
-                               flat.to(raw.device), params)
+                               flat.to(raw.device), params).result()
         lps, slps, pos = [], [], 0
         for i in range(n):
             m = accepted[i] + 1

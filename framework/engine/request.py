@@ -11,6 +11,11 @@ import torch
 from kvforge.engine.sampling_params import SamplingParams
 
 
+#: Stands in for an output token that is sampled on the device but not yet copied back
+#: (async scheduling); never fed to the model: the runner substitutes the device value.
+PLACEHOLDER_TOKEN_ID = -1
+
+
 class RequestStatus(enum.Enum):
     """WAITING -> RUNNING <-> PREEMPTED -> one FINISHED_* state."""
 
@@ -48,6 +53,11 @@ class Request:
             part of the sequence until verified. The scheduler reads (and may trim) them.
         spec_stats: per-request speculation counters
             (:class:`kvforge.engine.spec_decode.SpecStats`), None until the first draft.
+        num_pending_tokens: under async scheduling, how many of the last output tokens
+            are placeholders (``PLACEHOLDER_TOKEN_ID``) for tokens still being sampled on
+            the device (0 or 1). Their count is exact, so length limits hold; their values
+            are not known yet, so nothing may hash or detokenize them (see
+            :attr:`num_known_tokens`).
     """
 
     request_id: str
@@ -71,6 +81,7 @@ class Request:
     cache_salt: str | None = None
     spec_token_ids: list[int] = field(default_factory=list)
     spec_stats: Any = None
+    num_pending_tokens: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -79,6 +90,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose ids are known on the host (``num_tokens`` minus placeholders)."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) - self.num_pending_tokens
 
     @property
     def num_output_tokens(self) -> int:
@@ -104,6 +120,13 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.finished
+
+
+def drop_placeholders(request: Request) -> None:
+    """Remove the placeholder output tokens of a request that ends before they are known."""
+    if request.num_pending_tokens:
+        del request.output_token_ids[-request.num_pending_tokens:]
+        request.num_pending_tokens = 0
 
 
 def check_stop(request: Request, max_model_len: int) -> RequestStatus | None:

@@ -35,7 +35,7 @@ from kvforge.engine.sampling_ops import (
     pad_token_lists,
 )
 
-__all__ = ["SamplerOutput", "Sampler", "compute_prompt_logprobs"]
+__all__ = ["SamplerOutput", "PendingSamplerOutput", "Sampler", "compute_prompt_logprobs"]
 
 _PROMPT_CHUNK = 512  # prompt positions per log-softmax chunk
 
@@ -100,11 +100,20 @@ class Sampler:
         Returns:
             :class:`SamplerOutput` with plain Python values.
         """
+        return self.sample_async(logits, requests).result()
+
+    def sample_async(self, logits: torch.Tensor, requests: list[Request]) -> "PendingSamplerOutput":
+        """As :meth:`__call__`, but return before the results reach the host: the sampled
+        tokens stay on the device (``.token_ids``, int64 ``[N]``) for the next step's inputs,
+        and their copy to pinned host memory is already queued. ``.result()`` waits for it.
+        Issues no host synchronization on CUDA when no request asks for penalties or
+        logit_bias (those upload small index tensors) — neither does it otherwise in
+        practice, since those uploads are non-blocking."""
         n = len(requests)
         if logits.dim() != 2 or logits.shape[0] != n:
             raise ValueError(f"logits must be [len(requests)={n}, V], got {tuple(logits.shape)}")
         if n == 0:
-            return SamplerOutput([], [], [])
+            return PendingSamplerOutput.empty(logits.device)
         raw = logits[:, : self.vocab_size]
         work = raw.to(torch.float32, copy=True)
         device = work.device
@@ -201,33 +210,69 @@ class Sampler:
     # --- outputs -----------------------------------------------------------------------
 
     @staticmethod
-    def _finish(raw: torch.Tensor, tokens: torch.Tensor, params: list) -> SamplerOutput:
-        """Raw logprobs of the sampled tokens (+ top-k dicts where asked); one host transfer."""
+    def _finish(raw: torch.Tensor, tokens: torch.Tensor, params: list) -> "PendingSamplerOutput":
+        """Raw logprobs of the sampled tokens (+ top-k where asked), on the device, with
+        their one copy to the host queued."""
         raw = raw.to(torch.float32)
         device = raw.device
         lp_rows = [i for i, sp in enumerate(params) if sp.logprobs is not None]
         sampled_lp = raw.gather(1, tokens.unsqueeze(1)).squeeze(1) - torch.logsumexp(raw, dim=-1)
         if not lp_rows:
-            tok_list, lp_list = torch.stack([tokens.to(torch.float64), sampled_lp.to(torch.float64)]).tolist()
-            return SamplerOutput([int(t) for t in tok_list], [None] * len(params), lp_list)
-
+            return PendingSamplerOutput(tokens, [sampled_lp], params, [])
         idx = _long(lp_rows, device)
         num_top = max(params[i].logprobs for i in lp_rows)
         tok_lp, tok_rank, top_ids, top_lp, top_rank = logprobs_with_ranks(
             raw.index_select(0, idx), tokens.index_select(0, idx), num_top)
         # Keep the sampled logprob identical to the one in the returned dict.
         sampled_lp = sampled_lp.index_copy(0, idx, tok_lp)
-        tok_list = tokens.tolist()
-        lp_list = sampled_lp.tolist()
-        tok_rank_l, top_ids_l, top_lp_l, top_rank_l = (
-            tok_rank.tolist(), top_ids.tolist(), top_lp.tolist(), top_rank.tolist())
+        return PendingSamplerOutput(tokens, [sampled_lp, tok_rank, top_ids, top_lp, top_rank], params, lp_rows)
 
-        out: list[dict[int, Logprob] | None] = [None] * len(params)
-        for j, i in enumerate(lp_rows):
-            k = params[i].logprobs
-            out[i] = _build_dict(tok_list[i], lp_list[i], tok_rank_l[j],
-                                 top_ids_l[j][:k], top_lp_l[j][:k], top_rank_l[j][:k])
-        return SamplerOutput(tok_list, out, lp_list)
+
+class PendingSamplerOutput:
+    """A :class:`SamplerOutput` still on its way to the host.
+
+    Attributes:
+        token_ids: int64 ``[N]`` sampled tokens on the sampling device (feed the next step).
+    """
+
+    def __init__(self, token_ids: torch.Tensor, tensors: list[torch.Tensor], params: list, lp_rows: list[int]):
+        self.token_ids = token_ids
+        self._params = params
+        self._lp_rows = lp_rows
+        self._event = None
+        all_t = [token_ids, *tensors]
+        if token_ids.device.type == "cuda":
+            # Queue the copies now (non-blocking into pinned memory) so they overlap later work.
+            self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in all_t]
+            for h, t in zip(self._host, all_t):
+                h.copy_(t, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = all_t
+        self._result: SamplerOutput | None = None
+
+    @classmethod
+    def empty(cls, device: torch.device) -> "PendingSamplerOutput":
+        return cls(torch.empty(0, dtype=torch.int64, device=device), [torch.empty(0, device=device)], [], [])
+
+    def result(self) -> SamplerOutput:
+        """Wait for the copy (if still running) and build the Python values (idempotent)."""
+        if self._result is not None:
+            return self._result
+        if self._event is not None:
+            self._event.synchronize()
+        tok_list = self._host[0].tolist()
+        lp_list = self._host[1].tolist()
+        out: list[dict[int, Logprob] | None] = [None] * len(self._params)
+        if self._lp_rows:
+            tok_rank_l, top_ids_l, top_lp_l, top_rank_l = (t.tolist() for t in self._host[2:6])
+            for j, i in enumerate(self._lp_rows):
+                k = self._params[i].logprobs
+                out[i] = _build_dict(tok_list[i], lp_list[i], tok_rank_l[j],
+                                     top_ids_l[j][:k], top_lp_l[j][:k], top_rank_l[j][:k])
+        self._result = SamplerOutput(tok_list, out, lp_list)
+        return self._result
 
 
 def compute_prompt_logprobs(logits: torch.Tensor, target_ids: list[int], num_logprobs: int

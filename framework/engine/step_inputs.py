@@ -5,19 +5,23 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from kvforge.engine.host_staging import upload
 from kvforge.interfaces import AttentionInputs
 
 
 def build_attention_inputs(qlens: np.ndarray, ctx: np.ndarray, flat_tables: np.ndarray, table_lens: np.ndarray,
-                           block_size: int, device: torch.device) -> tuple[torch.Tensor, AttentionInputs, list[int]]:
+                           block_size: int, device: torch.device, extra: tuple[np.ndarray, ...] = ()
+                           ) -> tuple[torch.Tensor, AttentionInputs, list[int], list[torch.Tensor]]:
     """Positions and attention inputs for B requests, with no per-request Python work.
 
     Args:
         qlens: int64 [B] new tokens per request; ctx: int64 [B] tokens already cached.
         flat_tables: int32 [sum(table_lens)] every request's block table, concatenated.
         table_lens: int64 [B] block-table length of each request.
+        extra: more arrays (e.g. the token ids) to upload in the same host-to-device copy.
     Returns:
-        positions int64 [T] on ``device``, the AttentionInputs, and query_start_loc as a list.
+        positions int64 [T] on ``device``, the AttentionInputs, query_start_loc as a list,
+        and the ``extra`` arrays as device tensors. Nothing synchronizes with the device.
     """
     b = qlens.shape[0]
     qsl = np.zeros(b + 1, dtype=np.int64)
@@ -32,16 +36,18 @@ def build_attention_inputs(qlens: np.ndarray, ctx: np.ndarray, flat_tables: np.n
     table[trow, np.arange(flat_tables.shape[0]) - tstart[trow]] = flat_tables
     slots = table[row, pos // block_size].astype(np.int64) * block_size + pos % block_size
     seq = ctx + qlens
+    pos_t, qsl_t, ctx_t, seq_t, table_t, slots_t, *extra_t = upload(
+        [pos, qsl.astype(np.int32), ctx.astype(np.int32), seq.astype(np.int32), table, slots, *extra], device)
     inputs = AttentionInputs(
-        query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(device),
-        context_lens=torch.from_numpy(ctx.astype(np.int32)).to(device),
-        seq_lens=torch.from_numpy(seq.astype(np.int32)).to(device),
-        block_table=torch.from_numpy(table).to(device),
-        slot_mapping=torch.from_numpy(slots).to(device),
+        query_start_loc=qsl_t,
+        context_lens=ctx_t,
+        seq_lens=seq_t,
+        block_table=table_t,
+        slot_mapping=slots_t,
         max_query_len=int(qlens.max()),
         max_seq_len=int(seq.max()),
         query_lens_cpu=qlens.tolist(),
         context_lens_cpu=ctx.tolist(),
         block_size=block_size,
     )
-    return torch.from_numpy(pos).to(device), inputs, qsl.tolist()
+    return pos_t, inputs, qsl.tolist(), extra_t

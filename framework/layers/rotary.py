@@ -71,8 +71,7 @@ class RotaryEmbedding(torch.nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q [T, Hq, D], k [T, Hkv, D] -> rotated (q, k); on CUDA rotated in place."""
         if triton_ops.enabled(q) and q.stride(-1) == 1 and k.stride(-1) == 1:
-            triton_ops.rope_inplace(q, positions, self.cos, self.sin)
-            triton_ops.rope_inplace(k, positions, self.cos, self.sin)
+            triton_ops.rope_qk_inplace(q, k, positions, self.cos, self.sin)
             return q, k
         cos, sin = self.cos[positions], self.sin[positions]
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)

@@ -65,6 +65,35 @@ if triton is not None:
         tl.store(base + HALF + d, (x2f * c + x1f * s).to(x1.dtype), mask=mask)
 
     @triton.jit
+    def _rope_qk_kernel(q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, q_stride_t, q_stride_h, k_stride_t, k_stride_h,
+                        num_q_heads, num_k_heads, cs_stride,
+                        HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+                        BLOCK_D: tl.constexpr):
+        # One program per token rotates its q and k heads: one launch per layer instead of
+        # two (a batch-1 decode step is launch-bound on these small kernels).
+        t = tl.program_id(0)
+        pos = tl.load(pos_ptr + t)
+        d = tl.arange(0, BLOCK_D)[None, :]
+        c = tl.load(cos_ptr + pos * cs_stride + d, mask=d < HALF, other=0.0)
+        s = tl.load(sin_ptr + pos * cs_stride + d, mask=d < HALF, other=0.0)
+        hq = tl.arange(0, BLOCK_HQ)[:, None]
+        mq = (hq < num_q_heads) & (d < HALF)
+        qb = q_ptr + t * q_stride_t + hq * q_stride_h
+        q1 = tl.load(qb + d, mask=mq, other=0.0)
+        q2 = tl.load(qb + HALF + d, mask=mq, other=0.0)
+        q1f, q2f = q1.to(tl.float32), q2.to(tl.float32)
+        tl.store(qb + d, (q1f * c - q2f * s).to(q1.dtype), mask=mq)
+        tl.store(qb + HALF + d, (q2f * c + q1f * s).to(q1.dtype), mask=mq)
+        hk = tl.arange(0, BLOCK_HK)[:, None]
+        mk = (hk < num_k_heads) & (d < HALF)
+        kb = k_ptr + t * k_stride_t + hk * k_stride_h
+        k1 = tl.load(kb + d, mask=mk, other=0.0)
+        k2 = tl.load(kb + HALF + d, mask=mk, other=0.0)
+        k1f, k2f = k1.to(tl.float32), k2.to(tl.float32)
+        tl.store(kb + d, (k1f * c - k2f * s).to(k1.dtype), mask=mk)
+        tl.store(kb + HALF + d, (k2f * c + k1f * s).to(k1.dtype), mask=mk)
+
+    @triton.jit
     def _silu_mul_kernel(x_ptr, out_ptr, inter, x_stride, BLOCK: tl.constexpr):
         row = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -96,6 +125,19 @@ def rope_inplace(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, si
     if t:
         _rope_kernel[(t,)](x, positions, cos, sin, x.stride(0), x.stride(1), nh, cos.stride(0),
                            HALF=half, BLOCK_H=triton.next_power_of_2(nh), BLOCK_D=triton.next_power_of_2(half))
+
+
+def rope_qk_inplace(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                    sin: torch.Tensor) -> None:
+    """:func:`rope_inplace` on q [T, Hq, D] and k [T, Hkv, D] (same T and D, unit stride in D)
+    in one kernel launch."""
+    t, hq, _ = q.shape
+    hk = k.shape[1]
+    half = cos.shape[1]
+    if t:
+        _rope_qk_kernel[(t,)](q, k, positions, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+                              hq, hk, cos.stride(0), HALF=half, BLOCK_HQ=triton.next_power_of_2(hq),
+                              BLOCK_HK=triton.next_power_of_2(hk), BLOCK_D=triton.next_power_of_2(half))
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -55,7 +55,8 @@ class PagedAllocator(KVAllocator):
     def _hashes(self, request) -> list[BlockHash]:
         hs = self._req_hashes.setdefault(request.request_id, [])
         salt = (getattr(request, "cache_salt", None) or "").encode()
-        extend_hashes(hs, request.token_slice, request.num_tokens, self.block_size, salt)
+        # placeholders (async scheduling) are not hashed until their ids are known
+        extend_hashes(hs, request.token_slice, request.num_known_tokens, self.block_size, salt)
         return hs
 
     def get_computed_tokens(self, request) -> int:
@@ -85,6 +86,7 @@ class PagedAllocator(KVAllocator):
         if full <= start:
             return
         hashes = self._hashes(request)
+        full = min(full, len(hashes))  # a block holding a placeholder waits for its id
         for i in range(start, full):
             b, h = table[i], hashes[i]
             if self._block_hash[b] is None and h not in self._cached:

@@ -97,7 +97,8 @@ class LFUAllocator(KVAllocator):
     def _request_hashes(self, request) -> list[BlockHash]:
         hs = self._req_hashes.setdefault(request.request_id, [])
         salt = (getattr(request, "cache_salt", None) or "").encode()
-        extend_hashes(hs, request.token_slice, request.num_tokens, self.block_size, salt)
+        # placeholders (async scheduling) are not hashed until their ids are known
+        extend_hashes(hs, request.token_slice, request.num_known_tokens, self.block_size, salt)
         return hs
 
     def _lookup(self, request, hashes) -> list[int]:
@@ -147,6 +148,7 @@ class LFUAllocator(KVAllocator):
         if full <= start:
             return
         hashes = self._request_hashes(request)
+        full = min(full, len(hashes))  # a block holding a placeholder waits for its id
         for i in range(start, full):
             b, h = table[i], hashes[i]
             if self._hash[b] is None and h not in self._cached:

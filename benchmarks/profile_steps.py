@@ -1,0 +1,63 @@
+"""Where a step's GPU time goes: torch.profiler over engine steps of a chosen shape.
+
+Prints the top CUDA kernels (self time, share of the profiled device time) for
+  * prefill-heavy steps (``--prefill-prompts`` prompts of ``--input-len`` tokens arriving together);
+  * decode-only steps at ``--decode-batch`` running requests (CUDA-graph replays included).
+
+    python benchmarks/profile_steps.py --model /tmp/l3 --load-format dummy
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from kvforge import SamplingParams
+from kvforge.engine.llm_engine import LLMEngine
+
+
+def _table(prof, title: str, rows: int) -> None:
+    stats = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    total = sum(e.self_device_time_total for e in stats)
+    print(f"\n== {title}: {total / 1e3:.2f} ms of kernel time")
+    for e in sorted(stats, key=lambda e: -e.self_device_time_total)[:rows]:
+        print(f"  {e.self_device_time_total / 1e3:9.2f} ms {100 * e.self_device_time_total / total:5.1f}%  "
+              f"x{e.count:<5d} {e.key[:110]}")
+
+
+def _run(engine, steps: int, title: str, rows: int) -> None:
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    _table(prof, title, rows)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--load-format", default="auto")
+    p.add_argument("--input-len", type=int, default=1024)
+    p.add_argument("--prefill-prompts", type=int, default=32)
+    p.add_argument("--decode-batch", type=int, default=1)
+    p.add_argument("--rows", type=int, default=18)
+    a = p.parse_args()
+    engine = LLMEngine.from_kwargs(a.model, load_format=a.load_format)
+    sp = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    for i in range(a.prefill_prompts):
+        engine.add_request(f"p{i}", {"prompt_token_ids": [(7 * i + j) % 1000 + 5 for j in range(a.input_len)]}, sp)
+    _run(engine, 3, f"3 prefill steps ({a.prefill_prompts} x {a.input_len} tokens queued)", a.rows)
+    while engine.has_unfinished_requests():
+        engine.step()
+    for i in range(a.decode_batch):
+        engine.add_request(f"d{i}", {"prompt_token_ids": [5 + i] * 32}, SamplingParams(temperature=0, max_tokens=200,
+                                                                                      ignore_eos=True))
+    for _ in range(5):
+        engine.step()
+    _run(engine, 20, f"20 decode steps at batch {a.decode_batch}", a.rows)
+
+
+if __name__ == "__main__":
+    main()
