@@ -252,6 +252,49 @@ def test_metadata_split():
     assert md.num_prefill_tiles == 0 and md.num_decodes == 2 and md.decode_rows is None  # identity rows
 
 
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+def test_graph_metadata_fixed_capacity(dtype):
+    """The CUDA-graph path of mixed steps: static, over-sized buffers holding stale values,
+    refilled by update_graph_metadata; kernels read the counts on the device. Same output
+    as the plain per-step metadata on the real rows; padded rows write only a spare block."""
+    seed = urandom_seed()
+    hkv, group, d, bs = 2, 4, 32, 16
+    inputs, q, k, v, cache = make_batch(seed, dtype, bs, hkv, group, d, MIXED)
+    t, b = q.shape[0], len(MIXED)
+    cap_t, cap_b, width = t + 21, b + 3, inputs.block_table.shape[1] + 2
+    used = set(inputs.block_table[inputs.block_table >= 0].tolist())
+    spare = next(x for x in range(cache.shape[1]) if x not in used)
+    i32 = dict(dtype=torch.int32, device=DEV)
+    static = AttentionInputs(
+        query_start_loc=torch.full((cap_b + 1,), 7, **i32), context_lens=torch.full((cap_b,), 5, **i32),
+        seq_lens=torch.full((cap_b,), 9, **i32), block_table=torch.full((cap_b, width), spare, **i32),
+        slot_mapping=torch.full((cap_t,), spare * bs, dtype=torch.int64, device=DEV), max_query_len=cap_t,
+        max_seq_len=4096, query_lens_cpu=[0] * cap_b, context_lens_cpu=[0] * cap_b, block_size=bs)
+    backend = TritonPagedBackend(TritonPagedSettings(prefill_block_m=16))
+    md = backend.graph_metadata(static, cap_t)
+    md.decode_rows.fill_(b - 1)  # stale values from an earlier step must not matter
+    md.prefill_tiles.fill_(0)
+    # what MixedBucket.run copies in
+    static.query_start_loc[:b + 1].copy_(inputs.query_start_loc)
+    static.query_start_loc[b + 1:].fill_(t)
+    static.context_lens[:b].copy_(inputs.context_lens)
+    static.seq_lens[:b].copy_(inputs.seq_lens)
+    static.block_table[:b, :inputs.block_table.shape[1]].copy_(inputs.block_table)
+    static.slot_mapping[:t].copy_(inputs.slot_mapping)
+    backend.update_graph_metadata(md, inputs)
+    assert int(md.decode_count) == 4 and int(md.tile_count) == 2 + 3 + 7 + 1  # ceil(query_len / 16) per prefill
+    pad = lambda x: torch.cat([x, torch.randn((cap_t - t, *x.shape[1:]), device=DEV).to(dtype)])  # noqa: E731
+    layer = AttentionLayer(0, hkv * group, hkv, d, d ** -0.5, None)
+    plain_cache, graph_cache = cache.clone(), cache.clone()
+    want = backend.forward(layer, q, k, v, plain_cache, backend.build_metadata(inputs))
+    got = backend.forward(layer, pad(q), pad(k), pad(v), graph_cache, md)
+    check_close(got[:t], want.float(), dtype, seed)
+    keep = torch.arange(cache.shape[1], device=DEV) != spare
+    assert torch.equal(graph_cache[:, keep].nan_to_num(), plain_cache[:, keep].nan_to_num()), f"seed={seed}"
+    with pytest.raises(ValueError, match="capacity"):
+        backend.update_graph_metadata(backend.graph_metadata(static, 16), inputs)
+
+
 def _req(dtype=torch.float16, head=64, block=16, window=None):
     return AttentionRequirements(dtype, head, 8, 2, block, dtype, window)
 
@@ -280,7 +323,8 @@ def test_registered_and_auto_choice(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     reg = load_registry()
     spec = reg.get("attention", "triton_paged")
-    assert spec.capabilities == {"priority": 10, "dtypes": ("float16", "bfloat16", "float32"), "cuda_graphs": True}
+    assert spec.capabilities == {"priority": 10, "dtypes": ("float16", "bfloat16", "float32"), "cuda_graphs": True,
+                                 "mixed_cuda_graphs": True}
     assert spec.settings_model is TritonPagedSettings
     assert choose_attention(reg, "auto", _req(), torch.device("cpu"))[0].name == "triton_paged"
     spec, rejected = choose_attention(reg, "auto", _req(head=8), torch.device("cpu"))

@@ -3,7 +3,7 @@ backends, build the model, size and allocate the KV cache."""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -38,6 +38,7 @@ class EngineParts:
     choices: dict[str, str]
     use_cuda_graphs: bool = False
     drafters: Any = None  # name -> kvforge.interfaces.Drafter (speculative.method, request_choices.drafters)
+    attn_capabilities: dict = field(default_factory=dict)  # the attention plugin's declared capabilities
 
 
 def _kv_block_bytes(hf_config, head_dim: int, num_kv_heads: int, block_size: int, dtype: torch.dtype) -> int:
@@ -369,4 +370,5 @@ def build_engine_parts(config: EngineConfig, registry: Registry) -> EngineParts:
     log.info("kvforge engine: %s on %s %s, %d KV blocks of %d tokens", choices, device, dtype, num_blocks,
              config.cache.block_size)
     return EngineParts(config, hf_config, device, dtype, model, backend, allocator, scheduler, kv_caches,
-                       cpu_caches, max_model_len, choices, use_graphs, drafters=drafters)
+                       cpu_caches, max_model_len, choices, use_graphs, drafters=drafters,
+                       attn_capabilities=dict(attn_spec.capabilities))

@@ -39,6 +39,8 @@ KNOWN_CAPABILITIES: dict[str, dict[str, tuple[str, str]]] = {
         "block_sizes": ("ints", "KV block sizes (tokens) it supports; cache.block_size must be listed"),
         "devices": ("devices", "device types it runs on ('cpu', 'cuda'); the engine's device must be listed"),
         "cuda_graphs": ("bool", "pure-decode steps can be captured in CUDA graphs"),
+        "mixed_cuda_graphs": ("bool", "small mixed prefill/decode steps can be captured in CUDA graphs "
+                                      "(implements graph_metadata / update_graph_metadata)"),
         "spec_decode": ("bool", "False: cannot verify draft tokens (multi-token decode rows); refuses drafters"),
     },
     "kv_allocator": {

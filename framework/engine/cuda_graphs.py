@@ -1,4 +1,5 @@
-"""CUDA-graph capture and replay of pure-decode steps, per batch-size bucket.
+"""CUDA-graph capture and replay of pure-decode steps, per batch-size bucket (and of
+small mixed steps, per token-count bucket: :mod:`kvforge.engine.cuda_graphs_mixed`).
 
 A decode step of a large model is hundreds of small kernel launches; replaying a
 captured graph removes the CPU launch cost (as vLLM and SGLang do). Each bucket
@@ -56,7 +57,7 @@ class CudaGraphRunner:
 
     def __init__(self, model: Model, backend: AttentionBackend, kv_caches: list[torch.Tensor], max_batch: int,
                  max_model_len: int, block_size: int, scratch_block: int, device: torch.device,
-                 buckets: tuple[int, ...] = DEFAULT_BUCKETS) -> None:
+                 buckets: tuple[int, ...] = DEFAULT_BUCKETS, max_mixed_tokens: int = 0) -> None:
         self.model = model
         self.backend = backend
         self.kv_caches = kv_caches
@@ -65,10 +66,18 @@ class CudaGraphRunner:
         sizes = sorted({b for b in buckets if b < max_batch} | {max_batch})
         self.buckets = [_Bucket(b, self.max_blocks, block_size, max_model_len, scratch_block, device) for b in sizes]
         self.pool = None
+        # Mixed prefill/decode steps of up to max_mixed_tokens tokens (0 = decode graphs only).
+        from kvforge.engine.cuda_graphs_mixed import DEFAULT_MIXED_TOKENS, MixedBucket
+        tok = sorted({t for t in DEFAULT_MIXED_TOKENS if t < max_mixed_tokens}
+                     | ({max_mixed_tokens} if 0 < max_mixed_tokens <= max(DEFAULT_MIXED_TOKENS) else set()))
+        self.mixed = [MixedBucket(t, max_batch, self.max_blocks, block_size, max_model_len, scratch_block, device)
+                      for t in tok]
 
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture every bucket, largest first so smaller graphs reuse its memory pool."""
+        for mb in reversed(self.mixed):
+            self.pool = mb.capture(self.model, self.backend, self.kv_caches, self.pool)
         for bucket in reversed(self.buckets):
             # Kept on the bucket: tensors the backend made for this metadata are read by every replay.
             bucket.meta = meta = ForwardMetadata(self.backend.build_metadata(bucket.inputs), self.kv_caches)
@@ -91,8 +100,15 @@ class CudaGraphRunner:
         return None
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, inputs: AttentionInputs) -> torch.Tensor | None:
-        """Replay for a pure-decode step of n rows; returns hidden [n, H], or None if no bucket fits."""
+        """Replay for a step of n tokens; returns hidden [n, H], or None if no bucket fits."""
         n = input_ids.shape[0]
+        if inputs.max_query_len > 1:
+            if inputs.block_table.shape[1] > self.max_blocks:
+                return None
+            for mb in self.mixed:
+                if mb.num_tokens >= n and mb.max_seqs >= inputs.context_lens.shape[0]:
+                    return mb.run(self.backend, input_ids, positions, inputs)
+            return None
         b = self.bucket_for(n)
         if b is None or inputs.block_table.shape[1] > self.max_blocks:
             return None

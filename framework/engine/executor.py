@@ -60,7 +60,9 @@ class UniProcExecutor(Executor):
             self.runner.graphs = CudaGraphRunner(
                 parts.model, parts.backend, parts.kv_caches, min(cfg.scheduler.max_num_seqs, 512),
                 parts.max_model_len, cfg.cache.block_size, scratch_block=parts.allocator.num_blocks,
-                device=parts.device)
+                device=parts.device,
+                max_mixed_tokens=cfg.scheduler.max_num_batched_tokens
+                if parts.attn_capabilities.get("mixed_cuda_graphs") else 0)
             self.runner.graphs.capture()
 
     def shutdown(self) -> None:

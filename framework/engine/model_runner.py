@@ -138,7 +138,7 @@ class ModelRunner:
                 raise RuntimeError("a placeholder input token without the previous step's sampled tokens")
             input_ids[placeholders[0]] = prev_tokens[placeholders[1]]
         hidden = None
-        if self.graphs is not None and inputs.max_query_len == 1:
+        if self.graphs is not None:
             hidden = self.graphs.run(input_ids, positions, inputs)
         if hidden is None:
             meta = ForwardMetadata(self.backend.build_metadata(inputs), self.kv_caches)

@@ -93,6 +93,18 @@ class AttentionBackend(ABC):
     def build_metadata(self, inputs: AttentionInputs) -> Any:
         """Per-step metadata, computed once per step and shared by all layers."""
 
+    def graph_metadata(self, inputs: AttentionInputs, max_num_tokens: int) -> Any:
+        """Only for backends declaring ``mixed_cuda_graphs=True``: metadata for capturing
+        mixed steps of up to ``max_num_tokens`` tokens and ``len(inputs.context_lens)``
+        requests in a CUDA graph. ``inputs`` are the graph bucket's static buffers; the
+        metadata's own tensors must stay fixed, refilled by :meth:`update_graph_metadata`."""
+        raise NotImplementedError(f"{self.name} does not capture mixed steps in CUDA graphs")
+
+    def update_graph_metadata(self, metadata: Any, inputs: AttentionInputs) -> None:
+        """Refill ``metadata`` (from :meth:`graph_metadata`) for a real step described by
+        ``inputs``, with device copies only (no host synchronization)."""
+        raise NotImplementedError(f"{self.name} does not capture mixed steps in CUDA graphs")
+
     @abstractmethod
     def forward(self, layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, metadata: Any) -> torch.Tensor:

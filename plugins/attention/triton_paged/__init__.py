@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, field_validator
 
 from kvforge import hookimpl
 from kvforge.interfaces import AttentionBackend, AttentionInputs, AttentionLayer, AttentionRequirements
-from .metadata import TritonPagedMetadata, build_triton_metadata
+from .metadata import TritonPagedMetadata, build_triton_metadata, make_graph_metadata, update_graph_metadata
 
 KVFORGE_HOOK_API = "1"
 
@@ -104,6 +104,13 @@ class TritonPagedBackend(AttentionBackend):
         """Decode/prefill split and prefill tiles, once per step (host lists -> device tensors)."""
         return build_triton_metadata(inputs, self.settings.prefill_block_m)
 
+    def graph_metadata(self, inputs: AttentionInputs, max_num_tokens: int) -> TritonPagedMetadata:
+        """Fixed-capacity metadata over a graph bucket's static ``inputs`` (mixed steps)."""
+        return make_graph_metadata(inputs, max_num_tokens, self.settings.prefill_block_m)
+
+    def update_graph_metadata(self, metadata: TritonPagedMetadata, inputs: AttentionInputs) -> None:
+        update_graph_metadata(metadata, inputs)
+
     def forward(self, layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, metadata: TritonPagedMetadata,
                 out: torch.Tensor | None = None) -> torch.Tensor:
@@ -121,14 +128,15 @@ class TritonPagedBackend(AttentionBackend):
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         bn = self.settings.kv_block_n
         self._decode.paged_decode(q, kv_cache, out, inp.block_table, inp.seq_lens, inp.query_start_loc,
-                                  md.decode_rows, md.num_decodes, layer.scale, layer.sliding_window, bn)
+                                  md.decode_rows, md.num_decodes, layer.scale, layer.sliding_window, bn,
+                                  count=md.decode_count)
         self._prefill.paged_prefill(q, kv_cache, out, inp.block_table, inp.query_start_loc, inp.context_lens,
                                     md.prefill_tiles, md.num_prefill_tiles, md.block_m, layer.scale,
-                                    layer.sliding_window, bn)
+                                    layer.sliding_window, bn, count=md.tile_count)
         return out
 
 
 @hookimpl
 def kvforge_register_attention_backends(register) -> None:
     register("triton_paged", TritonPagedBackend, settings_model=TritonPagedSettings, priority=10,
-             dtypes=("float16", "bfloat16", "float32"), cuda_graphs=True)
+             dtypes=("float16", "bfloat16", "float32"), cuda_graphs=True, mixed_cuda_graphs=True)

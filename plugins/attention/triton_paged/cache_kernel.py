@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def _reshape_and_cache_kernel(
     k_ptr, v_ptr, cache_ptr, slot_ptr, num_tokens,
     stride_kt, stride_kh, stride_vt, stride_vh,

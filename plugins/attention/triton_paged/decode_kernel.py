@@ -27,17 +27,23 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-@triton.jit
+# Integers that change from step to step are not specialized (Triton would otherwise
+# compile a variant per "divisible by 16" / "equal to 1" class, mid-serving).
+@triton.jit(do_not_specialize=["stride_bt"])
 def _paged_decode_kernel(
-    q_ptr, out_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, qsl_ptr, rows_ptr,
+    q_ptr, out_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, qsl_ptr, rows_ptr, count_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_ckv, stride_cb, stride_cs, stride_ch, stride_bt,
     scale_log2, window,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr, ROWS_ARE_REQS: tl.constexpr,
+    COUNT_ON_DEVICE: tl.constexpr,
 ):
     row = tl.program_id(0)
     kvh = tl.program_id(1)
+    if COUNT_ON_DEVICE:  # CUDA-graph mixed step: the grid is the capacity, the count is data
+        if row >= tl.load(count_ptr):
+            return
     if ROWS_ARE_REQS:  # pure-decode step: row i is request i
         req = row.to(tl.int64)
     else:
@@ -90,8 +96,13 @@ def _paged_decode_kernel(
 
 def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, block_table: torch.Tensor,
                  seq_lens: torch.Tensor, query_start_loc: torch.Tensor, decode_rows: torch.Tensor | None,
-                 num_decodes: int, scale: float, sliding_window: int | None, block_n: int = 0) -> None:
+                 num_decodes: int, scale: float, sliding_window: int | None, block_n: int = 0,
+                 count: torch.Tensor | None = None) -> None:
     """Attention for the ``num_decodes`` requests listed in ``decode_rows`` (each query_len == 1).
+
+    With ``count`` (int32 [1] on the device) ``num_decodes`` is a capacity: programs past
+    ``count[0]`` exit at once, so the launch does not depend on the step (CUDA-graph capture
+    of mixed steps).
 
     Args:
         q: [T, Hq, D] fp16/bf16/fp32, last dim contiguous; out: same shape/dtype (written rows only).
@@ -114,12 +125,12 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, blo
     block_n = max(block_n, 16)
     _paged_decode_kernel[(num_decodes, hkv)](
         q, out, kv_cache, block_table, seq_lens, query_start_loc,
-        query_start_loc if decode_rows is None else decode_rows,
+        query_start_loc if decode_rows is None else decode_rows, seq_lens if count is None else count,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_table.stride(0),
         scale * LOG2E, sliding_window or 0,
         GROUP=group, GROUP_P=max(16, triton.next_power_of_2(group)), HEAD_D=d, BLOCK_SIZE=bs,
         BLOCK_N=block_n, HAS_WINDOW=sliding_window is not None, DOT_PREC=dot_precision(q.dtype),
-        ROWS_ARE_REQS=decode_rows is None,
+        ROWS_ARE_REQS=decode_rows is None, COUNT_ON_DEVICE=count is not None,
         num_warps=4 if d <= 128 else 8, num_stages=3,
     )

@@ -21,17 +21,23 @@ import triton.language as tl
 from .decode_kernel import LOG2E, dot_precision
 
 
-@triton.jit
+# Integers that change from step to step are not specialized (Triton would otherwise
+# compile a variant per "divisible by 16" / "equal to 1" class, mid-serving).
+@triton.jit(do_not_specialize=["num_tiles", "stride_bt"])
 def _paged_prefill_kernel(
-    q_ptr, out_ptr, cache_ptr, block_table_ptr, qsl_ptr, ctx_ptr, tiles_ptr, num_tiles,
+    q_ptr, out_ptr, cache_ptr, block_table_ptr, qsl_ptr, ctx_ptr, tiles_ptr, num_tiles, count_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_ckv, stride_cb, stride_cs, stride_ch, stride_bt,
     scale_log2, window,
     GROUP: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr,
+    COUNT_ON_DEVICE: tl.constexpr,
 ):
     tile = tl.program_id(0)
     h = tl.program_id(1)
+    if COUNT_ON_DEVICE:  # CUDA-graph mixed step: the grid is the capacity, the count is data
+        if tile >= tl.load(count_ptr):
+            return
     kvh = h // GROUP
     req = tl.load(tiles_ptr + tile).to(tl.int64)
     m0 = tl.load(tiles_ptr + num_tiles + tile)
@@ -86,8 +92,12 @@ def _paged_prefill_kernel(
 
 def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, block_table: torch.Tensor,
                   query_start_loc: torch.Tensor, context_lens: torch.Tensor, tiles: torch.Tensor, num_tiles: int,
-                  block_m: int, scale: float, sliding_window: int | None, block_n: int = 0) -> None:
+                  block_m: int, scale: float, sliding_window: int | None, block_n: int = 0,
+                  count: torch.Tensor | None = None) -> None:
     """Attention for the prefill/extend tiles listed in ``tiles``.
+
+    With ``count`` (int32 [1] on the device) ``num_tiles`` is a capacity (``tiles`` is
+    [2, num_tiles]) and only the first ``count[0]`` tiles run (CUDA-graph capture).
 
     Args:
         q: [T, Hq, D] fp16/bf16/fp32, last dim contiguous; out: same shape/dtype (written rows only).
@@ -106,10 +116,12 @@ def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, bl
     block_n = max(block_n, 16)
     _paged_prefill_kernel[(num_tiles, hq)](
         q, out, kv_cache, block_table, query_start_loc, context_lens, tiles, num_tiles,
+        context_lens if count is None else count,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_table.stride(0),
         scale * LOG2E, sliding_window or 0,
         GROUP=hq // hkv, HEAD_D=d, BLOCK_SIZE=bs, BLOCK_M=block_m, BLOCK_N=block_n,
         HAS_WINDOW=sliding_window is not None, DOT_PREC=dot_precision(q.dtype),
+        COUNT_ON_DEVICE=count is not None,
         num_warps=4 if d * block_m <= 64 * 128 else 8, num_stages=2,
     )
