@@ -6,7 +6,7 @@ prefix caching on, on ONE CPU core (``torch.set_num_threads(1)``):
 * ``schedule`` — ``scheduler.schedule()``, which includes the allocator's ``allocate_slots``;
 * ``allocate`` — the part of ``schedule`` spent in ``allocate_slots`` (a second, instrumented pass;
   the timer wrapper's own cost per call is measured and subtracted);
-* ``prepare`` — ``ModelRunner._prepare(so)`` (input ids, positions, slot mapping, block table and the
+* ``prepare`` — ``ModelRunner._prepare(so, None)`` (input ids, positions, slot mapping, block table and the
   attention inputs as tensors) plus the backend's ``build_metadata``;
 * ``update`` — ``scheduler.update(so, sampled)`` with one fake token per request (token append,
   stop checks, prefix-cache block registration on the next ``allocate_slots``).
@@ -87,7 +87,7 @@ def one_step(sched, runner, backend, timer=time.perf_counter):
     t0 = timer()
     so = sched.schedule()
     t1 = timer()
-    ids, pos, inputs, qsl = runner._prepare(so)
+    inputs = runner._prepare(so, None)[2]
     backend.build_metadata(inputs)
     t2 = timer()
     sampled = {r.request_id: [5] for r in so.scheduled}

@@ -26,6 +26,27 @@ def make_executor(config, max_model_len: int, device: torch.device):
     return MultiprocExecutor(config, max_model_len, device)
 
 
+def check_tensor_parallel_shapes(hf_config, tp: int) -> None:
+    """Refuse a tensor_parallel_size the model's shapes cannot be cut by (the layers would
+    fail anyway, but only inside freshly started workers).
+
+    Raises:
+        ValueError: naming ``parallel.tensor_parallel_size`` and the dimension.
+    """
+    if tp <= 1:
+        return
+    heads = getattr(hf_config, "num_attention_heads", None)
+    kv = getattr(hf_config, "num_key_value_heads", None) or heads
+    checks = [("num_attention_heads", heads)]
+    if not (getattr(hf_config, "num_local_experts", None) or getattr(hf_config, "num_experts", None)):
+        checks.append(("intermediate_size", getattr(hf_config, "intermediate_size", None)))  # dense MLP is cut
+    for name, value in checks:
+        if value and value % tp:
+            raise ValueError(f"parallel.tensor_parallel_size: {tp} does not divide the model's {name} ({value})")
+    if kv and (kv % tp if kv >= tp else tp % kv):
+        raise ValueError(f"parallel.tensor_parallel_size: {tp} and the model's {kv} KV heads: one must divide the other")
+
+
 def build_parallel_parts(config, registry, hf_config, arch: str, device: torch.device, dtype: torch.dtype,
                          max_model_len: int, sched_spec, sched_settings: Any, alloc_spec, alloc_settings: Any):
     """:class:`~kvforge.engine.builder.EngineParts` whose model lives on the workers
@@ -42,6 +63,7 @@ def build_parallel_parts(config, registry, hf_config, arch: str, device: torch.d
     if par.pipeline_parallel_size > hf_config.num_hidden_layers:
         raise ValueError(f"parallel.pipeline_parallel_size {par.pipeline_parallel_size} exceeds the model's "
                          f"{hf_config.num_hidden_layers} layers")
+    check_tensor_parallel_shapes(hf_config, par.tensor_parallel_size)  # before any worker starts
     executor = make_executor(config, max_model_len, device)
     try:
         infos = executor.load_model(timeout=INIT_TIMEOUT_S)

@@ -29,11 +29,14 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self.name.startswith("FINISHED")
+        return self in _FINISHED
 
     @property
     def finish_reason(self) -> str | None:
         return self.value if self.finished else None
+
+
+_FINISHED = frozenset(s for s in RequestStatus if s.name.startswith("FINISHED"))
 
 
 @dataclass(eq=False)
@@ -119,7 +122,7 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.status.finished
+        return self.status in _FINISHED
 
 
 def drop_placeholders(request: Request) -> None:
@@ -137,13 +140,15 @@ def check_stop(request: Request, max_model_len: int) -> RequestStatus | None:
     then max_tokens / max_model_len.
     """
     sp = request.sampling_params
-    last = request.output_token_ids[-1]
-    if request.num_output_tokens >= sp.min_tokens:
+    out = request.output_token_ids
+    n_out = len(out)  # runs for every request every step: plain lengths, no properties
+    last = out[-1]
+    if n_out >= sp.min_tokens:
         if not sp.ignore_eos and last in request.eos_token_ids:
             return RequestStatus.FINISHED_STOPPED
         if last in sp.stop_token_ids:
             request.stop_reason = last
             return RequestStatus.FINISHED_STOPPED
-    if request.num_output_tokens >= request.max_tokens or request.num_tokens >= max_model_len:
+    if n_out >= request.max_tokens or n_out + len(request.prompt_token_ids) >= max_model_len:
         return RequestStatus.FINISHED_LENGTH_CAPPED
     return None

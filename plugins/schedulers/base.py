@@ -105,17 +105,20 @@ class QueueScheduler(Scheduler):
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         # 1) + 2): running decodes first, then running prefills (chunks).
+        # (lengths inline, not through properties: this runs for every running request)
         decodes, prefills = [], []
         for r in self.running:
-            (decodes if r.num_tokens - r.num_computed_tokens == 1 else prefills).append(r)
+            (decodes if len(r.prompt_token_ids) + len(r.output_token_ids) - r.num_computed_tokens == 1
+             else prefills).append(r)
+        num_decodes = len(decodes)
         allocate = self.allocator.allocate_slots
         running_status = RequestStatus.RUNNING
-        for req in decodes + prefills:
+        for i, req in enumerate(decodes + prefills):
             if budget <= 0:
                 break
             if req.status is not running_status:  # preempted as a victim earlier in this loop
                 continue
-            if not req.spec_token_ids and req.num_tokens - req.num_computed_tokens == 1:
+            if i < num_decodes and not req.spec_token_ids:
                 # plain decode, the common case: keep it cheap (runs for every running request)
                 if allocate(req, 1) is None and not self._allocate_or_preempt(req, 1, out, 0):
                     continue
