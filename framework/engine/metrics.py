@@ -10,7 +10,15 @@ series has the label ``model_name``):
   ``kvforge:time_per_output_token_seconds`` (TPOT: decode time / (output tokens - 1)),
   ``kvforge:e2e_request_latency_seconds`` (arrival to finish);
 * counters ``kvforge:prompt_tokens_total``, ``kvforge:generation_tokens_total`` (tokens),
-  ``kvforge:request_success_total{finished_reason}`` (finished requests by reason).
+  ``kvforge:request_success_total{finished_reason}`` (finished requests by reason);
+* with speculative decoding (engine stats with ``spec_*`` keys), as vLLM's
+  ``vllm:spec_decode_*``: counters ``kvforge:spec_decode_num_drafts_total`` (verification
+  rounds), ``kvforge:spec_decode_num_draft_tokens_total``,
+  ``kvforge:spec_decode_num_accepted_tokens_total``; gauges
+  ``kvforge:spec_decode_acceptance_rate`` (accepted / draft tokens),
+  ``kvforge:spec_decode_mean_accepted_length`` (tokens per round, drafts + 1),
+  ``kvforge:spec_decode_acceptance_rate_per_pos{position}`` and
+  ``kvforge:spec_decode_num_speculative_tokens`` (the adaptive rule's current k).
 
 Each :class:`EngineMetrics` owns a private ``CollectorRegistry``, so several engines
 (e.g. in tests) never clash on series names. All methods are thread-safe.
@@ -21,6 +29,7 @@ from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvforge.engine.outputs import RequestOutput
 
@@ -72,6 +81,7 @@ class EngineMetrics:
         self._success = Counter("kvforge:request_success", "Finished requests by finish reason.",
                                 ["model_name", "finished_reason"], registry=reg)
         self._labels = labels
+        reg.register(_SpecDecodeCollector(model_name, self._stats_fn))
 
     def on_request_added(self, num_prompt_tokens: int) -> None:
         """Count an accepted request's prompt tokens."""
@@ -106,3 +116,42 @@ class EngineMetrics:
     def render(self) -> bytes:
         """The Prometheus text exposition of every series."""
         return generate_latest(self.registry)
+
+
+class _SpecDecodeCollector:
+    """Speculative-decoding series, read from the engine's stats at scrape time (nothing
+    when the engine does not speculate)."""
+
+    def __init__(self, model_name: str, stats_fn: Callable[[], dict[str, float]]) -> None:
+        self.model_name = model_name
+        self.stats_fn = stats_fn
+
+    def describe(self):
+        return []  # series exist only for speculating engines: let the registry collect lazily
+
+    def collect(self):
+        st = self.stats_fn()
+        if "spec_num_drafts" not in st:
+            return
+        m = [self.model_name]
+        for key, name, doc in (("spec_num_drafts", "num_drafts", "Verification rounds."),
+                               ("spec_num_draft_tokens", "num_draft_tokens", "Draft tokens proposed."),
+                               ("spec_num_accepted_tokens", "num_accepted_tokens", "Draft tokens accepted.")):
+            c = CounterMetricFamily(f"kvforge:spec_decode_{name}", doc, labels=["model_name"])
+            c.add_metric(m, float(st.get(key, 0.0)))
+            yield c
+        for key, name, doc in (("spec_acceptance_rate", "acceptance_rate", "Accepted / draft tokens (0..1)."),
+                               ("spec_mean_accepted_length", "mean_accepted_length",
+                                "Tokens emitted per verification round (accepted drafts + 1)."),
+                               ("spec_k", "num_speculative_tokens", "Draft tokens per round chosen now (k).")):
+            g = GaugeMetricFamily(f"kvforge:spec_decode_{name}", doc, labels=["model_name"])
+            g.add_metric(m, float(st.get(key, 0.0)))
+            yield g
+        g = GaugeMetricFamily("kvforge:spec_decode_acceptance_rate_per_pos",
+                              "Accepted / verified drafts at each draft position (0..1).",
+                              labels=["model_name", "position"])
+        prefix = "spec_acceptance_rate_pos_"
+        for key, value in st.items():
+            if key.startswith(prefix):
+                g.add_metric(m + [key[len(prefix):]], float(value))
+        yield g
