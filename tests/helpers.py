@@ -177,3 +177,15 @@ def assert_no_block_leak(engine) -> None:
     assert alloc.num_free_blocks == alloc.num_blocks, (
         f"KV blocks leaked: {alloc.num_blocks - alloc.num_free_blocks} of {alloc.num_blocks} still allocated")
 
+
+
+#: EOS id of the requests built by :func:`sampler_request`.
+SAMPLER_EOS = 2
+
+
+def sampler_request(rid: str, sp, prompt=None, output=None, generator=None):
+    """A bare Request for sampler tests (prompt [5, 7, 11] unless given, EOS 2, max_tokens 16)."""
+    from kvforge.engine.request import Request
+    return Request(request_id=rid, prompt_token_ids=list(prompt if prompt is not None else [5, 7, 11]),
+                   sampling_params=sp, max_tokens=16, eos_token_ids=frozenset({SAMPLER_EOS}),
+                   output_token_ids=list(output or []), generator=generator)

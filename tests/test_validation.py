@@ -278,15 +278,3 @@ def test_more_bad_inputs_name_their_field(tmp_path):
     e = llm.llm_engine
     assert not e.has_unfinished_requests() and e.allocator.num_free_blocks == e.allocator.num_blocks
 
-
-def test_tensor_parallel_size_that_does_not_divide_the_heads_fails_before_workers_start(monkeypatch):
-    """stories260K has 8 heads: tp=3 is refused by name, and no worker process is started."""
-    import kvforge.distributed.launch as launch
-    from kvforge.engine.llm_engine import LLMEngine
-
-    def no_workers(*a, **k):
-        raise AssertionError("workers were started")
-
-    monkeypatch.setattr(launch, "make_executor", no_workers)
-    with pytest.raises(ValueError, match=r"parallel.tensor_parallel_size: 3 does not divide .*num_attention_heads"):
-        LLMEngine.from_kwargs(STORIES_MODEL, tensor_parallel_size=3)

@@ -144,7 +144,6 @@ def build_micro_batches(msg: StepMessage, num_parts: int, block_size: int, devic
     bs = block_size
     out = []
     for lo, hi in split_requests(msg.qlens, num_parts):
-        b = hi - lo
         t0, t1 = int(tok_off[lo]), int(tok_off[hi])
         q = msg.qlens[lo:hi].astype(np.int64)
         ctx = msg.starts[lo:hi].astype(np.int64)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from itertools import chain
 
 import numpy as np
 import torch
@@ -65,7 +64,8 @@ class ModelRunner:
         ids: list[int] = []
         qlens = [0] * b
         ctx_lens = [0] * b
-        tables: list[list[int]] = [None] * b  # type: ignore[list-item]
+        tlens = [0] * b
+        flat: list[int] = []  # every block table, concatenated (list += is one C-level copy)
         rows: list[int] = []
         sample_reqs: list[Request] = []
         ph_pos: list[int] = []
@@ -77,7 +77,10 @@ class ModelRunner:
             start = req.num_computed_tokens
             qlens[i] = n
             ctx_lens[i] = start
-            tables[i] = get_table(rid)
+            table = get_table(rid)
+            tlens[i] = len(table)
+            flat += table
+            num_tokens = req.num_tokens  # (duck-typed: the draft model's sequences run here too)
             drafts = spec.get(rid) if spec else None
             if n == 1 and not drafts:
                 tok = req.token_id_at(start)
@@ -86,16 +89,16 @@ class ModelRunner:
                     ph_row.append(prev_rows[rid])  # type: ignore[index]
                 ids.append(tok)
             elif drafts:  # verification: the drafts follow the last token, in lookahead slots
-                ids.extend((req.token_slice(start, req.num_tokens) + list(drafts))[:n])
+                ids.extend((req.token_slice(start, num_tokens) + list(drafts))[:n])
             else:
                 ids.extend(req.token_slice(start, start + n))
             end += n
-            if start + n >= req.num_tokens:
+            if start + n >= num_tokens:
                 num_drafts = len(drafts) if drafts else 0
                 rows.extend(range(end - 1 - num_drafts, end))
                 sample_reqs.append(req)
-        tlens = np.fromiter((len(t) for t in tables), dtype=np.int64, count=b)
-        flat = np.fromiter(chain.from_iterable(tables), dtype=np.int32, count=int(tlens.sum()))
+        tlens = np.asarray(tlens, dtype=np.int64)
+        flat = np.asarray(flat, dtype=np.int32)
         extra = [np.asarray(ids, dtype=np.int64), np.asarray(rows, dtype=np.int64)]
         if ph_pos:
             extra += [np.asarray(ph_pos, dtype=np.int64), np.asarray(ph_row, dtype=np.int64)]

@@ -27,13 +27,16 @@ def build_attention_inputs(qlens: np.ndarray, ctx: np.ndarray, flat_tables: np.n
     qsl = np.zeros(b + 1, dtype=np.int64)
     np.cumsum(qlens, out=qsl[1:])
     total = int(qsl[-1])
-    row = np.repeat(np.arange(b), qlens)
-    pos = ctx[row] + (np.arange(total) - qsl[:-1][row])
-    tstart = np.zeros(b, dtype=np.int64)
-    np.cumsum(table_lens[:-1], out=tstart[1:])
-    trow = np.repeat(np.arange(b), table_lens)
-    table = np.zeros((b, max(int(table_lens.max()), 1)), dtype=np.int32)
-    table[trow, np.arange(flat_tables.shape[0]) - tstart[trow]] = flat_tables
+    if total == b:  # every request computes one token (pure decode): row i is request i
+        row = np.arange(b)
+        pos = ctx.copy()
+    else:
+        row = np.repeat(np.arange(b), qlens)
+        pos = ctx[row] + (np.arange(total) - qsl[:-1][row])
+    width = max(int(table_lens.max()), 1)
+    table = np.zeros((b, width), dtype=np.int32)
+    # a row-major boolean mask visits the entries in the concatenated order of flat_tables
+    table[np.arange(width) < table_lens[:, None]] = flat_tables
     slots = table[row, pos // block_size].astype(np.int64) * block_size + pos % block_size
     seq = ctx + qlens
     pos_t, qsl_t, ctx_t, seq_t, table_t, slots_t, *extra_t = upload(

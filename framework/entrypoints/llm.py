@@ -7,7 +7,7 @@ from typing import Any, Sequence
 from tqdm.auto import tqdm
 
 from kvforge.config import EngineConfig
-from kvforge.engine.llm_engine import LLMEngine, PromptType
+from kvforge.engine.llm_engine import PromptType
 from kvforge.engine.outputs import RequestOutput
 from kvforge.engine.sampling_params import SamplingParams
 

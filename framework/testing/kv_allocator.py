@@ -22,7 +22,6 @@ Checks, through the :class:`~kvforge.interfaces.KVAllocator` interface only:
 """
 from __future__ import annotations
 
-import random
 from typing import Any
 
 from kvforge.testing.harness import (StepMonitor, Target, assert_drained, check_block_accounting,

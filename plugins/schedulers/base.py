@@ -188,17 +188,21 @@ class QueueScheduler(Scheduler):
 
     def update(self, output: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
         finished: list[Request] = []
+        spec = output.spec_token_ids
+        counts = output.num_scheduled_tokens
+        running = RequestStatus.RUNNING
         for req in output.scheduled:
-            if req.is_finished:
+            if req.status is not running and req.is_finished:
                 continue
-            toks = sampled.get(req.request_id, ())
-            drafts = output.spec_token_ids.get(req.request_id)
+            rid = req.request_id
+            toks = sampled.get(rid, ())
+            drafts = spec.get(rid) if spec else None
             if drafts:  # speculative: the last token plus the accepted drafts now have KV
-                req.num_computed_tokens += output.num_scheduled_tokens[req.request_id] - len(drafts) \
-                    + max(0, len(toks) - 1)
+                req.num_computed_tokens += counts[rid] - len(drafts) + max(0, len(toks) - 1)
             else:
-                req.num_computed_tokens += output.num_scheduled_tokens[req.request_id]
-            req.spec_token_ids = []
+                req.num_computed_tokens += counts[rid]
+            if req.spec_token_ids:
+                req.spec_token_ids = []
             for tok in toks:
                 req.output_token_ids.append(tok)
                 status = check_stop(req, self.max_model_len)

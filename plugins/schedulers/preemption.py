@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from kvforge.engine.request import Request, RequestStatus
+from kvforge.engine.request import Request
 from kvforge.interfaces import KVAllocator, SchedulerOutput
 
 

@@ -1,0 +1,188 @@
+"""triton_paged plumbing and end to end: the per-step plan (metadata split, fixed-capacity
+CUDA-graph metadata), validation reasons, registration and settings, and the engine with a
+random tiny Llama / Mistral against Hugging Face. Set-up: triton_paged_support.py."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+# triton_paged_support first: it arranges the interpreter before the kernels are imported
+from triton_paged_support import (  # noqa: F401 - _interpreter_env is an autouse fixture
+    CPU_DTYPES, DEV, MIXED, _interpreter_env, check_close, make_batch,
+)
+
+from helpers import urandom_seed  # noqa: E402
+from kvforge.interfaces import AttentionInputs, AttentionLayer, AttentionRequirements  # noqa: E402
+from kvforge_plugins.attention.triton_paged import TritonPagedBackend, TritonPagedSettings  # noqa: E402
+
+
+# ---------------------------------------------------------------- plumbing
+def test_metadata_split():
+    inputs, *_ = make_batch(0, torch.float32, 16, 1, 1, 16, MIXED)
+    md = TritonPagedBackend().build_metadata(inputs)
+    assert md.num_decodes == 4 and md.decode_rows.tolist() == [0, 2, 4, 6]
+    tiles = md.prefill_tiles.cpu()
+    assert md.num_prefill_tiles == tiles.shape[1] == 1 + 1 + 2 + 1
+    assert sorted(zip(*tiles.tolist())) == [(1, 0), (3, 0), (5, 0), (5, 64), (7, 0)]
+    assert tiles[0].tolist()[0] == 5 and tiles[1].tolist()[0] == 64  # heaviest tile first
+    md = TritonPagedBackend().build_metadata(make_batch(0, torch.float32, 16, 1, 1, 16, [(3, 1), (9, 1)])[0])
+    assert md.num_prefill_tiles == 0 and md.num_decodes == 2 and md.decode_rows is None  # identity rows
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+def test_graph_metadata_fixed_capacity(dtype):
+    """The CUDA-graph path of mixed steps: static, over-sized buffers holding stale values,
+    refilled by update_graph_metadata; kernels read the counts on the device. Same output
+    as the plain per-step metadata on the real rows; padded rows write only a spare block."""
+    seed = urandom_seed()
+    hkv, group, d, bs = 2, 4, 32, 16
+    inputs, q, k, v, cache = make_batch(seed, dtype, bs, hkv, group, d, MIXED)
+    t, b = q.shape[0], len(MIXED)
+    cap_t, cap_b, width = t + 21, b + 3, inputs.block_table.shape[1] + 2
+    used = set(inputs.block_table[inputs.block_table >= 0].tolist())
+    spare = next(x for x in range(cache.shape[1]) if x not in used)
+    i32 = dict(dtype=torch.int32, device=DEV)
+    static = AttentionInputs(
+        query_start_loc=torch.full((cap_b + 1,), 7, **i32), context_lens=torch.full((cap_b,), 5, **i32),
+        seq_lens=torch.full((cap_b,), 9, **i32), block_table=torch.full((cap_b, width), spare, **i32),
+        slot_mapping=torch.full((cap_t,), spare * bs, dtype=torch.int64, device=DEV), max_query_len=cap_t,
+        max_seq_len=4096, query_lens_cpu=[0] * cap_b, context_lens_cpu=[0] * cap_b, block_size=bs)
+    backend = TritonPagedBackend(TritonPagedSettings(prefill_block_m=16))
+    md = backend.graph_metadata(static, cap_t)
+    md.decode_rows.fill_(b - 1)  # stale values from an earlier step must not matter
+    md.prefill_tiles.fill_(0)
+    # what MixedBucket.run copies in
+    static.query_start_loc[:b + 1].copy_(inputs.query_start_loc)
+    static.query_start_loc[b + 1:].fill_(t)
+    static.context_lens[:b].copy_(inputs.context_lens)
+    static.seq_lens[:b].copy_(inputs.seq_lens)
+    static.block_table[:b, :inputs.block_table.shape[1]].copy_(inputs.block_table)
+    static.slot_mapping[:t].copy_(inputs.slot_mapping)
+    backend.update_graph_metadata(md, inputs)
+    assert int(md.decode_count) == 4 and int(md.tile_count) == 2 + 3 + 7 + 1  # ceil(query_len / 16) per prefill
+    pad = lambda x: torch.cat([x, torch.randn((cap_t - t, *x.shape[1:]), device=DEV).to(dtype)])  # noqa: E731
+    layer = AttentionLayer(0, hkv * group, hkv, d, d ** -0.5, None)
+    plain_cache, graph_cache = cache.clone(), cache.clone()
+    want = backend.forward(layer, q, k, v, plain_cache, backend.build_metadata(inputs))
+    got = backend.forward(layer, pad(q), pad(k), pad(v), graph_cache, md)
+    check_close(got[:t], want.float(), dtype, seed)
+    keep = torch.arange(cache.shape[1], device=DEV) != spare
+    assert torch.equal(graph_cache[:, keep].nan_to_num(), plain_cache[:, keep].nan_to_num()), f"seed={seed}"
+    with pytest.raises(ValueError, match="capacity"):
+        backend.update_graph_metadata(backend.graph_metadata(static, 16), inputs)
+
+
+def _req(dtype=torch.float16, head=64, block=16, window=None):
+    return AttentionRequirements(dtype, head, 8, 2, block, dtype, window)
+
+
+def test_validate_reasons(monkeypatch):
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert TritonPagedBackend.validate(_req(), cpu) == ["needs a CUDA device (or TRITON_INTERPRET=1)"]
+    assert TritonPagedBackend.validate(_req(), cuda) == []
+    assert TritonPagedBackend.validate(_req(torch.bfloat16, window=4096), cuda) == []
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert TritonPagedBackend.validate(_req(torch.float32), cpu) == []
+    assert any("bfloat16" in r for r in TritonPagedBackend.validate(_req(torch.bfloat16), cpu))
+    assert any("head_size 8" in r for r in TritonPagedBackend.validate(_req(head=8), cpu))
+    assert any("head_size 96" in r for r in TritonPagedBackend.validate(_req(head=96), cuda))
+    assert any("block_size 8" in r for r in TritonPagedBackend.validate(_req(block=8), cuda))
+    bad_kv = AttentionRequirements(torch.float16, 64, 8, 2, 16, torch.float32)
+    assert any("kv_cache_dtype" in r for r in TritonPagedBackend.validate(bad_kv, cuda))
+
+
+def test_registered_and_auto_choice(monkeypatch):
+    from kvforge.engine.builder import choose_attention
+    from kvforge.plugin_manager import load_registry
+
+    monkeypatch.setenv("KVFORGE_PLUGINS", "torch_ref,triton_paged")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    reg = load_registry()
+    spec = reg.get("attention", "triton_paged")
+    assert spec.capabilities == {"priority": 10, "dtypes": ("float16", "bfloat16", "float32"), "cuda_graphs": True,
+                                 "mixed_cuda_graphs": True}
+    assert spec.settings_model is TritonPagedSettings
+    assert choose_attention(reg, "auto", _req(), torch.device("cpu"))[0].name == "triton_paged"
+    spec, rejected = choose_attention(reg, "auto", _req(head=8), torch.device("cpu"))
+    assert spec.name == "torch_ref" and "head_size 8" in " ".join(rejected["triton_paged"])
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert choose_attention(reg, "auto", _req(), torch.device("cpu"))[0].name == "torch_ref"
+
+
+def test_settings_model():
+    assert TritonPagedSettings.model_validate({}).prefill_block_m == 64
+    for bad in ({"prefill_block_m": 48}, {"kv_block_n": 8}, {"block_m": 64}):
+        with pytest.raises(ValueError):
+            TritonPagedSettings.model_validate(bad)
+
+
+# ---------------------------------------------------------------- end to end (engine + model)
+E2E_CONFIGS = {  # head_dim 16 (the smallest the backend takes), GQA 4:1; one with a sliding window
+    "llama": dict(arch="llama", sliding_window=None),
+    "mistral_window8": dict(arch="mistral", sliding_window=8),
+}
+
+
+@pytest.fixture(scope="module", params=list(E2E_CONFIGS))
+def tiny_model(request, tmp_path_factory):
+    """Random-weight 2-layer model saved like a real checkpoint (tokenizer from stories260K)."""
+    import shutil
+
+    from helpers import STORIES_MODEL
+    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig
+
+    spec = E2E_CONFIGS[request.param]
+    seed = urandom_seed()
+    torch.manual_seed(seed)
+    common = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=1, max_position_embeddings=256, bos_token_id=1, eos_token_id=2)
+    cfg = (MistralConfig(**common, head_dim=16, sliding_window=spec["sliding_window"]) if spec["arch"] == "mistral"
+           else LlamaConfig(**common))
+    hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="eager").eval()
+    with torch.no_grad():
+        for name, prm in hf.named_parameters():
+            prm.copy_(1 + 0.3 * torch.randn_like(prm)) if name.endswith("norm.weight") else prm.normal_(0.0, 0.25)
+    d = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(d, safe_serialization=True)
+    for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json"):
+        if os.path.exists(os.path.join(STORIES_MODEL, f)):
+            shutil.copy(os.path.join(STORIES_MODEL, f), d)
+    return request.param, hf, str(d), seed
+
+
+def test_engine_end_to_end_vs_hf(tiny_model):
+    """The engine picks triton_paged (auto), and its logits (one step and chunked over the
+    paged cache, two prompts per flattened forward) and greedy tokens match HF (fp32)."""
+    import random
+
+    from helpers import assert_greedy_match, prompt_logits, rel_err
+    from kvforge import LLM, SamplingParams
+
+    name, hf, path, wseed = tiny_model
+    seed = urandom_seed()
+    rng = random.Random(seed)
+    tag = f"[{name}] weights seed {wseed}, prompt seed {seed}"
+    llm = LLM(path, dtype="float32", block_size=16, attention_backend="auto")
+    engine = llm.llm_engine
+    assert type(engine.runner.backend).__name__ == "TritonPagedBackend", tag
+    prompts = [[rng.randrange(512) for _ in range(rng.randint(20, 40))] for _ in range(2)]
+    with torch.no_grad():
+        refs = [hf(torch.tensor([p])).logits[0].float() for p in prompts]
+    chunks = [[len(p) // 3, len(p) - 2 * (len(p) // 3) - 1, len(p) // 3 + 1] for p in prompts]
+    for ch in (None, chunks):
+        for got, ref in zip(prompt_logits(engine, prompts, ch), refs):
+            assert rel_err(got, ref) <= 1e-4, f"{tag} chunks={ch}: rel err {rel_err(got, ref):.3g}"
+    n_new = 6
+    sp = SamplingParams(temperature=0, max_tokens=n_new, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    for p, out in zip(prompts, outs):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([p]), do_sample=False, max_new_tokens=n_new, eos_token_id=None,
+                              pad_token_id=0, output_logits=True, return_dict_in_generate=True,
+                              attention_mask=torch.ones(1, len(p), dtype=torch.long))
+        assert out.error is None, f"{tag}: {out.error}"
+        assert_greedy_match(out.outputs[0].token_ids, ref.sequences[0, len(p):].tolist(),
+                            [lg[0].float() for lg in ref.logits], tag)
