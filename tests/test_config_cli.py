@@ -210,3 +210,16 @@ def test_generate_bad_flag_value_names_field(capsys):
     rc = cli_main(["generate", "--model", STORIES_MODEL, "--set", "scheduler.settings.foo=1", "Once"])
     err = capsys.readouterr().err
     assert rc != 0 and "scheduler.settings.foo" in err, err
+    rc = cli_main(["generate", "--model", STORIES_MODEL, "--set", "foo", "Once"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "kvforge: error: --set expects KEY=VALUE" in err, err
+
+
+def test_generate_fails_when_a_request_ends_in_error(capsys):
+    """One KV block cannot hold the prompt: the request ends with finish_reason=error and
+    the command's exit status says so."""
+    rc = cli_main(["generate", "--model", STORIES_MODEL, "--num-gpu-blocks", "1", "--block-size", "16",
+                   "Once upon a time there was a little girl named Lily who loved to play"])
+    assert rc == 1, capsys.readouterr().err
+    rc = cli_main(["generate", "--model", STORIES_MODEL, "--max-tokens", "4", "Once"])
+    assert rc == 0

@@ -251,3 +251,35 @@ def test_token_budget_respected_under_preemption_and_no_request_lost():
     assert not errors, f"accepted requests were failed after preemption: {errors}"
     for rid, _, _ in reqs:
         assert got[rid].outputs[0].token_ids == ref[rid].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_prompt_logprobs_survive_preemption_mid_prefill(async_scheduling):
+    """A request preempted while its prompt is chunked in recomputes the prompt: its prompt
+    logprobs must stay at their own positions (equal to an unpressured run's)."""
+    rng = fresh_rng("prompt logprobs under preemption")
+    long_prompt = [1] + [rng.randrange(3, 512) for _ in range(89)]
+    others = [[1] + [rng.randrange(3, 512) for _ in range(14)] for _ in range(3)]
+
+    def run(engine, with_others):
+        if with_others:
+            for i, p in enumerate(others):
+                engine.add_request(f"o{i}", {"prompt_token_ids": p},
+                                   SamplingParams(max_tokens=30, ignore_eos=True, temperature=0))
+            for _ in range(2):
+                engine.step()
+        engine.add_request("b", {"prompt_token_ids": long_prompt},
+                           SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0))
+        return run_engine(engine)["b"].prompt_logprobs
+
+    ref = run(make_engine(dtype="float32"), False)
+    engine = make_engine(dtype="float32", num_gpu_blocks=9, max_num_batched_tokens=24, max_num_seqs=6,
+                         async_scheduling=async_scheduling)
+    got = run(engine, True)
+    assert engine.scheduler.num_preemptions > 0, "the case did not preempt: make the cache smaller"
+    assert got[0] is None and len(got) == len(ref) == len(long_prompt)
+    for pos in range(1, len(long_prompt)):
+        tok = long_prompt[pos]
+        assert list(got[pos]) == [tok], f"position {pos}: entry for {list(got[pos])}, prompt token {tok}"
+        assert got[pos][tok].logprob == pytest.approx(ref[pos][tok].logprob, abs=1e-4), f"position {pos}"
+    assert_no_block_leak(engine)

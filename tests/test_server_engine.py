@@ -8,7 +8,7 @@ import pytest
 from helpers import assert_no_block_leak, make_engine
 from kvforge import SamplingParams
 from kvforge.engine.async_engine import AsyncLLMEngine, EngineClosedError, EngineError
-from kvforge.entrypoints.openai.serving_common import ChoiceDelta, clamp, stop_holdback
+from kvforge.entrypoints.openai.serving_common import ChoiceDelta, clamp
 
 
 @pytest.fixture(scope="module")
@@ -137,14 +137,11 @@ def test_shutdown_timeout_aborts_the_rest(core):
     assert_no_block_leak(core)
 
 
-def test_stop_holdback_and_delta():
-    assert stop_holdback("abc wa", [" was"]) == 3
-    assert stop_holdback("abc", [" was"]) == 0
-    assert stop_holdback("x STO", ["STOP", "TOPS"]) == 3
+def test_choice_delta():
     from kvforge.engine.outputs import CompletionOutput
     d = ChoiceDelta(SamplingParams(stop=[" was"]))
-    assert d.update(CompletionOutput(0, "Once w", [1, 2]))[0] == "Once"
-    assert d.update(CompletionOutput(0, "Once wa", [1, 2, 3]))[0] == ""
+    assert d.update(CompletionOutput(0, "Once", [1, 2]))[:2] == ("Once", [1, 2])
+    assert d.update(CompletionOutput(0, "Once", [1, 2, 3]))[:2] == ("", [3])
     text, ids, _, fin = d.update(CompletionOutput(0, "Once wa", [1, 2, 3], finish_reason="length"))
     assert (text, ids, fin) == (" wa", [], True)
     assert clamp(float("-inf")) == -9999.0 and clamp(float("nan")) == -9999.0 and clamp(-1.5) == -1.5

@@ -248,6 +248,17 @@ class IncrementalDetokenizer:
         self._delivered_chars += len(delta)
         return delta
 
+    def visible_text(self, finished: bool) -> str:
+        """``output_text`` without the end that could still grow into a stop string (while
+        the sequence runs), so the cumulative text a caller sees never shrinks when a later
+        token completes a stop string (vLLM holds back the same characters)."""
+        text = self.output_text
+        if self._hold_back_stops and not finished and self.stop_reason is None:
+            hold = self._held_back_len()
+            if hold:
+                return text[:len(text) - hold]
+        return text
+
     def _held_back_len(self) -> int:
         """Length of the longest suffix of the text that is a proper prefix of a stop string."""
         tail = self._tail

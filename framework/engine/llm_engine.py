@@ -12,7 +12,7 @@ from kvforge.config import EngineConfig
 from kvforge.engine.builder import EngineParts, build_engine_parts
 from kvforge.engine.output_processor import OutputProcessor
 from kvforge.engine.outputs import RequestOutput
-from kvforge.engine.request import Request, RequestStatus, drop_placeholders
+from kvforge.engine.request import Request, RequestStatus, apply_stop_string, drop_placeholders
 from kvforge.engine.request_choices import validate_request_choices
 from kvforge.engine.sampler import Sampler, compute_prompt_logprobs
 from kvforge.engine.sampling_params import SamplingParams
@@ -184,14 +184,17 @@ class LLMEngine:
             parent = self.outputs.parents.get(rid)
             if parent is None:
                 continue
-            self.scheduler.finish_requests([c.request.request_id for c in parent.children],
-                                           RequestStatus.FINISHED_ABORTED)
-            for c in parent.children:  # a token still being sampled is dropped, not reported
-                drop_placeholders(c.request)
+            aborted = self.scheduler.finish_requests([c.request.request_id for c in parent.children],
+                                                     RequestStatus.FINISHED_ABORTED)
+            for req in aborted:  # a token still being sampled for it is dropped, not reported
+                drop_placeholders(req)
             if self.spec is not None:
                 for c in parent.children:
                     self.spec.free(c.request)
-            self._pending.append(self._emit(rid))
+            if aborted:
+                self._pending.append(self._emit(rid))
+            # else every sequence had already finished (async scheduling: its last token is
+            # still on its way); the next step reports it, exactly as without the abort
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.outputs.parents) or bool(self._pending)
@@ -252,14 +255,8 @@ class LLMEngine:
                 continue
             _, lps, slps = new[req.request_id]
             stop = self.outputs.process_tokens(req, kept, lps[:kept], slps[:kept])
-            if stop is not None and not req.is_finished:
-                req.stop_reason = stop
-                self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
-            elif stop is not None and req.num_output_tokens < before[req.request_id] + kept:
-                # The stop string ended before the token the scheduler stopped at (several
-                # tokens per step with speculation): the stop string is the reason.
-                req.stop_reason = stop
-                req.status = RequestStatus.FINISHED_STOPPED
+            if stop is not None:
+                apply_stop_string(self.scheduler, req, stop)
         self._emit_touched(touched, results)
         if self.spec is not None:
             self.spec.propose(self._live.values(), self.allocator.num_free_blocks)
@@ -270,7 +267,7 @@ class LLMEngine:
             req = self._live[rid]
             targets = req.prompt_token_ids[first:first + logits.shape[0]]
             entries = compute_prompt_logprobs(logits, targets, req.sampling_params.prompt_logprobs)
-            self.outputs.add_prompt_logprobs(req, entries)
+            self.outputs.add_prompt_logprobs(req, first, entries)
 
     def _fail_step(self, so, err: Exception, touched: dict[str, None]) -> None:
         """A failed forward fails this step's requests only; the engine stays up."""

@@ -61,15 +61,27 @@ class OutputProcessor:
         parent = self.parent_of(req.request_id)
         return next(c for c in parent.children if c.request is req)
 
-    def add_prompt_logprobs(self, req: Request, entries: list[dict[int, Logprob]]) -> None:
+    def add_prompt_logprobs(self, req: Request, first: int, entries: list[dict[int, Logprob]]) -> None:
+        """Record prompt logprobs for prompt positions ``first, first + 1, ...``.
+
+        A position computed again (a preempted request recomputes its prompt) replaces its
+        entry, so entries always sit at their own positions."""
         parent = self.parent_of(req.request_id)
         if parent is None or parent.prompt_logprobs is None or req.index != 0:
             return
-        need = len(parent.prompt_token_ids) - len(parent.prompt_logprobs)
-        for e in entries[:max(0, need)]:
+        plp = parent.prompt_logprobs
+        child = self._child(req)
+        for pos, e in enumerate(entries, start=first):
+            if pos >= len(parent.prompt_token_ids):
+                break
+            if pos > len(plp):
+                raise RuntimeError(f"prompt_logprobs of {req.request_id!r}: position {pos} before {len(plp)}")
             for tid, lp in e.items():
-                lp.decoded_token = self._child(req).detok.decoded_token(tid)
-            parent.prompt_logprobs.append(e)
+                lp.decoded_token = child.detok.decoded_token(tid)
+            if pos == len(plp):
+                plp.append(e)
+            else:
+                plp[pos] = e
 
     def process_tokens(self, req: Request, num_new: int, logprobs: list[dict[int, Logprob] | None],
                        sampled_logprobs: list[float]) -> str | None:
@@ -103,7 +115,7 @@ class OutputProcessor:
             # token is still on the device is not finished for the caller either.
             known = len(r.output_token_ids) - r.num_pending_tokens
             outs.append(CompletionOutput(
-                index=r.index, text=c.detok.output_text, token_ids=r.output_token_ids[:known],
+                index=r.index, text=c.detok.visible_text(_done(r)), token_ids=r.output_token_ids[:known],
                 cumulative_logprob=c.cumulative_logprob if c.logprobs is not None else None,
                 logprobs=list(c.logprobs) if c.logprobs is not None else None,
                 finish_reason=r.status.finish_reason if _done(r) else None,

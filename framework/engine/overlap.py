@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvforge.engine.outputs import RequestOutput
-from kvforge.engine.request import PLACEHOLDER_TOKEN_ID, Request, RequestStatus, check_stop
+from kvforge.engine.request import PLACEHOLDER_TOKEN_ID, Request, RequestStatus, apply_stop_string, check_stop
 from kvforge.engine.sampler import PendingSamplerOutput
 from kvforge.interfaces import SchedulerOutput
 
@@ -118,8 +118,4 @@ class OverlapStepper:
                     req.status = stopped
             stop = e.outputs.process_tokens(req, 1, [out.logprobs[i]], [out.sampled_logprobs[i]])
             if stop is not None:
-                req.stop_reason = stop
-                if not req.is_finished:
-                    e.scheduler.finish_requests([req.request_id], stopped)
-                elif req.status is RequestStatus.FINISHED_LENGTH_CAPPED:
-                    req.status = stopped
+                apply_stop_string(e.scheduler, req, stop)

@@ -132,6 +132,19 @@ def drop_placeholders(request: Request) -> None:
         request.num_pending_tokens = 0
 
 
+def apply_stop_string(scheduler, request: Request, stop: str) -> None:
+    """A stop string completed in ``request``'s text (the detokenizer cut it there): it is
+    the stop reason, also when the same token hit max_tokens or a stop id (vLLM's order:
+    the output processor's stop string overrides the scheduler's reason). An aborted or
+    failed request keeps its reason."""
+    if not request.is_finished:
+        request.stop_reason = stop
+        scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
+    elif request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
+        request.stop_reason = stop
+        request.status = RequestStatus.FINISHED_STOPPED
+
+
 def check_stop(request: Request, max_model_len: int) -> RequestStatus | None:
     """Token-level stop check after a token was appended (stop strings are the
     detokenizer's job). Returns the finished status to apply, or None.

@@ -37,7 +37,7 @@ def engine_overrides(args: argparse.Namespace) -> dict[str, Any]:
             out[k[4:]] = _parse_value(v) if v not in ("auto",) else v
     for item in args.set:
         if "=" not in item:
-            raise SystemExit(f"--set expects KEY=VALUE, got {item!r}")
+            raise ValueError(f"--set expects KEY=VALUE, got {item!r}")
         k, v = item.split("=", 1)
         out[k] = _parse_value(v)
     return out
@@ -65,7 +65,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 if o.error:
                     print(f"[error: {o.error}]", file=sys.stderr)
                 print(f"[{len(c.token_ids)} tokens, finish_reason={c.finish_reason}]", file=sys.stderr)
-    return 0
+    # A request that ended in an error makes the command fail (scripts check the status).
+    return 1 if any(o.error or any(c.finish_reason == "error" for c in o.outputs) for o in outs) else 0
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:

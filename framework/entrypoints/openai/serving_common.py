@@ -293,28 +293,14 @@ class SSEResponse(StreamingResponse):
                 await aclose()
 
 
-def stop_holdback(text: str, stops: list[str]) -> int:
-    """Length of the longest end of ``text`` that is a proper prefix of a stop string
-    (characters that a later stop match could still remove, so they are not sent yet)."""
-    best = 0
-    for stop in stops:
-        for k in range(min(len(stop) - 1, len(text)), best, -1):
-            if text.endswith(stop[:k]):
-                best = k
-                break
-    return best
-
-
 class ChoiceDelta:
     """Streaming state of one choice: what text and tokens were sent already.
 
-    Deltas come from the detokenizer's cumulative ``CompletionOutput.text``; while a
-    choice runs with stop strings (not included in the output), text that might be the
-    start of a stop string is held back until the choice finishes.
+    Deltas come from the engine's cumulative ``CompletionOutput.text``, which never
+    shrinks (the engine holds back a possible stop-string start while a choice runs).
     """
 
     def __init__(self, params: SamplingParams) -> None:
-        self.stops = list(params.stop or []) if not params.include_stop_str_in_output else []
         self.sent_chars = 0
         self.sent_tokens = 0
         self.sent_logprobs = 0
@@ -324,9 +310,8 @@ class ChoiceDelta:
         """``(new text, new token ids, new logprob entries or None, just finished)``."""
         done = c.finish_reason is not None
         text = c.text
-        end = len(text) if done or not self.stops else len(text) - stop_holdback(text, self.stops)
-        new_text = text[self.sent_chars:end] if end > self.sent_chars else ""
-        self.sent_chars = max(self.sent_chars, end)
+        new_text = text[self.sent_chars:]
+        self.sent_chars = max(self.sent_chars, len(text))
         new_ids = c.token_ids[self.sent_tokens:]
         self.sent_tokens = len(c.token_ids)
         new_lps = None
