@@ -95,10 +95,27 @@ def _make_leaky(num_blocks, block_size, settings, cache_config):
     return LeakyPaged(num_blocks, block_size, cache_config.enable_prefix_caching)
 
 
+class PlaceholderHashingPaged(PagedAllocator):
+    """paged, but it hashes every token, async-scheduling placeholders included."""
+
+    def _hashes(self, request):
+        from kvforge_plugins.kv_cache.block_hash import extend_hashes
+        hs = self._req_hashes.setdefault(request.request_id, [])
+        extend_hashes(hs, request.token_slice, request.num_tokens, self.block_size,
+                      (request.cache_salt or "").encode())
+        return hs
+
+
+def _make_placeholder_hashing(num_blocks, block_size, settings, cache_config):
+    return PlaceholderHashingPaged(num_blocks, block_size, cache_config.enable_prefix_caching)
+
+
 @pytest.fixture(scope="module")
 def registry():
     planted = _plugin("planted_faults", "kvforge_register_kv_allocators",
-                      [(("leaky_paged", _make_leaky, PagedSettings), {"prefix_caching": True})])
+                      [(("leaky_paged", _make_leaky, PagedSettings), {"prefix_caching": True}),
+                       (("placeholder_hashing_paged", _make_placeholder_hashing, PagedSettings),
+                        {"prefix_caching": True})])
     sched = _plugin("planted_sched", "kvforge_register_schedulers",
                     [(("over_budget", queue_factory(OverBudgetScheduler), QueueSettings), {})])
     attn = _plugin("planted_attn", "kvforge_register_attention_backends",
@@ -131,8 +148,14 @@ def test_leaked_block_is_caught(registry, check):
 
 
 def test_paged_itself_passes_the_same_checks(registry):
-    for check in (alloc_suite.check_lifecycle, alloc_suite.check_refcounts_and_no_double_allocation):
+    for check in (alloc_suite.check_lifecycle, alloc_suite.check_refcounts_and_no_double_allocation,
+                  alloc_suite.check_placeholder_tokens_are_not_hashed):
         check(Target("kv_allocator", "paged", registry))
+
+
+def test_hashing_a_placeholder_token_is_caught(registry):
+    _fails(alloc_suite.check_placeholder_tokens_are_not_hashed,
+           Target("kv_allocator", "placeholder_hashing_paged", registry), "num_known_tokens")
 
 
 def test_token_budget_overrun_is_caught(registry):

@@ -17,6 +17,8 @@ Checks, through the :class:`~kvforge.interfaces.KVAllocator` interface only:
   request's context must find its own prefix, so a hit on a block of another
   prefix, a block reused while still referenced, or a cached block overwritten
   after eviction all fail; repeated prompts must actually hit;
+- async scheduling: a block completed by a placeholder output token joins the prefix
+  cache only once the token's id is known (hash ``num_known_tokens`` only);
 - every block drains after aborts and preemptions in a real ``LLMEngine`` (recompute
   and swap), and the surviving requests' greedy outputs equal the reference's.
 """
@@ -24,8 +26,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvforge.testing.harness import (StepMonitor, Target, assert_drained, check_block_accounting,
-                                     compare_outputs, random_prompts, reference_outputs)
+from kvforge.testing.harness import (StepMonitor, Target, assert_drained, compare_outputs, random_prompts,
+                                     reference_outputs)
+from kvforge.testing.shadow_kv import ShadowKV
 
 
 def make_allocator(target: Target, num_blocks: int, block_size: int, prefix_caching: bool):
@@ -52,112 +55,6 @@ def _request(rid: str, tokens: list[int], salt: str | None = None, max_tokens: i
     r.cache_salt = salt
     return r
 
-
-class ShadowKV:
-    """Drives an allocator the way the engine does and simulates the KV writes.
-
-    ``slots[(block, offset)]`` holds the identity of the token written there: a hash
-    of the cache salt and the token's whole prefix. A step allocates for every
-    request of the batch, then writes all their new tokens, then reads every
-    request's context (the attention contract: writes before reads).
-    """
-
-    def __init__(self, alloc, tag: str) -> None:
-        self.alloc = alloc
-        self.bs = alloc.block_size
-        self.tag = tag
-        self.slots: dict[tuple[int, int], int] = {}
-        self.requests: dict[str, Any] = {}
-        self._ident: dict[str, list[int]] = {}
-        self.cached_tokens = 0
-        self.ops = 0
-
-    def fail(self, msg: str) -> None:
-        raise AssertionError(f"{self.tag} op {self.ops}: {msg}")
-
-    def ident(self, req, pos: int) -> int:
-        ids = self._ident.setdefault(req.request_id, [])
-        while len(ids) <= pos:
-            i = len(ids)
-            ids.append(hash((ids[-1] if ids else ("salt", req.cache_salt), req.token_id_at(i))))
-        return ids[pos]
-
-    def check(self) -> None:
-        self.ops += 1
-        check_block_accounting(self.alloc, self.requests.values(), self.fail)
-
-    def admit(self, req) -> int:
-        """Prefix-cache lookup for a request starting from zero computed tokens."""
-        self.requests[req.request_id] = req
-        self._ident.pop(req.request_id, None)
-        cached = self.alloc.get_computed_tokens(req)
-        if not isinstance(cached, int) or not 0 <= cached <= req.num_tokens - 1:
-            self.fail(f"get_computed_tokens({req.request_id}) returned {cached!r}; must be an int in "
-                      f"[0, num_tokens - 1 = {req.num_tokens - 1}] (at least one token left to compute)")
-        req.num_computed_tokens = cached
-        req.num_cached_tokens = cached
-        self.cached_tokens += cached
-        return cached
-
-    def allocate(self, req, n: int, lookahead: int = 0) -> bool:
-        a = self.alloc
-        before = list(a.get_block_table(req.request_id))
-        free_before = a.num_free_blocks
-        new = a.allocate_slots(req, n, lookahead)
-        after = list(a.get_block_table(req.request_id))
-        if new is None:
-            if after != before or a.num_free_blocks != free_before:
-                self.fail(f"allocate_slots({req.request_id}, {n}) returned None but changed state: table "
-                          f"{before} -> {after}, free {free_before} -> {a.num_free_blocks}")
-            return False
-        if after[:len(before)] != before:
-            self.fail(f"allocate_slots rewrote {req.request_id}'s existing blocks: {before} -> {after}")
-        if new and list(new) != after[len(after) - len(new):] or (before and len(new) != len(after) - len(before)):
-            self.fail(f"allocate_slots returned {new} but the table grew {before} -> {after}")
-        need = req.num_computed_tokens + n + lookahead
-        if len(after) * self.bs < need:
-            self.fail(f"{req.request_id}: table {after} holds {len(after) * self.bs} tokens, needs {need}")
-        self.check()
-        return True
-
-    def run_step(self, batch: list[tuple[Any, int]]) -> None:
-        """Write then read: ``batch`` lists (request, n) already allocated this step."""
-        for req, n in batch:
-            table = self.alloc.get_block_table(req.request_id)
-            for p in range(req.num_computed_tokens, req.num_computed_tokens + n):
-                self.slots[(table[p // self.bs], p % self.bs)] = self.ident(req, p)
-        for req, n in batch:
-            table = self.alloc.get_block_table(req.request_id)
-            for p in range(req.num_computed_tokens + n):
-                if self.slots.get((table[p // self.bs], p % self.bs)) != self.ident(req, p):
-                    where = ("a prefix-cache hit" if p < req.num_cached_tokens else "its own earlier write")
-                    self.fail(f"hash-chain / reference-count integrity: request {req.request_id} reads position {p} "
-                              f"(block {table[p // self.bs]}, from {where}) and finds the KV of a different prefix "
-                              f"or salt; the block was shared by an unequal prefix or reused while referenced")
-        for req, n in batch:
-            req.num_computed_tokens += n
-
-    def finish(self, req, status=None) -> None:
-        from kvforge.engine.request import RequestStatus
-        self.alloc.free(req)
-        req.status = status or RequestStatus.FINISHED_STOPPED
-        free = self.alloc.num_free_blocks
-        self.alloc.free(req)  # a second free must be a no-op
-        if self.alloc.num_free_blocks != free:
-            self.fail(f"freeing {req.request_id} twice changed num_free_blocks {free} -> "
-                      f"{self.alloc.num_free_blocks} (double free)")
-        self.check()
-
-    def preempt(self, req) -> None:
-        from kvforge.engine.request import RequestStatus
-        self.alloc.free(req)
-        req.num_computed_tokens = 0
-        req.num_cached_tokens = 0
-        req.status = RequestStatus.PREEMPTED
-        self.check()
-
-
-# -- checks ----------------------------------------------------------------------------------
 
 def check_lifecycle(target: Target) -> None:
     """Grow, lookahead, free, double free, unknown ids."""
@@ -331,6 +228,42 @@ def check_prefix_cache_integrity(target: Target) -> None:
         sh.fail(f"{a.num_blocks - a.num_free_blocks} blocks leaked")
 
 
+def check_placeholder_tokens_are_not_hashed(target: Target) -> None:
+    """Async scheduling: a block completed by a placeholder output token (its id still on
+    the device) may join the prefix cache only once the id is known; hashing the
+    placeholder would cache the block under a wrong key for good."""
+    import pytest
+
+    from kvforge.engine.request import PLACEHOLDER_TOKEN_ID
+    if target.capabilities.get("prefix_caching") is not True:
+        pytest.skip(f"{target} does not declare prefix_caching=True")
+    bs = 4
+    a = make_allocator(target, 16, bs, prefix_caching=True)
+    tag = f"{target} placeholder"
+    r = _request("r", [1, 5, 6])
+    a.get_computed_tokens(r)
+    if a.allocate_slots(r, 3) is None:
+        raise AssertionError(f"{tag}: allocation failed in an empty cache")
+    r.num_computed_tokens = 3
+    for real in (9, 4):  # two decodes, each fed a token that was a placeholder when scheduled
+        r.output_token_ids.append(PLACEHOLDER_TOKEN_ID)
+        r.num_pending_tokens = 1
+        if a.allocate_slots(r, 1) is None:
+            raise AssertionError(f"{tag}: allocation failed in an empty cache")
+        r.output_token_ids[-1] = real
+        r.num_pending_tokens = 0
+        r.num_computed_tokens += 1
+    probe = _request("probe", [1, 5, 6, 9, 8, 8])
+    hit = a.get_computed_tokens(probe)
+    if hit != bs:
+        raise AssertionError(f"{tag}: a prompt sharing the first block [1, 5, 6, 9] (whose last token was a "
+                             f"placeholder when allocated) got {hit} cached tokens, expected {bs}: hash only "
+                             "request.num_known_tokens")
+    a.free(r)
+    if a.num_free_blocks != a.num_blocks:
+        raise AssertionError(f"{tag}: {a.num_blocks - a.num_free_blocks} blocks leaked")
+
+
 def _engine_drain(target: Target, swap: bool) -> None:
     from kvforge import SamplingParams
     rng, tag = target.rng("engine drain (swap)" if swap else "engine drain")
@@ -373,4 +306,5 @@ def check_engine_drain_swap(target: Target) -> None:
 
 
 CHECKS = [check_lifecycle, check_failed_allocation_is_atomic, check_refcounts_and_no_double_allocation,
-          check_prefix_cache_integrity, check_engine_drain_recompute, check_engine_drain_swap]
+          check_prefix_cache_integrity, check_placeholder_tokens_are_not_hashed, check_engine_drain_recompute,
+          check_engine_drain_swap]
