@@ -230,8 +230,9 @@ def test_sim_preemption_recompute_and_swap_free_every_block(registry, facts):
 def test_cost_model_fit_and_file(tmp_path):
     rng = np.random.default_rng(0)
     x = np.column_stack([np.ones(200), rng.integers(1, 4000, 200), rng.integers(1, 64, 200),
-                         rng.integers(1, 20000, 200), rng.integers(1, 10 ** 6, 200)]).astype(float)
-    true = np.array([3e-3, 2e-5, 4e-4, 1e-7, 0.0])
+                         rng.integers(1, 20000, 200), rng.integers(1, 10 ** 6, 200),
+                         rng.integers(1, 2000, 200)]).astype(float)
+    true = np.array([3e-3, 2e-5, 4e-4, 1e-7, 0.0, 2e-6])
     coef, fit = fit_linear(x, x @ true, FEATURES)
     assert np.allclose([coef[f] for f in FEATURES], true, rtol=1e-6, atol=1e-12) and fit["max_abs_rel_err"] < 1e-9
     coef, _ = fit_linear(x[:, :3], x[:, :3] @ [1e-3, 1e-5, 0] - 1e-9 * x[:, 2], FEATURES[:3])
@@ -239,8 +240,14 @@ def test_cost_model_fit_and_file(tmp_path):
     m = CostModel(dict(zip(FEATURES, true)), 1e-4, 1e-6, {"device": "test"})
     m.save(tmp_path / "m.json")
     m2 = CostModel.load(tmp_path / "m.json")
-    shape = StepShape(num_batched_tokens=10, num_seqs=2, sum_context_tokens=100, attn_pairs=50, swap_blocks=3)
+    shape = StepShape(num_batched_tokens=10, num_seqs=2, sum_context_tokens=100, attn_pairs=50, swap_blocks=3,
+                      max_context_tokens=70)
     assert m2.step_time(shape) == m.step_time(shape) > 0
+    longer = StepShape(num_batched_tokens=10, num_seqs=2, sum_context_tokens=100, attn_pairs=50, swap_blocks=3,
+                       max_context_tokens=90)
+    assert m.step_time(longer) - m.step_time(shape) == pytest.approx(20 * 2e-6)  # the imbalance term
+    old_file = {**m.to_dict(), "coef": {f: v for f, v in m.to_dict()["coef"].items() if f != "max_context_tokens"}}
+    assert CostModel.from_dict(old_file).step_time(longer) == pytest.approx(m.step_time(longer) - 90 * 2e-6)
     assert m2.step_time(StepShape(swap_blocks=2)) == pytest.approx(1e-4 + 2e-6)
     with pytest.raises(ValueError):
         CostModel({"const": -1.0})
@@ -327,3 +334,8 @@ def test_calibrate_writes_a_cost_model(tmp_path):
     assert m.meta["device"] and m.meta["torch"] and m.meta["date"] and m.meta["engine"]["num_gpu_blocks"] == 64
     assert m.meta["fit"]["num_samples"] >= 10 and len(m.meta["fit"]["residuals_s"]) == m.meta["fit"]["num_samples"]
     assert m.step_time(StepShape(num_batched_tokens=4, num_seqs=4, sum_context_tokens=40, attn_pairs=40)) > 0
+    assert any(pt[3] for pt in m.meta["sweep"]["points"]), "no unequal-length batch in the sweep"
+    cols = m.meta["samples"]["columns"]
+    seqs, total, longest = (cols.index(c) for c in ("num_seqs", "sum_context_tokens", "max_context_tokens"))
+    assert any(r[longest] * r[seqs] > r[total] * 1.5 for r in m.meta["samples"]["rows"]), \
+        "no sampled step where the longest context stands apart from the mean"

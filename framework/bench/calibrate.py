@@ -4,7 +4,9 @@ cost model (:mod:`kvforge.bench.cost_model`).
 Method. A real :class:`LLMEngine` is built from the engine flags. For each batch size B and prompt
 length P of the sweep, B requests of P random token ids and ``--decode-steps`` output tokens
 (``ignore_eos``) are added together and the engine is stepped until they finish; a second pass per B
-adds half the requests two steps late, so prefill chunks and decodes share steps (mixed batches).
+adds half the requests two steps late, so prefill chunks and decodes share steps (mixed batches),
+and a third pass alternates prompt lengths P and P/8, so the longest request's context varies apart
+from the sum (unequal batches).
 Every ``engine.step()`` is timed (on CUDA on the device timeline, between events recorded after
 consecutive calls; on the CPU on the wall clock) and its shape is read off the SchedulerOutput, so
 the fitted time covers the whole step the simulator replaces: forward, sampling, detokenization and
@@ -208,27 +210,31 @@ def calibrate(overrides: dict[str, Any], config_file: str | None, batch_sizes: l
         for p in prompt_lens:
             need = b * -(-(p + decode_steps) // bs)
             if p >= 1 and p + decode_steps <= engine.max_model_len and need <= engine.allocator.num_blocks:
-                points.append((b, p, 0))
+                points.append((b, p, 0, False))
         p = max(x for x in prompt_lens if x + decode_steps <= engine.max_model_len) if any(
             x + decode_steps <= engine.max_model_len for x in prompt_lens) else 0
         if b >= 2 and p and b * -(-(p + decode_steps + 2) // bs) <= engine.allocator.num_blocks:
-            points.append((b, p, b // 2))
+            points.append((b, p, b // 2, False))  # half arrive late: prefill chunks next to decodes
+            points.append((b, p, 0, True))        # unequal lengths: the longest request dominates
     if not points:
         raise ValueError("calibrate: no (batch size, prompt length) point fits this engine's max_num_seqs, "
                          "max_model_len and KV cache")
     rng = np.random.default_rng(seed)
 
-    def prompts_for(b: int, p: int) -> list[list[int]]:
-        return [allowed[rng.integers(0, len(allowed), size=p)].tolist() for _ in range(b)]
+    def prompts_for(b: int, p: int, mixed: bool) -> list[list[int]]:
+        # mixed: every other prompt is 1/8 as long (max_context_tokens varies apart from the sum)
+        lens = [p if not mixed or i % 2 == 0 else max(1, p // 8) for i in range(b)]
+        return [allowed[rng.integers(0, len(allowed), size=n)].tolist() for n in lens]
 
-    b, p, late = points[0]
-    _run_batch(engine, prompts_for(b, p), decode_steps, late, "warmup")
+    b, p, late, mixed = points[0]
+    _run_batch(engine, prompts_for(b, p, mixed), decode_steps, late, "warmup")
     times: dict[tuple, list[float]] = {}
     shapes: dict[tuple, Any] = {}
     bar = tqdm(total=repeats * len(points), desc="calibrate", disable=not progress, dynamic_ncols=True)
     for r in range(repeats):
-        for j, (b, p, late) in enumerate(points):
-            for k, (shape, dt) in enumerate(_run_batch(engine, prompts_for(b, p), decode_steps, late, f"c{r}-{j}")):
+        for j, (b, p, late, mixed) in enumerate(points):
+            for k, (shape, dt) in enumerate(_run_batch(engine, prompts_for(b, p, mixed), decode_steps, late,
+                                                       f"c{r}-{j}")):
                 key = (j, k, tuple(shape.vector()), shape.swap_blocks)
                 times.setdefault(key, []).append(dt)
                 shapes[key] = shape

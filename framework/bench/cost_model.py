@@ -12,11 +12,18 @@ the engine's bookkeeping — by a linear model of the step's shape::
                                                               #   the step (keys read by the last query)
                 + c_attn_pairs         * attn_pairs           # query-key pairs: n*s + n*(n+1)/2 per
                                                               #   request with n new tokens after s cached
+                + c_max_context_tokens * max_context_tokens   # the longest request's KV length: a decode
+                                                              #   kernel with one program per (request, KV
+                                                              #   head) that fits in ~one wave lasts as long
+                                                              #   as its longest sequence, so unequal batches
+                                                              #   cost more than their sum predicts
     (+ swap_const_s + swap_per_block_s * swapped_blocks, in steps that swap KV blocks)
 
 (the first four terms are the usual c0 + c1*tokens + c2*seqs + c3*context roofline-style model, as
 in Vidur, Agrawal et al. MLSys'24, and LLMServingSim; ``attn_pairs`` adds the quadratic prefill
-attention term). The coefficients are fitted by ``kvforge bench calibrate`` from measured engine
+attention term; ``max_context_tokens`` the load imbalance of unequal batches, which only a
+calibration with mixed lengths can separate from the sum: cost models fitted before it was added
+read it as 0). The coefficients are fitted by ``kvforge bench calibrate`` from measured engine
 steps with weighted least squares that minimizes the RELATIVE error (rows scaled by 1/t), keeping
 coefficients non-negative (a feature whose coefficient comes out negative is dropped and the rest
 refitted), so predictions never go below ``c_const``.
@@ -39,7 +46,7 @@ from typing import Any, Iterable
 import numpy as np
 
 COST_MODEL_VERSION = 1
-FEATURES = ("const", "num_batched_tokens", "num_seqs", "sum_context_tokens", "attn_pairs")
+FEATURES = ("const", "num_batched_tokens", "num_seqs", "sum_context_tokens", "attn_pairs", "max_context_tokens")
 
 
 @dataclass(frozen=True)
@@ -49,7 +56,8 @@ class StepShape:
     Attributes (tokens unless stated): ``num_batched_tokens``, ``num_seqs`` (requests),
     ``num_decode_seqs`` (requests computing one token at the end of their sequence),
     ``num_prefill_tokens`` (the rest), ``sum_context_tokens``, ``attn_pairs``,
-    ``swap_blocks`` (blocks copied out + in).
+    ``swap_blocks`` (blocks copied out + in), ``max_context_tokens`` (the longest request's
+    KV length after the step).
     """
 
     num_batched_tokens: int = 0
@@ -59,17 +67,18 @@ class StepShape:
     sum_context_tokens: int = 0
     attn_pairs: int = 0
     swap_blocks: int = 0
+    max_context_tokens: int = 0
 
     def vector(self) -> list[float]:
         """Feature values in :data:`FEATURES` order."""
         return [1.0, float(self.num_batched_tokens), float(self.num_seqs), float(self.sum_context_tokens),
-                float(self.attn_pairs)]
+                float(self.attn_pairs), float(self.max_context_tokens)]
 
 
 def step_shape(so) -> StepShape:
     """:class:`StepShape` of a :class:`~kvforge.interfaces.SchedulerOutput`; call it BEFORE the
     scheduler's ``update`` (it reads each request's ``num_computed_tokens``)."""
-    tokens = seqs = decodes = prefill = ctx = pairs = 0
+    tokens = seqs = decodes = prefill = ctx = pairs = longest = 0
     counts = so.num_scheduled_tokens
     for req in so.scheduled:
         n = counts[req.request_id]
@@ -81,8 +90,9 @@ def step_shape(so) -> StepShape:
         else:
             prefill += n
         ctx += s + n
+        longest = max(longest, s + n)
         pairs += n * s + n * (n + 1) // 2
-    return StepShape(tokens, seqs, decodes, prefill, ctx, pairs, len(so.swap_out) + len(so.swap_in))
+    return StepShape(tokens, seqs, decodes, prefill, ctx, pairs, len(so.swap_out) + len(so.swap_in), longest)
 
 
 @dataclass
