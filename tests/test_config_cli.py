@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 import yaml
 from pydantic import ValidationError
 
@@ -13,13 +12,6 @@ from helpers import STORIES_MODEL, fresh_rng, random_story_prompts
 from kvforge import LLM, EngineConfig, SamplingParams
 from kvforge.entrypoints.cli import main as cli_main
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 @pytest.fixture(autouse=True)

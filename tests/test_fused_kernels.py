@@ -32,7 +32,7 @@ def test_kernels_under_triton_interpreter():
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    assert "14 passed" in proc.stdout.splitlines()[-1], proc.stdout[-500:]  # every kernel case ran
+    assert "10 passed" in proc.stdout.splitlines()[-1], proc.stdout[-500:]  # every kernel case ran
 
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
@@ -64,28 +64,6 @@ def test_rmsnorm_residual(dtype, h):
     norm = RMSNorm(h, 1e-5, dtype).to(DEV)
     norm.weight.data.copy_(w)
     assert torch.equal(norm(x, r)[0], y)
-
-
-@kernel_test
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rotary_frac", [1.0, 0.5])
-def test_rope_inplace(dtype, rotary_frac):
-    t, nh, d, max_pos = 9, 4, 32, 64
-    rd = int(d * rotary_frac)
-    inv = 1.0 / (10000 ** (torch.arange(0, rd, 2).float() / rd))
-    freqs = torch.outer(torch.arange(max_pos).float(), inv)
-    cos, sin = freqs.cos().to(DEV), freqs.sin().to(DEV)
-    qkv = torch.randn(t, nh * d * 2, device=DEV).to(dtype)
-    x = qkv[:, : nh * d].view(t, nh, d)  # strided view, as in the model
-    pos = torch.randint(0, max_pos, (t,), device=DEV)
-    xr = x.float()
-    c, s = cos[pos].unsqueeze(1), sin[pos].unsqueeze(1)
-    x1, x2 = xr[..., : rd // 2], xr[..., rd // 2: rd]
-    ref = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s, xr[..., rd:]], -1)
-    other = qkv[:, nh * d:].clone()
-    triton_ops.rope_inplace(x, pos, cos, sin)
-    assert torch.allclose(x.float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
-    assert torch.equal(qkv[:, nh * d:], other)  # nothing outside the view was touched
 
 
 @kernel_test

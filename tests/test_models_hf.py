@@ -47,15 +47,6 @@ TEXT_PROMPTS = [
 ]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Two shared CPU cores: intra-op threads only add contention for these tiny models
-    # (measured ~8x slower decode with 2 threads while other jobs run).
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
 
 def _assert_all_blocks_free(engine, msg: str) -> None:
     a = engine.allocator

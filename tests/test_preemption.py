@@ -7,7 +7,6 @@ max_num_seqs and max_num_batched_tokens. Prompts and lengths are fresh random dr
 from __future__ import annotations
 
 import pytest
-import torch
 
 from helpers import (assert_no_block_leak, fresh_rng, make_engine, random_story_prompts, run_engine)
 from kvforge import SamplingParams
@@ -19,14 +18,6 @@ def _registered_schedulers() -> list[str]:
     from kvforge.plugin_manager import load_registry
     return load_registry().names("scheduler")
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Two shared cores: intra-op threading only adds contention for this tiny model.
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 def _record_schedule(engine) -> list:

@@ -37,13 +37,6 @@ MODES = {
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
 
 def _spec(name: str, **kw) -> dict:
     return {**DRAFTERS[name], "speculative.adaptive": False, **kw}

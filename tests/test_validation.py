@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 
 import pytest
-import torch
 from pydantic import ValidationError
 
 from helpers import STORIES_MODEL, assert_no_block_leak, fresh_rng, random_story_prompts, run_engine
@@ -21,13 +20,6 @@ MAX_MODEL_LEN = 192
 VOCAB = 512
 ERRORS = (ValueError, ValidationError)
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 @pytest.fixture(scope="module")

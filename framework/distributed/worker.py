@@ -134,17 +134,10 @@ class Worker:
 
     # -- step ---------------------------------------------------------------------------
     def swap(self, pairs: list[tuple[int, int]], to_cpu: bool) -> None:
-        """Copy whole blocks between this rank's device and CPU caches (ModelRunner.swap)."""
-        if not pairs:
-            return
-        dim = self.backend.block_dim
-        src_ids = torch.tensor([p[0] for p in pairs], dtype=torch.int64)
-        dst_ids = torch.tensor([p[1] for p in pairs], dtype=torch.int64)
-        caches = [c for c in self.kv_caches if c.numel()]
-        for dev_cache, cpu_cache in zip(caches, self.cpu_caches):
-            src, dst = (dev_cache, cpu_cache) if to_cpu else (cpu_cache, dev_cache)
-            blocks = src.index_select(dim, src_ids.to(src.device))
-            dst.index_copy_(dim, dst_ids.to(dst.device), blocks.to(dst.device))
+        """Copy whole blocks between this rank's device and CPU caches (ModelRunner.swap);
+        layers this rank does not hold (pipeline stages) have empty caches."""
+        from kvforge.engine.model_runner import swap_blocks
+        swap_blocks([c for c in self.kv_caches if c.numel()], self.cpu_caches, self.backend.block_dim, pairs, to_cpu)
 
     @torch.inference_mode()
     def execute(self, msg: StepMessage) -> Any:

@@ -27,6 +27,24 @@ class ExecuteOutput:
     hidden_states: torch.Tensor | None = None
 
 
+def swap_blocks(kv_caches: list[torch.Tensor], cpu_caches: list[torch.Tensor], block_dim: int,
+                pairs: list[tuple[int, int]], to_cpu: bool) -> None:
+    """Copy whole KV blocks between per-layer device and CPU caches (swap preemption).
+
+    Args:
+        kv_caches / cpu_caches: one tensor per layer, paired in order; blocks along ``block_dim``.
+        pairs: (source block id, destination block id); ``to_cpu`` picks the direction.
+    """
+    if not pairs:
+        return
+    src_ids = torch.tensor([p[0] for p in pairs], dtype=torch.int64)
+    dst_ids = torch.tensor([p[1] for p in pairs], dtype=torch.int64)
+    for dev_cache, cpu_cache in zip(kv_caches, cpu_caches):
+        src, dst = (dev_cache, cpu_cache) if to_cpu else (cpu_cache, dev_cache)
+        blocks = src.index_select(block_dim, src_ids.to(src.device))
+        dst.index_copy_(block_dim, dst_ids.to(dst.device), blocks.to(dst.device))
+
+
 class ModelRunner:
     """Owns the model, the attention backend and the per-layer KV cache tensors.
 
@@ -111,15 +129,7 @@ class ModelRunner:
 
     def swap(self, pairs: list[tuple[int, int]], to_cpu: bool) -> None:
         """Copy whole blocks between device and CPU caches: (src, dst) block-id pairs."""
-        if not pairs:
-            return
-        dim = self.backend.block_dim
-        src_ids = torch.tensor([p[0] for p in pairs], dtype=torch.int64)
-        dst_ids = torch.tensor([p[1] for p in pairs], dtype=torch.int64)
-        for dev_cache, cpu_cache in zip(self.kv_caches, self.cpu_caches):
-            src, dst = (dev_cache, cpu_cache) if to_cpu else (cpu_cache, dev_cache)
-            blocks = src.index_select(dim, src_ids.to(src.device))
-            dst.index_copy_(dim, dst_ids.to(dst.device), blocks.to(dst.device))
+        swap_blocks(self.kv_caches, self.cpu_caches, self.backend.block_dim, pairs, to_cpu)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, prev_tokens: torch.Tensor | None = None,

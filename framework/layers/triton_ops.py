@@ -48,16 +48,12 @@ if triton is not None:
         tl.store(out_ptr + row * H + cols, (y.to(tl.float32) * w.to(tl.float32)).to(x.dtype), mask=mask)
 
     @triton.jit
-    def _rope_kernel(x_ptr, pos_ptr, cos_ptr, sin_ptr, x_stride_t, x_stride_h, num_heads, cs_stride,
-                     HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-        t = tl.program_id(0)
-        pos = tl.load(pos_ptr + t)
+    def _rotate_heads(x_ptr, t, stride_t, stride_h, num_heads, c, s,
+                      HALF: tl.constexpr, BLOCK_H: tl.constexpr, d):
+        """Rotate-half RoPE, in place, on the first 2*HALF dims of token t's heads."""
         h = tl.arange(0, BLOCK_H)[:, None]
-        d = tl.arange(0, BLOCK_D)[None, :]
         mask = (h < num_heads) & (d < HALF)
-        c = tl.load(cos_ptr + pos * cs_stride + d, mask=d < HALF, other=0.0)
-        s = tl.load(sin_ptr + pos * cs_stride + d, mask=d < HALF, other=0.0)
-        base = x_ptr + t * x_stride_t + h * x_stride_h
+        base = x_ptr + t * stride_t + h * stride_h
         x1 = tl.load(base + d, mask=mask, other=0.0)
         x2 = tl.load(base + HALF + d, mask=mask, other=0.0)
         x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
@@ -76,22 +72,8 @@ if triton is not None:
         d = tl.arange(0, BLOCK_D)[None, :]
         c = tl.load(cos_ptr + pos * cs_stride + d, mask=d < HALF, other=0.0)
         s = tl.load(sin_ptr + pos * cs_stride + d, mask=d < HALF, other=0.0)
-        hq = tl.arange(0, BLOCK_HQ)[:, None]
-        mq = (hq < num_q_heads) & (d < HALF)
-        qb = q_ptr + t * q_stride_t + hq * q_stride_h
-        q1 = tl.load(qb + d, mask=mq, other=0.0)
-        q2 = tl.load(qb + HALF + d, mask=mq, other=0.0)
-        q1f, q2f = q1.to(tl.float32), q2.to(tl.float32)
-        tl.store(qb + d, (q1f * c - q2f * s).to(q1.dtype), mask=mq)
-        tl.store(qb + HALF + d, (q2f * c + q1f * s).to(q1.dtype), mask=mq)
-        hk = tl.arange(0, BLOCK_HK)[:, None]
-        mk = (hk < num_k_heads) & (d < HALF)
-        kb = k_ptr + t * k_stride_t + hk * k_stride_h
-        k1 = tl.load(kb + d, mask=mk, other=0.0)
-        k2 = tl.load(kb + HALF + d, mask=mk, other=0.0)
-        k1f, k2f = k1.to(tl.float32), k2.to(tl.float32)
-        tl.store(kb + d, (k1f * c - k2f * s).to(k1.dtype), mask=mk)
-        tl.store(kb + HALF + d, (k2f * c + k1f * s).to(k1.dtype), mask=mk)
+        _rotate_heads(q_ptr, t, q_stride_t, q_stride_h, num_q_heads, c, s, HALF, BLOCK_HQ, d)
+        _rotate_heads(k_ptr, t, k_stride_t, k_stride_h, num_k_heads, c, s, HALF, BLOCK_HK, d)
 
     @triton.jit
     def _silu_mul_kernel(x_ptr, out_ptr, inter, x_stride, BLOCK: tl.constexpr):
@@ -117,20 +99,12 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return (out, rout) if residual is not None else out
 
 
-def rope_inplace(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """Rotate-half RoPE in place on x [T, H, D] (unit stride in D); cos/sin float32
-    [max_pos, rotary_dim/2]; rotates the first rotary_dim dims."""
-    t, nh, _ = x.shape
-    half = cos.shape[1]
-    if t:
-        _rope_kernel[(t,)](x, positions, cos, sin, x.stride(0), x.stride(1), nh, cos.stride(0),
-                           HALF=half, BLOCK_H=triton.next_power_of_2(nh), BLOCK_D=triton.next_power_of_2(half))
-
-
 def rope_qk_inplace(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
                     sin: torch.Tensor) -> None:
-    """:func:`rope_inplace` on q [T, Hq, D] and k [T, Hkv, D] (same T and D, unit stride in D)
-    in one kernel launch."""
+    """Rotate-half RoPE (Su et al. 2021, HF Llama layout) in place on q [T, Hq, D] and
+    k [T, Hkv, D] (same T and D, unit stride in D; strided views of a fused QKV output are
+    fine) in one kernel launch. cos/sin: float32 [max_pos, rotary_dim/2]; positions int64
+    [T]; only the first rotary_dim dims are rotated."""
     t, hq, _ = q.shape
     hk = k.shape[1]
     half = cos.shape[1]
