@@ -49,8 +49,8 @@ class SchedulerConfig(_Section):
     max_num_batched_tokens: int | None = Field(None, gt=0, description="Token budget per step (default: max(2048, max_model_len)).")
     async_scheduling: bool | None = Field(
         None, description="Schedule and prepare step N+1 while the device runs step N (vLLM's async "
-        "scheduling); outputs are unchanged. None: on for CUDA with the in-process executor and no "
-        "speculative decoding.")
+        "scheduling); outputs are unchanged. Steps that verify speculative drafts run synchronously. "
+        "None: on for CUDA with the in-process executor.")
     settings: dict[str, Any] = Field(default_factory=dict)
 
 

@@ -129,8 +129,3 @@ def test_allocator_does_not_hash_a_placeholder():
     assert alloc.num_cached_blocks == 1
     other = Request("o", [5, 6, 7, 9, 1], SamplingParams(max_tokens=8), 8)
     assert alloc.get_computed_tokens(other) == 4
-
-
-def test_async_scheduling_with_speculation_is_refused_by_name():
-    with pytest.raises(ValueError, match="scheduler.async_scheduling"):
-        LLMEngine.from_kwargs(MODEL, async_scheduling=True, speculative_method="ngram", num_speculative_tokens=2)

@@ -208,8 +208,15 @@ class LLMEngine:
 
         With ``scheduler.async_scheduling`` the outputs of a step are returned by the next
         call (see :mod:`kvforge.engine.overlap`); the tokens are the same."""
+        groups = None
+        if self.spec is not None:  # drafts are made before scheduling, so it reserves their slots
+            groups = self.spec.plan(self._live.values(), self.allocator.num_free_blocks)
         if self._overlap is not None:
-            return self._overlap.step()
+            if not groups:
+                return self._overlap.step()
+            self._overlap.drain()  # a verify step needs the real last tokens: run it synchronously
+        if groups:
+            self.spec.propose(groups)
         results = self._pending
         self._pending = []
         so = self.scheduler.schedule()
@@ -258,8 +265,6 @@ class LLMEngine:
             if stop is not None:
                 apply_stop_string(self.scheduler, req, stop)
         self._emit_touched(touched, results)
-        if self.spec is not None:
-            self.spec.propose(self._live.values(), self.allocator.num_free_blocks)
         return results
 
     def _record_prompt_logprobs(self, ex) -> None:

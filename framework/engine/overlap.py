@@ -24,6 +24,11 @@ later. A request that hits EOS or a stop string in step N has already been sched
 N+1: that one token of compute is wasted and discarded. While a live request uses
 repetition/frequency/presence penalties (which read the generated ids on the host), each
 step's tokens are waited for before the next is scheduled.
+
+With speculative decoding, steps in which the adaptive rule drafts for some request run
+synchronously (the drafter and the rejection sampler need every token on the host); the
+steps in which speculation is off (large batches, low acceptance) overlap as above. The
+engine switches per step (``LLMEngine.step``), draining the in-flight step first.
 """
 from __future__ import annotations
 
@@ -63,6 +68,9 @@ class OverlapStepper:
         so = e.scheduler.schedule()
         for req in so.finished:
             touched[req.parent_id] = None
+        if e.spec is not None:
+            for req in so.preempted:  # its drafter state restarts from scratch
+                e.spec.free(req)
         if not so.scheduled and (so.swap_out or so.swap_in):
             e.runner.swap(so.swap_out, to_cpu=True)
         launched = self._launch(so, prev, touched)
@@ -80,6 +88,16 @@ class OverlapStepper:
         self.inflight = launched
         e._emit_touched(touched, results)
         return results
+
+    def drain(self) -> None:
+        """Finish the in-flight step on the host (its outputs go to the next ``step()``), so
+        that every token is known before a synchronous step (speculative verification)."""
+        if self.inflight is None:
+            return
+        touched: dict[str, None] = {}
+        self._process(self.inflight, touched)
+        self.inflight = None
+        self.engine._emit_touched(touched, self.engine._pending)
 
     def _launch(self, so: SchedulerOutput, prev: _Inflight | None, touched: dict[str, None]) -> _Inflight | None:
         e = self.engine

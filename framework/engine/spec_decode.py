@@ -255,33 +255,50 @@ class SpeculativeDecoder:
         return out
 
     # -- proposals ----------------------------------------------------------------------
-    def propose(self, requests: Iterable[Request], free_blocks: int | None = None) -> None:
-        """Set ``spec_token_ids`` of the running decodes in ``requests`` for the next step.
+    def plan(self, requests: Iterable[Request], free_blocks: int | None = None) -> dict[str, list[Request]]:
+        """Choose this step's k' per drafter (the adaptive rule, once per step) and return
+        the running decodes that will get drafts, by drafter name (empty: none this step).
 
         ``free_blocks``: the target allocator's free KV blocks; at or below one per running
         request no drafts are made (the scheduler would drop them rather than preempt).
+        Reads only lengths, so it is valid while a token is still on the device (async
+        scheduling); :meth:`propose` then needs the real ids.
         """
         running = [r for r in requests if r.status == RequestStatus.RUNNING]
-        k_now = {name: a.choose(len(running)) for name, a in self.adaptive.items()}
+        k_now = {name: a.choose(len(running)) if running else 0 for name, a in self.adaptive.items()}
         if free_blocks is not None and free_blocks <= len(running):
             k_now = dict.fromkeys(k_now, 0)
         self.last_k = k_now
-        groups: dict[str, tuple[list[Request], list[int]]] = {}
         for r in running:
-            r.spec_token_ids = []
-            self._probs.pop(r.request_id, None)
+            if r.spec_token_ids:
+                r.spec_token_ids = []
+                self._probs.pop(r.request_id, None)
+        groups: dict[str, list[Request]] = {}
+        if not any(k_now.values()):
+            return groups
+        for r in running:
             if r.num_tokens - r.num_computed_tokens != 1:
                 continue
             name = chosen_drafter(r, self.default)
-            k = k_now.get(name, 0) if name is not None else 0
-            # Never draft past max_tokens or max_model_len: k drafts emit up to k + 1 tokens.
-            n = min(k, r.max_tokens - r.num_output_tokens - 1, self.max_model_len - r.num_tokens - 1)
-            if n >= 1 and (name not in self.needs_hidden or r.request_id in self._hidden):
-                cands, nums = groups.setdefault(name, ([], []))
-                cands.append(r)
-                nums.append(n)
-        for name, (cands, nums) in groups.items():
-            self._propose_with(name, cands, nums)
+            if name is not None and k_now.get(name, 0) >= 1:
+                groups.setdefault(name, []).append(r)
+        return groups
+
+    def propose(self, groups: dict[str, list[Request]]) -> None:
+        """Set ``spec_token_ids`` of the requests :meth:`plan` chose (their ids must be known)."""
+        for name, cands in groups.items():
+            k = self.last_k[name]
+            nums, keep = [], []
+            for r in cands:
+                if r.status != RequestStatus.RUNNING:  # ended while its last token was in flight
+                    continue
+                # Never draft past max_tokens or max_model_len: k drafts emit up to k + 1 tokens.
+                n = min(k, r.max_tokens - r.num_output_tokens - 1, self.max_model_len - r.num_tokens - 1)
+                if n >= 1 and (name not in self.needs_hidden or r.request_id in self._hidden):
+                    keep.append(r)
+                    nums.append(n)
+            if keep:
+                self._propose_with(name, keep, nums)
 
     def _propose_with(self, name: str, cands: list[Request], nums: list[int]) -> None:
         drafter = self.drafters[name]

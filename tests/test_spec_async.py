@@ -1,0 +1,68 @@
+"""Speculative decoding under async scheduling (CPU, fp32, stories260K).
+
+Steps that verify drafts run synchronously; steps in which the adaptive rule turns
+speculation off overlap (kvforge.engine.overlap). The engine switches per step, so these
+tests force both kinds into one run (``disable_by_batch_size``: speculation only once the
+batch has shrunk) and check that greedy outputs equal plain decoding, that both kinds of
+step happened, and that no target or draft KV block leaks, also with aborts and
+preemption in the middle.
+"""
+from __future__ import annotations
+
+import pytest
+
+from helpers import fresh_rng, make_engine, random_story_prompts, run_engine
+from kvforge import SamplingParams
+from test_spec_decode import DRAFTERS, _assert_drained, _assert_same, _run
+
+
+def _requests(rng, n: int, lo: int = 8) -> list:
+    return [(f"a{i}", p, SamplingParams(temperature=0, max_tokens=rng.randint(lo, 20) * (i + 1), ignore_eos=True,
+                                        logprobs=1))
+            for i, p in enumerate(random_story_prompts(rng, n))]
+
+
+@pytest.mark.parametrize("drafter", ["self", "ngram"])
+def test_switches_between_overlapped_and_verify_steps(drafter):
+    rng = fresh_rng("spec-async")
+    reqs = _requests(rng, 5)
+    ref, e0 = _run(reqs, async_scheduling=False)
+    _assert_drained(e0)
+    kinds = []
+    eng = make_engine(dtype="float32", async_scheduling=True, **DRAFTERS[drafter],
+                      **{"speculative.adaptive": False, "speculative.disable_by_batch_size": 2})
+    for r in reqs:
+        eng.add_request(*r)
+    got = run_engine(eng, on_step=lambda e, _: kinds.append(e.stats()["spec_k"]))
+    _assert_same(got, ref, reqs, f"async/{drafter}", logprobs=True)
+    st = eng.stats()
+    assert st["spec_num_drafts"] > 0, "no verify step ran"
+    assert eng._overlap.num_overlapped_steps > 0, "no step overlapped"
+    assert 0 in kinds and any(k > 0 for k in kinds), kinds
+    if drafter == "self":
+        assert st["spec_acceptance_rate"] == 1.0
+    _assert_drained(eng)
+
+
+def test_abort_and_preemption_while_switching():
+    rng = fresh_rng("spec-async-abort")
+    reqs = _requests(rng, 6, lo=15)  # 6 x (prompt + up to 120 tokens) > 10 blocks of 16: preemption
+    ref, _ = _run(reqs, async_scheduling=False)
+    eng = make_engine(dtype="float32", async_scheduling=True, num_gpu_blocks=10, block_size=16,
+                      **DRAFTERS["trunc2"], **{"speculative.adaptive": False, "speculative.disable_by_batch_size": 3})
+    for r in reqs:
+        eng.add_request(*r)
+    done = {}
+    for step in range(30):
+        for o in eng.step():
+            if o.finished:
+                done[o.request_id] = o
+        if step == 7:
+            eng.abort_request("a0")
+    done.update(run_engine(eng))
+    assert done["a0"].outputs[0].finish_reason == "abort"
+    kept = [r for r in reqs if r[0] != "a0"]
+    _assert_same(done, ref, kept, "async/abort+preemption", logprobs=True)
+    st = eng.stats()
+    assert st["num_preemptions"] > 0 and st["spec_num_drafts"] > 0 and eng._overlap.num_overlapped_steps > 0
+    _assert_drained(eng)
