@@ -66,3 +66,20 @@ def test_abort_and_preemption_while_switching():
     st = eng.stats()
     assert st["num_preemptions"] > 0 and st["spec_num_drafts"] > 0 and eng._overlap.num_overlapped_steps > 0
     _assert_drained(eng)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_penalties_keep_drafts_on_the_host(async_scheduling):
+    """Drafts stay on the device between draft forwards unless a request's penalties read
+    them; greedy outputs with penalties (batched with requests without) equal plain decoding."""
+    rng = fresh_rng("spec-penalties")
+    prompts = random_story_prompts(rng, 4)
+    reqs = [(f"p{i}", p, SamplingParams(temperature=0, max_tokens=rng.randint(20, 40), ignore_eos=True,
+                                        repetition_penalty=1.3 if i % 2 else 1.0,
+                                        frequency_penalty=0.5 if i == 2 else 0.0))
+            for i, p in enumerate(prompts)]
+    ref, _ = _run(reqs, async_scheduling=False)
+    got, eng = _run(reqs, async_scheduling=async_scheduling, **DRAFTERS["self"], **{"speculative.adaptive": False})
+    _assert_same(got, ref, reqs, "penalties")
+    assert eng.stats()["spec_acceptance_rate"] == 1.0
+    _assert_drained(eng)

@@ -171,8 +171,7 @@ class LLMEngine:
         self.outputs.add(prepared.request_id, prepared.prompt, prepared.children)
         for c in prepared.children:
             self._live[c.request_id] = c
-            sp = c.sampling_params
-            if sp.repetition_penalty != 1.0 or sp.frequency_penalty != 0.0 or sp.presence_penalty != 0.0:
+            if c.sampling_params.reads_history:
                 self._needs_history.add(c.request_id)
             self.scheduler.add_request(c)
 

@@ -121,6 +121,12 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids has ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
 
     @property
+    def reads_history(self) -> bool:
+        """Whether sampling reads the generated token ids (repetition/frequency/presence
+        penalties), so each token must be on the host before the next is sampled."""
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+    @property
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
 

@@ -29,6 +29,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvforge import hookimpl
+from kvforge.engine.request import PLACEHOLDER_TOKEN_ID
 from kvforge.engine.rejection_sampler import SequenceView, process_logits, warp_to_probs
 from kvforge.engine.sampling_ops import exponential_race_sample
 from kvforge.interfaces import Drafter, DraftProposal, SchedulerOutput
@@ -157,22 +158,22 @@ class DraftModelDrafter(Drafter):
         return st
 
     def _sample(self, logits: torch.Tensor, reqs: list, drafts: list[list[int]]):
-        """One draft token per row, and its q row (None for greedy rows)."""
+        """One draft token per row, left on the device (int64 ``[R]``), and each row's q
+        (float32 ``[V]``; None for greedy rows)."""
         work = process_logits(logits, [SequenceView(r, d) for r, d in zip(reqs, drafts)], self.vocab_size)
-        tokens: list[int] = [0] * len(reqs)
         q: list[torch.Tensor | None] = [None] * len(reqs)
-        greedy = [i for i, r in enumerate(reqs) if r.sampling_params.greedy]
         rand = [i for i, r in enumerate(reqs) if not r.sampling_params.greedy]
-        if greedy:
-            idx = torch.tensor(greedy, device=work.device)
-            for i, t in zip(greedy, work.index_select(0, idx).argmax(dim=-1).tolist()):
-                tokens[i] = t
-        if rand:
-            idx = torch.tensor(rand, device=work.device)
-            probs = warp_to_probs(work.index_select(0, idx), [reqs[i].sampling_params for i in rand])
-            drawn = exponential_race_sample(probs, [reqs[i].generator for i in rand], self.generator).tolist()
-            for j, i in enumerate(rand):
-                tokens[i], q[i] = drawn[j], probs[j]
+        if not rand:
+            return work.argmax(dim=-1), q
+        tokens = torch.empty(len(reqs), dtype=torch.int64, device=work.device)
+        if len(rand) < len(reqs):
+            greedy = torch.tensor([i for i, r in enumerate(reqs) if r.sampling_params.greedy], device=work.device)
+            tokens[greedy] = work.index_select(0, greedy).argmax(dim=-1)
+        idx = torch.tensor(rand, device=work.device)
+        probs = warp_to_probs(work.index_select(0, idx), [reqs[i].sampling_params for i in rand])
+        tokens[idx] = exponential_race_sample(probs, [reqs[i].generator for i in rand], self.generator)
+        for j, i in enumerate(rand):
+            q[i] = probs[j]
         return tokens, q
 
     def _catch_up(self, seqs: list[_DraftSeq]) -> None:
@@ -205,25 +206,45 @@ class DraftModelDrafter(Drafter):
                 ks.append(k)
         self._catch_up(seqs)
         first = {st.request_id: st.num_tokens - st.num_computed_tokens for st in seqs}
+        # Penalties read the draft ids on the host; otherwise each draft stays on the device
+        # and feeds the next forward as a placeholder input (as async scheduling does), so
+        # the k forwards queue back to back and the host reads all drafts once at the end.
+        lazy = not any(r.sampling_params.reads_history for r in reqs)
         drafts: list[list[int]] = [[] for _ in reqs]
         qs: list[list[torch.Tensor]] = [[] for _ in reqs]
+        on_device: list[tuple[list[int], torch.Tensor]] = []  # (active indices, their drafts [n])
         active = list(range(len(reqs)))
         sched = first
+        prev, prev_rows = None, None
         while active:
             so = SchedulerOutput(scheduled=[seqs[i] for i in active],
                                  num_scheduled_tokens={seqs[i].request_id: sched[seqs[i].request_id]
                                                        for i in active})
-            ex = self.runner.execute(so)
+            ex = self.runner.execute(so, prev, prev_rows)
             for i in active:
                 seqs[i].num_computed_tokens += sched[seqs[i].request_id]
             toks, q = self._sample(ex.logits, [reqs[i] for i in active], [drafts[i] for i in active])
+            if lazy:
+                on_device.append((active, toks))
+                prev, prev_rows = toks, {seqs[i].request_id: j for j, i in enumerate(active)}
+                new = [PLACEHOLDER_TOKEN_ID] * len(active)
+            else:
+                new = toks.tolist()
             for j, i in enumerate(active):
-                drafts[i].append(toks[j])
-                seqs[i].tokens.append(toks[j])
+                drafts[i].append(new[j])
+                seqs[i].tokens.append(new[j])
                 if q[j] is not None:
                     qs[i].append(q[j])
             active = [i for i in active if len(drafts[i]) < ks[i]]
             sched = {seqs[i].request_id: 1 for i in active}
+        if on_device:
+            known = torch.cat([t for _, t in on_device]).tolist()  # the one wait for the device
+            pos = 0
+            for step, (rows, _) in enumerate(on_device):
+                for i in rows:
+                    drafts[i][step] = known[pos]
+                    seqs[i].tokens[len(seqs[i].tokens) - len(drafts[i]) + step] = known[pos]
+                    pos += 1
         out = DraftProposal()
         for req, d, q in zip(reqs, drafts, qs):
             out.token_ids[req.request_id] = d
