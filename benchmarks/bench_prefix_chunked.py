@@ -54,9 +54,9 @@ def shared_prefix(model: str, n: int, caching: bool) -> float:
     return n / dt
 
 
-def chunked_itl(model: str, scheduler: str, budget: int) -> dict:
+def chunked_itl(model: str, scheduler: str, budget: int, extra: dict | None = None) -> dict:
     llm = LLM(model, load_format="dummy", scheduler=scheduler, max_num_batched_tokens=budget, max_num_seqs=64,
-              seed=0)
+              seed=0, **(extra or {}))
     e = llm.llm_engine
     rng = random.Random(1)
     v = e.vocab_size
@@ -106,7 +106,13 @@ if __name__ == "__main__":
                     help="max_num_batched_tokens for chunked_prefill (several: one run each)")
     ap.add_argument("--skip-unchunked", action="store_true")
     ap.add_argument("--smoke", action="store_true", help="tiny lengths for a CPU smoke run")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="engine option for the chunked runs, e.g. attention.settings.split_kv_target_tiles=0")
     a = ap.parse_args()
+    extra = {}
+    for kv in a.set:
+        key, _, val = kv.partition("=")
+        extra[key] = int(val) if val.lstrip("-").isdigit() else val
     if a.smoke:
         SHARED, LONG = 64, 200
     print(torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "torch", torch.__version__)
@@ -117,7 +123,7 @@ if __name__ == "__main__":
         out["shared_prefix"] = {"off_req_s": off, "on_req_s": on, "ratio": on / off}
         print(f"shared prefix speed-up: {on / off:.2f}x (target >= 4x)")
     for budget in a.chunk_budget:
-        out[f"chunked_{budget}"] = chunked_itl(a.model, "chunked_prefill", budget)
+        out[f"chunked_{budget}"] = chunked_itl(a.model, "chunked_prefill", budget, extra)
     if not a.skip_unchunked:
         out["unchunked"] = chunked_itl(a.model, "fcfs", LONG + 256)
     if a.output_json:

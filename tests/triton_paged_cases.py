@@ -102,6 +102,17 @@ def test_small_tiles_many_prefill_tiles():
     run_case(torch.float16, 32, 1, 2, 64, MIXED, settings=TritonPagedSettings(prefill_block_m=16, kv_block_n=16))
 
 
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("window", [None, 100])
+def test_split_kv_prefill(dtype, window):
+    """Chunks behind long prefixes, split across programs and merged by log-sum-exp (some
+    ranges fully masked for some rows, some below a sliding window), next to decodes."""
+    settings = TritonPagedSettings(prefill_block_m=16, split_kv_target_tiles=24, split_kv_min_keys=48)
+    md = run_case(dtype, 16, 2, 2, 32, [(300, 20), (150, 1), (0, 70), (77, 5), (513, 2)], window=window,
+                  settings=settings)
+    assert md.num_merges > 0
+
+
 # ---------------------------------------------------------------- GPU only (native kernels)
 @gpu_only
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

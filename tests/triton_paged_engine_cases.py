@@ -24,15 +24,34 @@ def test_metadata_split():
     md = TritonPagedBackend().build_metadata(inputs)
     assert md.num_decodes == 4 and md.decode_rows.tolist() == [0, 2, 4, 6]
     tiles = md.prefill_tiles.cpu()
-    assert md.num_prefill_tiles == tiles.shape[1] == 1 + 1 + 2 + 1
-    assert sorted(zip(*tiles.tolist())) == [(1, 0), (3, 0), (5, 0), (5, 64), (7, 0)]
+    assert md.num_prefill_tiles == tiles.shape[1] == 1 + 1 + 2 + 1 and md.num_merges == 0
+    # (request, first query, key range, slot): MIXED's contexts are too short to split
+    assert sorted(zip(*tiles.tolist())) == [(1, 0, 0, 17, -1), (3, 0, 0, 49, -1), (5, 0, 0, 97, -1),
+                                            (5, 64, 0, 133, -1), (7, 0, 0, 7, -1)]
     assert tiles[0].tolist()[0] == 5 and tiles[1].tolist()[0] == 64  # heaviest tile first
     md = TritonPagedBackend().build_metadata(make_batch(0, torch.float32, 16, 1, 1, 16, [(3, 1), (9, 1)])[0])
     assert md.num_prefill_tiles == 0 and md.num_decodes == 2 and md.decode_rows is None  # identity rows
 
 
+def test_metadata_split_kv_plan():
+    """Few tiles with long key ranges are cut into aligned ranges covering [0, hi) exactly."""
+    inputs, *_ = make_batch(0, torch.float32, 16, 1, 1, 16, [(2000, 40), (5, 1), (0, 30)])
+    md = TritonPagedBackend(TritonPagedSettings(split_kv_target_tiles=8, split_kv_min_keys=256)).build_metadata(inputs)
+    items = list(zip(*md.prefill_tiles.cpu().tolist()))
+    merges = list(zip(*md.merges.cpu().tolist()))
+    assert merges == [(0, 0, 0, 4)]  # 2040 keys / 4 (= ceil(8 / 2 tiles)) splits, each >= 256 keys
+    ranges = sorted((lo, hi) for r, m0, lo, hi, slot in items if r == 0)
+    assert ranges[0][0] == 0 and ranges[-1][1] == 2040 and all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    assert all(lo % 64 == 0 for lo, _ in ranges)
+    assert sorted(slot for r, *_, slot in items if r == 0) == [0, 1, 2, 3]
+    assert [i for i in items if i[0] == 2] == [(2, 0, 0, 30, -1)]  # too short to split
+    off = TritonPagedBackend(TritonPagedSettings(split_kv_target_tiles=0)).build_metadata(inputs)
+    assert off.num_merges == 0 and off.num_prefill_tiles == 2
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["whole", "split_kv"])
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
-def test_graph_metadata_fixed_capacity(dtype):
+def test_graph_metadata_fixed_capacity(dtype, split):
     """The CUDA-graph path of mixed steps: static, over-sized buffers holding stale values,
     refilled by update_graph_metadata; kernels read the counts on the device. Same output
     as the plain per-step metadata on the real rows; padded rows write only a spare block."""
@@ -49,10 +68,12 @@ def test_graph_metadata_fixed_capacity(dtype):
         seq_lens=torch.full((cap_b,), 9, **i32), block_table=torch.full((cap_b, width), spare, **i32),
         slot_mapping=torch.full((cap_t,), spare * bs, dtype=torch.int64, device=DEV), max_query_len=cap_t,
         max_seq_len=4096, query_lens_cpu=[0] * cap_b, context_lens_cpu=[0] * cap_b, block_size=bs)
-    backend = TritonPagedBackend(TritonPagedSettings(prefill_block_m=16))
+    settings = TritonPagedSettings(prefill_block_m=16, split_kv_target_tiles=40 if split else 0, split_kv_min_keys=32)
+    backend = TritonPagedBackend(settings)
     md = backend.graph_metadata(static, cap_t)
     md.decode_rows.fill_(b - 1)  # stale values from an earlier step must not matter
     md.prefill_tiles.fill_(0)
+    md.merges.fill_(0)
     # what MixedBucket.run copies in
     static.query_start_loc[:b + 1].copy_(inputs.query_start_loc)
     static.query_start_loc[b + 1:].fill_(t)
@@ -61,7 +82,11 @@ def test_graph_metadata_fixed_capacity(dtype):
     static.block_table[:b, :inputs.block_table.shape[1]].copy_(inputs.block_table)
     static.slot_mapping[:t].copy_(inputs.slot_mapping)
     backend.update_graph_metadata(md, inputs)
-    assert int(md.decode_count) == 4 and int(md.tile_count) == 2 + 3 + 7 + 1  # ceil(query_len / 16) per prefill
+    if split:
+        assert int(md.merge_count) > 0 and int(md.tile_count) > 2 + 3 + 7 + 1
+    else:
+        assert int(md.merge_count) == 0
+        assert int(md.decode_count) == 4 and int(md.tile_count) == 2 + 3 + 7 + 1  # ceil(query_len / 16) per prefill
     pad = lambda x: torch.cat([x, torch.randn((cap_t - t, *x.shape[1:]), device=DEV).to(dtype)])  # noqa: E731
     layer = AttentionLayer(0, hkv * group, hkv, d, d ** -0.5, None)
     plain_cache, graph_cache = cache.clone(), cache.clone()
@@ -70,8 +95,9 @@ def test_graph_metadata_fixed_capacity(dtype):
     check_close(got[:t], want.float(), dtype, seed)
     keep = torch.arange(cache.shape[1], device=DEV) != spare
     assert torch.equal(graph_cache[:, keep].nan_to_num(), plain_cache[:, keep].nan_to_num()), f"seed={seed}"
+    big = make_batch(seed, dtype, bs, hkv, group, d, [(0, 40)] * 20)[0]  # 60 tiles > 1 + 8 + 32 split slots
     with pytest.raises(ValueError, match="capacity"):
-        backend.update_graph_metadata(backend.graph_metadata(static, 16), inputs)
+        backend.update_graph_metadata(backend.graph_metadata(static, 16), big)
 
 
 def _req(dtype=torch.float16, head=64, block=16, window=None):

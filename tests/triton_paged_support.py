@@ -153,3 +153,4 @@ def run_case(dtype, block_size, hkv, group, d, reqs, window=None, settings=None,
         if li == 0:
             fresh = backend.forward(layer, q, k, v, cache.clone(), md)  # default: allocates its output
             check_close(fresh, ref, dtype, seed, "out (allocated)")
+    return md

@@ -20,11 +20,14 @@ import importlib.util
 import os
 
 import torch
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from kvforge import hookimpl
 from kvforge.interfaces import AttentionBackend, AttentionInputs, AttentionLayer, AttentionRequirements
-from .metadata import TritonPagedMetadata, build_triton_metadata, make_graph_metadata, update_graph_metadata
+from .metadata import (
+    MAX_SPLIT_SLOTS, SplitPolicy, TritonPagedMetadata, build_triton_metadata, make_graph_metadata,
+    update_graph_metadata,
+)
 
 KVFORGE_HOOK_API = "1"
 
@@ -38,11 +41,19 @@ def _pow2(x: int) -> bool:
 
 
 class TritonPagedSettings(BaseModel):
-    """``attention.settings`` for triton_paged (tile sizes; 0 = pick by head size)."""
+    """``attention.settings`` for triton_paged.
+
+    ``prefill_block_m`` / ``kv_block_n``: tile sizes (0 = pick by head size).
+    ``split_kv_target_tiles``: a step with fewer prefill tiles than this has its long key
+    ranges split across programs (0: never split). ``split_kv_min_keys``: the shortest
+    key range a split leaves (keys, i.e. cached + new tokens).
+    """
 
     model_config = ConfigDict(extra="forbid")
     prefill_block_m: int = 64
     kv_block_n: int = 0
+    split_kv_target_tiles: int = Field(16, ge=0)
+    split_kv_min_keys: int = Field(512, ge=16)
 
     @field_validator("prefill_block_m")
     @classmethod
@@ -72,6 +83,8 @@ class TritonPagedBackend(AttentionBackend):
         self.settings = settings or TritonPagedSettings()
         from kvforge_plugins.attention.triton_paged import cache_kernel, decode_kernel, prefill_kernel
         self._cache, self._decode, self._prefill = cache_kernel, decode_kernel, prefill_kernel
+        self._split = SplitPolicy(self.settings.split_kv_target_tiles, self.settings.split_kv_min_keys)
+        self._scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @classmethod
     def validate(cls, req: AttentionRequirements, device: torch.device) -> list[str]:
@@ -102,14 +115,14 @@ class TritonPagedBackend(AttentionBackend):
 
     def build_metadata(self, inputs: AttentionInputs) -> TritonPagedMetadata:
         """Decode/prefill split and prefill tiles, once per step (host lists -> device tensors)."""
-        return build_triton_metadata(inputs, self.settings.prefill_block_m)
+        return build_triton_metadata(inputs, self.settings.prefill_block_m, self._split)
 
     def graph_metadata(self, inputs: AttentionInputs, max_num_tokens: int) -> TritonPagedMetadata:
         """Fixed-capacity metadata over a graph bucket's static ``inputs`` (mixed steps)."""
         return make_graph_metadata(inputs, max_num_tokens, self.settings.prefill_block_m)
 
     def update_graph_metadata(self, metadata: TritonPagedMetadata, inputs: AttentionInputs) -> None:
-        update_graph_metadata(metadata, inputs)
+        update_graph_metadata(metadata, inputs, self._split)
 
     def forward(self, layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, metadata: TritonPagedMetadata,
@@ -132,8 +145,21 @@ class TritonPagedBackend(AttentionBackend):
                                   count=md.decode_count)
         self._prefill.paged_prefill(q, kv_cache, out, inp.block_table, inp.query_start_loc, inp.context_lens,
                                     md.prefill_tiles, md.num_prefill_tiles, md.block_m, layer.scale,
-                                    layer.sliding_window, bn, count=md.tile_count)
+                                    layer.sliding_window, bn, count=md.tile_count, merges=md.merges,
+                                    num_merges=md.num_merges, merge_count=md.merge_count,
+                                    scratch=self._scratch_for(q, md.block_m) if md.num_merges else None)
         return out
+
+    def _scratch_for(self, q: torch.Tensor, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Split-KV partial outputs / log-sum-exps, one buffer per shape shared by every layer
+        (layers run one after another); allocated once, so CUDA graphs keep its address."""
+        _, hq, d = q.shape
+        key = (q.device, hq, d, block_m)
+        if key not in self._scratch:
+            self._scratch[key] = (
+                torch.empty((MAX_SPLIT_SLOTS, hq, block_m, d), dtype=torch.float32, device=q.device),
+                torch.empty((MAX_SPLIT_SLOTS, hq, block_m), dtype=torch.float32, device=q.device))
+        return self._scratch[key]
 
 
 @hookimpl
