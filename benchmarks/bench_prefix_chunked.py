@@ -14,9 +14,12 @@
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
 import random
 import statistics
+import sys
 import time
 
 import torch
@@ -25,6 +28,7 @@ from kvforge import LLM, SamplingParams
 
 
 SHARED, LONG = 2000, 8000
+PROFILE_STEPS = False
 
 
 def _sync():
@@ -73,11 +77,22 @@ def chunked_itl(model: str, scheduler: str, budget: int, extra: dict | None = No
                   SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, detokenize=False))
     window = []
     got_first = False
+    slowest = (0.0, None)
     while not got_first:
+        prof = cProfile.Profile() if PROFILE_STEPS else None
         t = time.perf_counter()
+        if prof is not None:
+            prof.enable()
         outs = e.step()
+        if prof is not None:
+            prof.disable()
         window.append(time.perf_counter() - t)
+        if prof is not None and window[-1] > slowest[0]:
+            slowest = (window[-1], prof)
         got_first = any(o.request_id == "long" and o.outputs[0].token_ids for o in outs)
+    if slowest[1] is not None:
+        print(f"  slowest step ({slowest[0] * 1e3:.2f} ms, step {window.index(slowest[0])}), cProfile:")
+        pstats.Stats(slowest[1], stream=sys.stdout).sort_stats("cumulative").print_stats(25)
     in_order = [round(w * 1e3, 3) for w in window]
     window.sort()
     p99 = window[min(len(window) - 1, int(round(0.99 * (len(window) - 1))))]
@@ -106,9 +121,12 @@ if __name__ == "__main__":
                     help="max_num_batched_tokens for chunked_prefill (several: one run each)")
     ap.add_argument("--skip-unchunked", action="store_true")
     ap.add_argument("--smoke", action="store_true", help="tiny lengths for a CPU smoke run")
+    ap.add_argument("--profile-steps", action="store_true",
+                    help="cProfile every step of the arrival and print the slowest step's profile")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="engine option for the chunked runs, e.g. attention.settings.split_kv_target_tiles=0")
     a = ap.parse_args()
+    PROFILE_STEPS = a.profile_steps
     extra = {}
     for kv in a.set:
         key, _, val = kv.partition("=")

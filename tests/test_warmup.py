@@ -32,7 +32,8 @@ def test_warm_up_writes_only_the_scratch_block():
     dim = runner.backend.block_dim
     scratch = engine.allocator.num_blocks
     before = [c.clone() for c in runner.kv_caches]
-    warm_up(runner, engine.config.scheduler.max_num_batched_tokens, engine.max_model_len, scratch)
+    warm_up(runner, engine.config.scheduler.max_num_batched_tokens, engine.max_model_len, scratch,
+            max_sample_rows=engine.config.scheduler.max_num_seqs)
     changed = False
     for old, new in zip(before, runner.kv_caches):
         keep = torch.arange(scratch, device=old.device)

@@ -54,7 +54,8 @@ class UniProcExecutor(Executor):
         if parts.device.type == "cuda":  # compile every prefill/extend kernel variant now, not mid-serving
             from kvforge.engine.warmup import warm_up
             warm_up(self.runner, cfg.scheduler.max_num_batched_tokens, parts.max_model_len,
-                    scratch_block=parts.allocator.num_blocks)
+                    scratch_block=parts.allocator.num_blocks,
+                    max_sample_rows=cfg.scheduler.max_num_seqs * (1 + cfg.speculative.num_speculative_tokens))
         if parts.use_cuda_graphs:
             from kvforge.engine.cuda_graphs import CudaGraphRunner
             self.runner.graphs = CudaGraphRunner(
