@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import json
 import pstats
 import random
@@ -107,6 +108,7 @@ def chunked_itl(model: str, scheduler: str, budget: int, extra: dict | None = No
     while e.has_unfinished_requests():
         e.step()
     del llm, e
+    gc.collect()  # the engine holds reference cycles; its KV cache must go before the next run's sizing
     torch.cuda.empty_cache()
     return res
 

@@ -83,3 +83,48 @@ def test_penalties_keep_drafts_on_the_host(async_scheduling):
     _assert_same(got, ref, reqs, "penalties")
     assert eng.stats()["spec_acceptance_rate"] == 1.0
     _assert_drained(eng)
+
+
+def test_a_drafter_that_never_proposes_is_turned_off():
+    """Empty proposals count as first-draft rejections: the adaptive rule switches the
+    drafter off, and the steps then overlap (async) instead of running synchronously."""
+    import types
+
+    from kvforge import hookimpl
+    from kvforge.config import EngineConfig
+    from kvforge.engine.llm_engine import LLMEngine
+    from kvforge.interfaces import DraftProposal, Drafter
+    from kvforge.plugin_manager import load_registry
+
+    class Silent(Drafter):
+        def __init__(self, k):
+            self.num_speculative_tokens = k
+            self.calls = 0
+
+        def propose(self, requests, num_tokens, hidden_states=None):
+            self.calls += 1
+            return DraftProposal()
+
+    mod = types.ModuleType("silent_drafter")
+    mod.KVFORGE_HOOK_API = "1"
+
+    @hookimpl
+    def kvforge_register_drafters(register):
+        register("silent", lambda cfg, settings, ctx: Silent(cfg.num_speculative_tokens))
+
+    mod.kvforge_register_drafters = kvforge_register_drafters
+    from helpers import STORIES_MODEL
+    cfg = EngineConfig.from_sources(None, {"model": STORIES_MODEL, "dtype": "float32", "async_scheduling": True,
+                                           "speculative_method": "silent", "num_speculative_tokens": 3})
+    eng = LLMEngine(cfg, registry=load_registry(extra_plugins=[("silent_drafter", mod)]))
+    rng = fresh_rng("spec-silent")
+    reqs = _requests(rng, 3, lo=15)
+    for r in reqs:
+        eng.add_request(*r)
+    ks = []
+    got = run_engine(eng, on_step=lambda e, _: ks.append(e.stats()["spec_k"]))
+    ref, _ = _run(reqs, async_scheduling=False)
+    _assert_same(got, ref, reqs, "silent drafter", logprobs=True)
+    assert ks[-1] == 0 and ks.count(0) > len(ks) // 2, ks
+    assert eng.spec.adaptive["silent"].acceptance < 0.2
+    assert eng._overlap.num_overlapped_steps > len(ks) // 2

@@ -327,6 +327,12 @@ def test_adaptive_rule():
     assert small.choose(1) >= 3
     selfdraft.acceptance = 0.0
     assert all(selfdraft.choose(1) == 0 for _ in range(200))  # never probes what can never pay
+    rare = AdaptiveSpeculation(4, cfg, relative_cost=0.0)
+    rare.acceptance = 0.1
+    assert rare.choose(1) == 0        # E(1) = 1.1 tokens do not pay for a synchronous verifying step
+    free = AdaptiveSpeculation(4, SpeculativeConfig(method="x", num_speculative_tokens=4, step_overhead=0.0), 0.0)
+    free.acceptance = 0.1
+    assert free.choose(1) == 4        # ... if that step cost nothing extra, any draft would pay
     fixed = AdaptiveSpeculation(4, SpeculativeConfig(method="x", num_speculative_tokens=4, adaptive=False,
                                                      disable_by_batch_size=8), 1.0)
     assert fixed.choose(8) == 4 and fixed.choose(9) == 0

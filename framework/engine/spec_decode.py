@@ -100,8 +100,10 @@ class AdaptiveSpeculation:
 
     * expected tokens per step with k' drafts (Leviathan et al. 2023, eq. 1):
       ``E(k') = (1 - a^(k'+1)) / (1 - a)``;
-    * step cost relative to a plain decode step: ``C(B, k') = (1 + c k') * max(B (k'+1), T) / max(B, T)``
-      (a forward costs about the same up to ``T`` tokens, memory-bound, then grows linearly);
+    * step cost relative to a plain decode step:
+      ``C(B, k') = (1 + c k') * max(B (k'+1), T) / max(B, T) * (1 + o)`` for k' >= 1 (a forward
+      costs about the same up to ``T`` tokens, memory-bound, then grows linearly; ``o`` =
+      ``step_overhead``, the host work of a synchronous verifying step);
     * k' = argmax over 0..k of ``E(k') / C(B, k')`` (ties: the smaller k'); 0 when
       ``B > disable_by_batch_size``. With ``adaptive`` off k' = k (still 0 above
       ``disable_by_batch_size``).
@@ -123,6 +125,7 @@ class AdaptiveSpeculation:
         self.disable_by_batch_size = config.disable_by_batch_size
         self.free_tokens = config.verify_free_tokens
         self.prior = config.initial_acceptance_rate
+        self.overhead = config.step_overhead
         self.relative_cost = max(0.0, float(relative_cost))
         self.acceptance = self.prior
         self._off_steps = 0
@@ -133,7 +136,9 @@ class AdaptiveSpeculation:
 
     def cost(self, batch_size: int, k: int) -> float:
         b, t = max(1, batch_size), self.free_tokens
-        return (1.0 + self.relative_cost * k) * max(b * (k + 1), t) / max(b, t)
+        if k == 0:
+            return 1.0
+        return (1.0 + self.relative_cost * k) * max(b * (k + 1), t) / max(b, t) * (1.0 + self.overhead)
 
     def best_k(self, batch_size: int, acceptance: float) -> int:
         """argmax_k' E(k') / C(B, k') at this acceptance (0 if nothing beats plain decoding)."""
@@ -313,6 +318,7 @@ class SpeculativeDecoder:
             return
         if not isinstance(prop, DraftProposal):
             prop = DraftProposal(dict(prop))
+        empty = 0
         for r, n in zip(cands, nums):
             toks = list(prop.token_ids.get(r.request_id, ()))[:n]
             bad = next((j for j, t in enumerate(toks) if not (isinstance(t, int) and 0 <= t < self.vocab_size)),
@@ -324,10 +330,16 @@ class SpeculativeDecoder:
                     self._warned = True
                 toks = toks[:bad]
             r.spec_token_ids = toks
+            empty += not toks
             self._drafted_by[r.request_id] = name
             q = prop.probs.get(r.request_id)
             if toks and q is not None:
                 self._probs[r.request_id] = q[:len(toks)]
+        # No draft (e.g. no n-gram match) yields one token per step, as a rejection of the
+        # first draft does: the adaptive rule counts it so, and turns off a drafter that
+        # rarely proposes (a speculating step runs synchronously, so it is not free).
+        if empty:
+            self.adaptive[name].observe(empty, 0)
 
     # -- bookkeeping --------------------------------------------------------------------
     def free(self, request: Request) -> None:
