@@ -54,6 +54,7 @@ def shared_prefix(model: str, n: int, caching: bool) -> float:
     dt = time.perf_counter() - t
     hit = llm.llm_engine.stats().get("prefix_cache_hit_rate", 0.0)
     del llm
+    gc.collect()
     torch.cuda.empty_cache()
     print(f"shared prefix, caching={'on ' if caching else 'off'}: {n / dt:7.2f} req/s  ({dt:6.1f} s, hit rate {hit:.2f})")
     return n / dt
