@@ -270,3 +270,16 @@ def test_more_bad_inputs_name_their_field(tmp_path):
     e = llm.llm_engine
     assert not e.has_unfinished_requests() and e.allocator.num_free_blocks == e.allocator.num_blocks
 
+
+
+def test_kv_cache_smaller_than_max_model_len_warns_and_fails_requests_by_name(caplog):
+    """A cache that cannot hold one max-length request is served (short requests fit), with a
+    start-up warning naming the fields; a request that does not fit fails alone, by name."""
+    with caplog.at_level("WARNING", logger="kvforge"):
+        llm = LLM(STORIES_MODEL, dtype="float32", num_gpu_blocks=2, block_size=16)
+    assert any("max_model_len" in r.getMessage() and "num_gpu_blocks" in r.getMessage() for r in caplog.records)
+    short, long = llm.generate([{"prompt_token_ids": [1, 5, 9]}, {"prompt_token_ids": [1] + [7] * 40}],
+                               SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(short.outputs[0].token_ids) == 4 and short.error is None
+    assert long.outputs[0].finish_reason == "error" and "KV blocks" in long.error
+    assert_no_block_leak(llm.llm_engine)

@@ -355,6 +355,11 @@ def build_engine_parts(config: EngineConfig, registry: Registry) -> EngineParts:
     block_bytes = _kv_block_bytes(hf_config, head_dim, num_kv_heads, config.cache.block_size, dtype)
     draft_block_bytes = sum(d.kv_cache_block_bytes(config.cache.block_size) for d in drafters.values())
     num_blocks = _num_blocks(config, device, block_bytes + draft_block_bytes, max_model_len)
+    if num_blocks * config.cache.block_size < max_model_len:
+        log.warning("cache: %d KV blocks of %d tokens hold %d tokens, fewer than max_model_len %d; a request "
+                    "longer than that fails (raise num_gpu_blocks / gpu_memory_utilization or lower "
+                    "max_model_len)", num_blocks, config.cache.block_size, num_blocks * config.cache.block_size,
+                    max_model_len)
     allocator: KVAllocator = alloc_spec.factory(num_blocks, config.cache.block_size, alloc_settings, config.cache)
     # One extra block past the allocator's range: the scratch block padded CUDA-graph rows write to.
     shape = backend.kv_cache_shape(num_blocks + 1, config.cache.block_size, num_kv_heads, head_dim)
