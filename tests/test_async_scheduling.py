@@ -129,3 +129,26 @@ def test_allocator_does_not_hash_a_placeholder():
     assert alloc.num_cached_blocks == 1
     other = Request("o", [5, 6, 7, 9, 1], SamplingParams(max_tokens=8), 8)
     assert alloc.get_computed_tokens(other) == 4
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_finished_request_blocks_are_cached_for_the_next_turn(async_scheduling):
+    """Multi-turn: the next prompt = the last prompt + its answer. Every full block of the
+    first turn is reusable, also the one its last computed token completed while that token
+    was still on the device (async scheduling registers it when the request is freed)."""
+    rng = random.Random()
+    bs = 16
+    llm = LLM(MODEL, dtype="float32", enable_prefix_caching=True, block_size=bs, async_scheduling=async_scheduling)
+    e = llm.llm_engine
+    first = [1] + [rng.randrange(3, 512) for _ in range(rng.randrange(20, 40))]
+    n_out = 2 * bs + (-(len(first) - 1)) % bs  # the last computed token completes a block
+    out = llm.generate({"prompt_token_ids": first}, SamplingParams(temperature=0, max_tokens=n_out, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0].token_ids
+    computed = len(first) + len(out) - 1  # the last sampled token never had its KV computed
+    before = e.allocator.stats()["prefix_cache_hits"]
+    llm.generate({"prompt_token_ids": first + out + [5, 6, 7]}, SamplingParams(temperature=0, max_tokens=2),
+                 use_tqdm=False)
+    hits = e.allocator.stats()["prefix_cache_hits"] - before
+    assert computed % bs == 0
+    assert hits == computed, (hits, computed)
+    assert e.allocator.num_free_blocks == e.allocator.num_blocks

@@ -141,6 +141,11 @@ class PagedAllocator(KVAllocator):
 
     def free(self, request) -> None:
         rid = request.request_id
+        table = self._tables.get(rid)
+        if self.enable_prefix_caching and table:
+            # A block completed by a token that was still on the device when it was
+            # scheduled (async scheduling) was not registered then; its id is known now.
+            self._register_full_blocks(request, table, request.num_computed_tokens)
         self._pending_hits.pop(rid, None)
         self._req_hashes.pop(rid, None)
         self._num_registered.pop(rid, None)
