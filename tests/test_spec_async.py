@@ -128,3 +128,69 @@ def test_a_drafter_that_never_proposes_is_turned_off():
     assert ks[-1] == 0 and ks.count(0) > len(ks) // 2, ks
     assert eng.spec.adaptive["silent"].acceptance < 0.2
     assert eng._overlap.num_overlapped_steps > len(ks) // 2
+
+
+def test_eagle_style_drafter_never_sees_a_stale_hidden_state():
+    """Steps that overlap record no hidden states: a drafter that needs them gets a request
+    again only after a synchronous step recorded a fresh one (checked: the state must
+    predict the request's last token)."""
+    import types
+
+    import torch
+
+    from helpers import STORIES_MODEL
+    from kvforge import hookimpl
+    from kvforge.config import EngineConfig
+    from kvforge.engine.llm_engine import LLMEngine
+    from kvforge.plugin_manager import load_registry
+    from kvforge_plugins.spec_decode.ngram import NgramDrafter
+
+    checks = []
+
+    class HiddenChecker(NgramDrafter):
+        def __init__(self, k, ctx):
+            super().__init__(k)
+            self.target = ctx.target_model
+
+        def propose(self, requests, num_tokens, hidden_states=None):
+            with torch.inference_mode():
+                pred = self.target.compute_logits(hidden_states).argmax(dim=-1).tolist()
+            checks.extend(p == r.all_token_ids[-1] for p, r in zip(pred, requests))
+            return super().propose(requests, num_tokens)
+
+    mod = types.ModuleType("toy_eagle_async")
+    mod.KVFORGE_HOOK_API = "1"
+
+    @hookimpl
+    def kvforge_register_drafters(register):
+        register("toy_eagle", lambda cfg, settings, ctx: HiddenChecker(cfg.num_speculative_tokens, ctx),
+                 needs_hidden_states=True)
+
+    mod.kvforge_register_drafters = kvforge_register_drafters
+    cfg = EngineConfig.from_sources(None, {
+        "model": STORIES_MODEL, "dtype": "float32", "async_scheduling": True, "speculative_method": "toy_eagle",
+        "num_speculative_tokens": 3, "speculative.adaptive": False, "speculative.disable_by_batch_size": 2})
+    eng = LLMEngine(cfg, registry=load_registry(extra_plugins=[("toy_eagle_async", mod)]))
+    rng = fresh_rng("spec-eagle-async")
+    prompts = random_story_prompts(rng, 5)
+    sp = lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=1)  # noqa: E731
+    # Two long requests speculate (synchronous steps), three short ones join (batch 5 > 2:
+    # overlapped steps) and leave (speculation again): hidden states from before the
+    # overlapped steps must not be used.
+    reqs = [(f"long{i}", prompts[i], sp(60)) for i in range(2)] + \
+           [(f"short{i}", prompts[2 + i], sp(rng.randint(6, 12))) for i in range(3)]
+    for r in reqs[:2]:
+        eng.add_request(*r)
+    got = {}
+    for _ in range(8):
+        got.update({o.request_id: o for o in eng.step() if o.finished})
+    before = len(checks)
+    for r in reqs[2:]:
+        eng.add_request(*r)
+    got.update(run_engine(eng))
+    assert len(checks) > before, "no proposal after the overlapped steps"
+    ref, _ = _run(reqs, async_scheduling=False)
+    _assert_same(got, ref, reqs, "eagle/async", logprobs=True)
+    assert checks and all(checks), f"{checks.count(False)} of {len(checks)} proposals got a stale hidden state"
+    assert eng._overlap.num_overlapped_steps > 0
+    _assert_drained(eng)

@@ -111,6 +111,8 @@ class OverlapStepper:
             if not ex.sample_requests:
                 return None
             sample = e.sampler.sample_async(ex.logits, ex.sample_requests)
+            if e.spec is not None:  # hidden states an EAGLE-style drafter holds are now one step old
+                e.spec.forget_hidden(ex.sample_requests)
             return _Inflight(ex.sample_requests, {r.request_id: i for i, r in enumerate(ex.sample_requests)}, sample)
         except Exception as err:  # fails this step's requests only, as in the synchronous loop
             e._fail_step(so, err, touched)

@@ -342,6 +342,13 @@ class SpeculativeDecoder:
             self.adaptive[name].observe(empty, 0)
 
     # -- bookkeeping --------------------------------------------------------------------
+    def forget_hidden(self, requests: Iterable[Request]) -> None:
+        """Drop stored target hidden states of ``requests`` (a step ran without recording
+        them); such a request gets drafts again after its next synchronous step."""
+        if self._hidden:
+            for r in requests:
+                self._hidden.pop(r.request_id, None)
+
     def free(self, request: Request) -> None:
         """Forget ``request`` (finished, aborted or preempted): drafter state, stored q and hidden."""
         request.spec_token_ids = []
