@@ -212,3 +212,33 @@ def test_engine_end_to_end_vs_hf(tiny_model):
         assert out.error is None, f"{tag}: {out.error}"
         assert_greedy_match(out.outputs[0].token_ids, ref.sequences[0, len(p):].tolist(),
                             [lg[0].float() for lg in ref.logits], tag)
+
+
+@pytest.mark.parametrize("block_size", [16, 8])
+def test_flash_decode_prefill_rows_use_triton_prefill(block_size):
+    """flash_decode's prefill/extend rows run triton_paged's kernel (c) where it supports the
+    layer (block size 16), else the reference loop (block size 8); same numbers either way.
+    The CUDA C++ decode half is not built here (no GPU): its numerics are GPU tests."""
+    from kvforge_plugins.attention.flash_decode import FlashDecodeBackend
+    from kvforge_plugins.attention.torch_ref import TorchRefBackend, write_kv
+    from triton_paged_support import reference
+
+    seed = urandom_seed()
+    reqs = [(40, 1), (0, 17), (130, 33), (7, 1), (0, 70)]
+    inputs, q, k, v, cache = make_batch(seed, torch.float32, block_size, 2, 4, 32, reqs)
+    fd = object.__new__(FlashDecodeBackend)  # without its CuPy kernels
+    fd._prefill, fd._ref, fd._prefill_ok, fd._num_sms = TritonPagedBackend(), TorchRefBackend(), {}, 1
+    md = fd.build_metadata(inputs)
+    assert md.prefill_rows == [1, 2, 4] and md.prefill_md is not None
+    layer = AttentionLayer(0, 8, 2, 32, 32 ** -0.5, None)
+    want, _ = reference(layer, q, k, v, cache.clone(), inputs)
+    c = cache.clone()
+    write_kv(c, k, v, inputs.slot_mapping)
+    out = torch.full(q.shape, float("nan"), device=DEV)
+    fd._forward_prefill(layer, q, c, md, out)
+    assert fd._prefill_ok and list(fd._prefill_ok.values()) == [block_size == 16]
+    rows = torch.cat([torch.arange(s, e) for s, e in zip(inputs.query_start_loc[:-1].tolist(),
+                                                          inputs.query_start_loc[1:].tolist())
+                      if e - s > 1])
+    check_close(out[rows], want[rows], torch.float32, seed)
+    assert out[[0, 1 + 17 + 33]].isnan().all(), "decode rows are the decode kernel's to write"

@@ -5,7 +5,9 @@ Decode rows (one query token) run ``fd_partial`` over ``num_splits`` partitions 
 their context and, when split, ``fd_merge`` combines the partial softmax states by
 log-sum-exp (Flash-Decoding, Dao et al. 2023). The split count comes from a plan
 computed on the CPU once per step (:func:`plan_splits`). Prefill/extend rows use
-the `triton_paged` kernels when that plugin is importable, else the torch reference.
+`triton_paged`'s prefill kernel (its per-step plan, split-KV included) when that plugin
+is importable and supports the layer (block size >= 16, power-of-two head size), else
+the torch reference loop.
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ class FlashDecodeMetadata:
     num_splits: int
     partition: int
     prefill_rows: list[int]
+    prefill_md: object = None  # triton_paged's plan of the prefill rows (None: reference loop)
 
 
 class FlashDecodeBackend(AttentionBackend):
@@ -47,9 +50,10 @@ class FlashDecodeBackend(AttentionBackend):
         self._ref = TorchRefBackend()
         self._workspace: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._num_sms: int | None = None
+        self._prefill_ok: dict[tuple, bool] = {}
         try:
-            from kvforge_plugins.attention import triton_paged
-            self._prefill = triton_paged
+            from kvforge_plugins.attention.triton_paged import TritonPagedBackend
+            self._prefill = TritonPagedBackend()
         except Exception:  # prefill falls back to the reference loop
             self._prefill = None
 
@@ -95,7 +99,8 @@ class FlashDecodeBackend(AttentionBackend):
         if self._num_sms is None:
             self._num_sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
         # Heads are unknown here; plan with a typical GQA group count, refined in forward.
-        return FlashDecodeMetadata(inputs, tok, req, len(decode_rows), 0, 0, prefill_rows)
+        prefill_md = self._prefill.build_metadata(inputs) if prefill_rows and self._prefill is not None else None
+        return FlashDecodeMetadata(inputs, tok, req, len(decode_rows), 0, 0, prefill_rows, prefill_md)
 
     def _ws(self, rows: int, heads: int, splits: int, d: int, dev) -> tuple[torch.Tensor, torch.Tensor]:
         key = (rows, heads, splits, d, dev)
@@ -120,10 +125,21 @@ class FlashDecodeBackend(AttentionBackend):
             self._forward_prefill(layer, q, kv_cache, md, out)
         return out
 
+    def _triton_prefill_ok(self, layer: AttentionLayer, q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+        """Whether triton_paged's prefill kernel covers this layer (its block sizes and head
+        sizes are narrower than this backend's); else the reference loop runs."""
+        key = (layer.head_size, layer.num_heads, layer.num_kv_heads, kv_cache.shape[2], q.dtype, q.device.type)
+        ok = self._prefill_ok.get(key)
+        if ok is None:
+            req = AttentionRequirements(q.dtype, layer.head_size, layer.num_heads, layer.num_kv_heads,
+                                        kv_cache.shape[2], kv_cache.dtype, layer.sliding_window)
+            ok = self._prefill_ok[key] = not type(self._prefill).validate(req, q.device)
+        return ok
+
     def _forward_prefill(self, layer, q, kv_cache, md: FlashDecodeMetadata, out) -> None:
         inputs = md.inputs
-        if self._prefill is not None and hasattr(self._prefill, "prefill_rows"):
-            self._prefill.prefill_rows(layer, q, kv_cache, inputs, md.prefill_rows, out)
+        if md.prefill_md is not None and self._triton_prefill_ok(layer, q, kv_cache):
+            self._prefill.forward_prefill(layer, q, kv_cache, md.prefill_md, out)
             return
         start = 0
         for i, (qlen, ctx) in enumerate(zip(inputs.query_lens_cpu, inputs.context_lens_cpu)):

@@ -139,16 +139,23 @@ class TritonPagedBackend(AttentionBackend):
             q = q.contiguous()
         if out is None:
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        bn = self.settings.kv_block_n
         self._decode.paged_decode(q, kv_cache, out, inp.block_table, inp.seq_lens, inp.query_start_loc,
-                                  md.decode_rows, md.num_decodes, layer.scale, layer.sliding_window, bn,
-                                  count=md.decode_count)
+                                  md.decode_rows, md.num_decodes, layer.scale, layer.sliding_window,
+                                  self.settings.kv_block_n, count=md.decode_count)
+        self.forward_prefill(layer, q, kv_cache, md, out)
+        return out
+
+    def forward_prefill(self, layer: AttentionLayer, q: torch.Tensor, kv_cache: torch.Tensor,
+                        md: TritonPagedMetadata, out: torch.Tensor) -> None:
+        """Kernel (c) only: attention of the prefill/extend rows of ``md`` into ``out``
+        ([T, Hq, D], q's dtype), the step's K/V already in ``kv_cache``. Other backends
+        (``flash_decode``) use it for their prefill rows."""
+        inp = md.inputs
         self._prefill.paged_prefill(q, kv_cache, out, inp.block_table, inp.query_start_loc, inp.context_lens,
                                     md.prefill_tiles, md.num_prefill_tiles, md.block_m, layer.scale,
-                                    layer.sliding_window, bn, count=md.tile_count, merges=md.merges,
-                                    num_merges=md.num_merges, merge_count=md.merge_count,
+                                    layer.sliding_window, self.settings.kv_block_n, count=md.tile_count,
+                                    merges=md.merges, num_merges=md.num_merges, merge_count=md.merge_count,
                                     scratch=self._scratch_for(q, md.block_m) if md.num_merges else None)
-        return out
 
     def _scratch_for(self, q: torch.Tensor, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Split-KV partial outputs / log-sum-exps, one buffer per shape shared by every layer
