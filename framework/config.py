@@ -88,7 +88,7 @@ class SpeculativeConfig(_Section):
         128, gt=0, description="Tokens per forward below which the target's step time hardly grows "
                                "(memory-bound); above it, cost grows in proportion to the tokens.")
     step_overhead: float = Field(
-        0.25, ge=0.0, description="Extra cost of a speculating step over a plain decode step, as a fraction "
+        0.25, ge=0.0, allow_inf_nan=False, description="Extra cost of a speculating step over a plain decode step, as a fraction "
                                   "of the latter: the step runs synchronously (no async scheduling) and "
                                   "verifies on the host. Measured on the H200 (8B, bf16): 0.3 at batch 1, "
                                   "0.5 at batch 64.")

@@ -277,9 +277,22 @@ def test_kv_cache_smaller_than_max_model_len_warns_and_fails_requests_by_name(ca
     start-up warning naming the fields; a request that does not fit fails alone, by name."""
     with caplog.at_level("WARNING", logger="kvforge"):
         llm = LLM(STORIES_MODEL, dtype="float32", num_gpu_blocks=2, block_size=16)
-    assert any("max_model_len" in r.getMessage() and "num_gpu_blocks" in r.getMessage() for r in caplog.records)
+    assert any("max_model_len" in r.getMessage() and "cache.num_gpu_blocks" in r.getMessage() for r in caplog.records)
     short, long = llm.generate([{"prompt_token_ids": [1, 5, 9]}, {"prompt_token_ids": [1] + [7] * 40}],
                                SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert len(short.outputs[0].token_ids) == 4 and short.error is None
     assert long.outputs[0].finish_reason == "error" and "KV blocks" in long.error
     assert_no_block_leak(llm.llm_engine)
+
+
+def test_small_kv_budget_warning_names_the_field_that_was_set(caplog):
+    with caplog.at_level("WARNING", logger="kvforge"):
+        LLM(STORIES_MODEL, dtype="float32", kv_cache_memory_bytes=200_000)
+    msgs = [r.getMessage() for r in caplog.records if "max_model_len" in r.getMessage()]
+    assert msgs and "cache.kv_cache_memory_bytes" in msgs[0] and "gpu_memory_utilization" not in msgs[0]
+
+
+@pytest.mark.parametrize("value", [float("inf"), -0.1, float("nan")])
+def test_step_overhead_must_be_finite_and_non_negative(value):
+    with pytest.raises(ValidationError, match="step_overhead"):
+        EngineConfig.from_sources(None, {"model": STORIES_MODEL, "speculative.step_overhead": value})

@@ -356,10 +356,15 @@ def build_engine_parts(config: EngineConfig, registry: Registry) -> EngineParts:
     draft_block_bytes = sum(d.kv_cache_block_bytes(config.cache.block_size) for d in drafters.values())
     num_blocks = _num_blocks(config, device, block_bytes + draft_block_bytes, max_model_len)
     if num_blocks * config.cache.block_size < max_model_len:
-        log.warning("cache: %d KV blocks of %d tokens hold %d tokens, fewer than max_model_len %d; a request "
-                    "longer than that fails (raise num_gpu_blocks / gpu_memory_utilization or lower "
-                    "max_model_len)", num_blocks, config.cache.block_size, num_blocks * config.cache.block_size,
-                    max_model_len)
+        c = config.cache
+        knob = ("cache.num_gpu_blocks" if c.num_gpu_blocks is not None else
+                "cache.kv_cache_memory_bytes" if c.kv_cache_memory_bytes is not None or device.type != "cuda" else
+                "cache.gpu_memory_utilization")
+        share = (f"; the draft model's KV takes {draft_block_bytes / (block_bytes + draft_block_bytes):.0%} of "
+                 "each block's bytes" if draft_block_bytes and c.num_gpu_blocks is None else "")
+        log.warning("cache: %d KV blocks of %d tokens hold %d tokens, fewer than max_model_len %d; a longer request "
+                    "fails (raise %s or lower model.max_model_len)%s", num_blocks, c.block_size,
+                    num_blocks * c.block_size, max_model_len, knob, share)
     allocator: KVAllocator = alloc_spec.factory(num_blocks, config.cache.block_size, alloc_settings, config.cache)
     # One extra block past the allocator's range: the scratch block padded CUDA-graph rows write to.
     shape = backend.kv_cache_shape(num_blocks + 1, config.cache.block_size, num_kv_heads, head_dim)
