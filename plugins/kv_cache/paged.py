@@ -11,9 +11,11 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict
 
 from kvforge import hookimpl
+from kvforge.engine.block_table_array import BlockTableArray
 from kvforge.interfaces import KVAllocator
 from kvforge_plugins.kv_cache.block_hash import BlockHash, extend_hashes
 
@@ -47,6 +49,9 @@ class PagedAllocator(KVAllocator):
         self._req_hashes: dict[str, list[BlockHash]] = {}
         self._num_registered: dict[str, int] = {}
         self._pending_hits: dict[str, list[int]] = {}
+        # The same tables as rows of an array (marks = _num_registered), kept in step with
+        # _tables on every change, for the vectorized decode paths of the runner/scheduler.
+        self.table_array = BlockTableArray()
         self.queries = 0
         self.hits = 0
         self.evictions = 0
@@ -93,6 +98,7 @@ class PagedAllocator(KVAllocator):
                 self._block_hash[b] = h
                 self._cached[h] = b
         self._num_registered[request.request_id] = full
+        self.table_array.marks[self.table_array.row_of[request.request_id]] = full
 
     # -- interface --------------------------------------------------------------------
     @property
@@ -115,7 +121,8 @@ class PagedAllocator(KVAllocator):
         reclaimed = sum(1 for b in hits if self._ref[b] == 0)
         if need > len(self._free) - reclaimed:
             return None
-        if table is None:
+        created = table is None
+        if created:
             table = self._tables[rid] = []
             for b in hits:
                 if self._ref[b] == 0:
@@ -135,6 +142,11 @@ class PagedAllocator(KVAllocator):
             self._ref[b] = 1
             new.append(b)
         table.extend(new)
+        if created:
+            row = self.table_array.set_table(rid, table)  # (may grow the arrays: index after)
+            self.table_array.marks[row] = self._num_registered[rid]
+        elif new:
+            self.table_array.append(rid, new)
         if self.enable_prefix_caching:
             self._register_full_blocks(request, table, request.num_computed_tokens + num_new_tokens)
         return new
@@ -144,6 +156,7 @@ class PagedAllocator(KVAllocator):
         self._pending_hits.pop(rid, None)
         self._req_hashes.pop(rid, None)
         self._num_registered.pop(rid, None)
+        self.table_array.release(rid)
         table = self._tables.pop(rid, None)
         if not table:
             return
@@ -173,6 +186,26 @@ class PagedAllocator(KVAllocator):
         rid = request.request_id
         if self._num_registered.get(rid, 0) > len(table):
             self._num_registered[rid] = len(table)
+        row = self.table_array.set_table(rid, table)
+        self.table_array.marks[row] = self._num_registered.get(rid, 0)
+
+    def decodes_needing_work(self, rows: np.ndarray, num_tokens: np.ndarray) -> np.ndarray:
+        """Vectorized check for a batch of requests that each already have a table.
+
+        Args:
+            rows: int64 [B] the requests' rows in :attr:`table_array`.
+            num_tokens: int64 [B] ``num_computed_tokens + num_new_tokens`` of each.
+        Returns:
+            int64 indices into the batch of the requests for which ``allocate_slots`` (no
+            lookahead) would change anything: a new block, or a newly full block to
+            register in the prefix cache. For every other request it would return ``[]``
+            and change nothing, so the caller may skip the call.
+        """
+        arr = self.table_array
+        busy = num_tokens > arr.lens[rows] * self.block_size
+        if self.enable_prefix_caching:
+            busy |= num_tokens // self.block_size > arr.marks[rows]
+        return np.flatnonzero(busy)
 
     def get_block_table(self, request_id: str) -> list[int]:
         return self._tables.get(request_id, [])
