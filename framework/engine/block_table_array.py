@@ -65,6 +65,18 @@ class BlockTableArray:
             self.table[row, lo:hi] = blocks
         self.lens[row] = hi
 
+    def append_one(self, rows: np.ndarray, blocks: list[int]) -> None:
+        """Add one block at the end of each of the given (distinct, in use) rows.
+
+        Args:
+            rows: int64 [K] rows; blocks: K block ids, in the same order.
+        """
+        lens = self.lens[rows]
+        if int(lens.max()) >= self.table.shape[1]:
+            self._widen(int(lens.max()) + 1)
+        self.table[rows, lens] = blocks
+        self.lens[rows] = lens + 1
+
     def release(self, request_id: str) -> None:
         """Forget ``request_id``'s row (no-op when it has none)."""
         row = self.row_of.pop(request_id, None)

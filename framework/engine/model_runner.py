@@ -85,7 +85,7 @@ class ModelRunner:
         spec = out.spec_token_ids
         if (self._decode_inputs is not None and reqs and not spec and len(nst) == len(reqs)
                 and sum(nst.values()) == len(reqs)):  # one token each (every count is >= 1)
-            fast = self._decode_inputs.build(reqs, prev_rows)
+            fast = self._decode_inputs.build(reqs, prev_rows, out.decode_batch)
             if fast is not None:
                 return fast
         get_table = self.allocator.get_block_table

@@ -12,17 +12,15 @@ import hashlib
 from array import array
 
 BlockHash = bytes
+_NO_PARENT = b"\0" * 16
 
 
 def hash_block(parent: BlockHash | None, token_ids: list[int], extra: bytes = b"") -> BlockHash:
     """Hash of one full block: parent digest (None for the first block), its
     ``block_size`` token ids, and extra keys (cache salt; adapter ids later)."""
-    h = hashlib.blake2b(digest_size=16)
-    h.update(parent or b"\0" * 16)
-    h.update(array("q", token_ids).tobytes())
-    if extra:
-        h.update(extra)
-    return h.digest()
+    # one call over the concatenation: the same digest as updating piece by piece, cheaper
+    return hashlib.blake2b(b"".join((parent or _NO_PARENT, array("q", token_ids).tobytes(), extra)),
+                           digest_size=16).digest()
 
 
 def extend_hashes(hashes: list[BlockHash], token_ids_of, num_tokens: int, block_size: int,
@@ -35,7 +33,10 @@ def extend_hashes(hashes: list[BlockHash], token_ids_of, num_tokens: int, block_
         num_tokens: tokens known now; only blocks fully inside are hashed.
         salt: extra key mixed into the first block (and so into the whole chain).
     """
-    for b in range(len(hashes), num_tokens // block_size):
-        parent = hashes[-1] if hashes else None
-        hashes.append(hash_block(parent, token_ids_of(b * block_size, (b + 1) * block_size),
-                                 salt if b == 0 else b""))
+    first = len(hashes)
+    parent = hashes[-1] if first else _NO_PARENT
+    for b in range(first, num_tokens // block_size):
+        # hash_block inlined (this runs for every block that fills, every step)
+        toks = array("q", token_ids_of(b * block_size, (b + 1) * block_size)).tobytes()
+        parent = hashlib.blake2b(b"".join((parent, toks, salt if b == 0 else b"")), digest_size=16).digest()
+        hashes.append(parent)

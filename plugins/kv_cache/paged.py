@@ -59,7 +59,8 @@ class PagedAllocator(KVAllocator):
     # -- prefix cache -----------------------------------------------------------------
     def _hashes(self, request) -> list[BlockHash]:
         hs = self._req_hashes.setdefault(request.request_id, [])
-        salt = (getattr(request, "cache_salt", None) or "").encode()
+        # (the salt only enters the first block's hash)
+        salt = b"" if hs else (getattr(request, "cache_salt", None) or "").encode()
         # placeholders (async scheduling) are not hashed until their ids are known
         extend_hashes(hs, request.token_slice, request.num_known_tokens, self.block_size, salt)
         return hs
@@ -131,6 +132,19 @@ class PagedAllocator(KVAllocator):
                 table.append(b)
             self._pending_hits.pop(rid, None)
             self._num_registered[rid] = len(hits)
+        new = self._take_free_blocks(need)
+        table.extend(new)
+        if created:
+            row = self.table_array.set_table(rid, table)  # (may grow the arrays: index after)
+            self.table_array.marks[row] = self._num_registered[rid]
+        elif new:
+            self.table_array.append(rid, new)
+        if self.enable_prefix_caching:
+            self._register_full_blocks(request, table, request.num_computed_tokens + num_new_tokens)
+        return new
+
+    def _take_free_blocks(self, need: int) -> list[int]:
+        """Hand out ``need`` free blocks (the caller checked there are enough), LRU first."""
         new = []
         for _ in range(need):
             b, _ = self._free.popitem(last=False)
@@ -141,15 +155,55 @@ class PagedAllocator(KVAllocator):
                 self.evictions += 1
             self._ref[b] = 1
             new.append(b)
-        table.extend(new)
-        if created:
-            row = self.table_array.set_table(rid, table)  # (may grow the arrays: index after)
-            self.table_array.marks[row] = self._num_registered[rid]
-        elif new:
-            self.table_array.append(rid, new)
-        if self.enable_prefix_caching:
-            self._register_full_blocks(request, table, request.num_computed_tokens + num_new_tokens)
         return new
+
+    def allocate_decodes(self, requests: list, rows: np.ndarray, num_tokens: np.ndarray) -> bool:
+        """``allocate_slots(r, num_tokens[i] - r.num_computed_tokens)`` (no lookahead) for a
+        batch of requests that each have a table covering their computed tokens, with one
+        vectorized check instead of a call per request: only the requests that enter a new
+        block or fill one (about 2 in ``block_size`` per decode step) do any work.
+
+        Args:
+            requests: the batch; rows: int64 [B] their :attr:`table_array` rows;
+            num_tokens: int64 [B] ``num_computed_tokens + num_new_tokens`` of each.
+        Returns:
+            False, with nothing changed, when their new blocks exceed the free blocks
+            (the caller then allocates one request at a time and preempts).
+        """
+        arr = self.table_array
+        bs = self.block_size
+        need = np.maximum(-(-num_tokens // bs) - arr.lens[rows], 0)  # new blocks
+        fill = num_tokens // bs > arr.marks[rows] if self.enable_prefix_caching else None  # blocks to register
+        busy = np.flatnonzero(need > 0 if fill is None else (need > 0) | fill)
+        if not busy.size:
+            return True
+        need = need[busy]
+        total = int(need.sum())
+        if total > len(self._free):
+            return False
+        tables = self._tables
+        if total:
+            # All new blocks first, then the registrations: one request at a time would
+            # interleave them, which differs only when a block evicted here held the hash
+            # a request registers here (then this order keeps that prefix cached).
+            new = self._take_free_blocks(total)
+            enter = busy[need > 0]
+            if total == len(enter):  # the common case: one block each
+                for i, b in zip(enter.tolist(), new):
+                    tables[requests[i].request_id].append(b)
+                arr.append_one(rows[enter], new)
+            else:
+                at = 0
+                for i, n in zip(enter.tolist(), need[need > 0].tolist()):
+                    rid = requests[i].request_id
+                    tables[rid].extend(new[at:at + n])
+                    arr.append(rid, new[at:at + n])
+                    at += n
+        if fill is not None:
+            for i, computed in zip(np.flatnonzero(fill).tolist(), num_tokens[fill].tolist()):
+                req = requests[i]
+                self._register_full_blocks(req, tables[req.request_id], computed)
+        return True
 
     def free(self, request) -> None:
         rid = request.request_id
@@ -188,24 +242,6 @@ class PagedAllocator(KVAllocator):
             self._num_registered[rid] = len(table)
         row = self.table_array.set_table(rid, table)
         self.table_array.marks[row] = self._num_registered.get(rid, 0)
-
-    def decodes_needing_work(self, rows: np.ndarray, num_tokens: np.ndarray) -> np.ndarray:
-        """Vectorized check for a batch of requests that each already have a table.
-
-        Args:
-            rows: int64 [B] the requests' rows in :attr:`table_array`.
-            num_tokens: int64 [B] ``num_computed_tokens + num_new_tokens`` of each.
-        Returns:
-            int64 indices into the batch of the requests for which ``allocate_slots`` (no
-            lookahead) would change anything: a new block, or a newly full block to
-            register in the prefix cache. For every other request it would return ``[]``
-            and change nothing, so the caller may skip the call.
-        """
-        arr = self.table_array
-        busy = num_tokens > arr.lens[rows] * self.block_size
-        if self.enable_prefix_caching:
-            busy |= num_tokens // self.block_size > arr.marks[rows]
-        return np.flatnonzero(busy)
 
     def get_block_table(self, request_id: str) -> list[int]:
         return self._tables.get(request_id, [])

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kvforge.engine.request import Request, RequestStatus, check_stop
 from kvforge.interfaces import KVAllocator, Scheduler, SchedulerContext, SchedulerOutput
+from kvforge_plugins.schedulers.decode_batch import DecodeBatch
 from kvforge_plugins.schedulers.preemption import RecomputePolicy, SwapPolicy
 
 
@@ -54,6 +55,9 @@ class QueueScheduler(Scheduler):
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self.num_recomputed_tokens = 0
+        self._decode_batch = DecodeBatch(allocator)  # vectorized all-decode steps (paged allocator)
+        # every EOS / stop id of a request admitted so far: update's cheap pre-filter of check_stop
+        self._stop_ids: set[int] = set()
 
     # -- policies (override in subclasses) ------------------------------------------------
     def waiting_order(self) -> list[Request]:
@@ -103,6 +107,44 @@ class QueueScheduler(Scheduler):
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        if not (self._decode_batch.available and self._decode_batch.schedule(self.running, self.max_num_batched_tokens,
+                                                                             out)):
+            self._schedule_running(out)
+        budget = self.max_num_batched_tokens - out.total_num_scheduled_tokens
+        # 3) waiting requests; never in a step that preempted (keeps swap-in and swap-out apart).
+        if out.preempted:
+            return out
+        for req in self.waiting_order():
+            if len(self.running) >= self.max_num_seqs or budget <= 0:
+                break
+            fresh = req.num_computed_tokens == 0
+            if fresh:
+                reason = self._never_fits(req) if req.num_preemptions == 0 else None
+                if reason:
+                    self.waiting.remove(req)
+                    self._fail(req, reason, out)
+                    continue
+                cached = self.allocator.get_computed_tokens(req)
+                req.num_computed_tokens = req.num_cached_tokens = cached
+            remaining = req.num_tokens - req.num_computed_tokens
+            n = self._chunk(remaining, budget)
+            if (n < remaining and not self._may_chunk(req)) or self.allocator.allocate_slots(req, n) is None:
+                if fresh:  # forget the prefix-cache hit; it is looked up again next time
+                    req.num_computed_tokens = req.num_cached_tokens = 0
+                break  # keep the order: later requests do not overtake
+            self.waiting.remove(req)
+            self._stop_ids.update(req.eos_token_ids, req.sampling_params.stop_token_ids)
+            self.preemption.on_resume(req, self.allocator, out)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append(req)
+            out.num_scheduled_tokens[req.request_id] = n
+            budget -= n
+            out.decode_batch = None  # no longer a step of decodes only
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput) -> None:
+        """Steps 1) and 2), one request at a time (the general path)."""
         budget = self.max_num_batched_tokens
         # 1) + 2): running decodes first, then running prefills (chunks).
         # (lengths inline, not through properties: this runs for every running request)
@@ -141,36 +183,6 @@ class QueueScheduler(Scheduler):
             out.scheduled.append(req)
             out.num_scheduled_tokens[req.request_id] = n
             budget -= n
-        budget = self.max_num_batched_tokens - out.total_num_scheduled_tokens
-        # 3) waiting requests; never in a step that preempted (keeps swap-in and swap-out apart).
-        if out.preempted:
-            return out
-        for req in self.waiting_order():
-            if len(self.running) >= self.max_num_seqs or budget <= 0:
-                break
-            fresh = req.num_computed_tokens == 0
-            if fresh:
-                reason = self._never_fits(req) if req.num_preemptions == 0 else None
-                if reason:
-                    self.waiting.remove(req)
-                    self._fail(req, reason, out)
-                    continue
-                cached = self.allocator.get_computed_tokens(req)
-                req.num_computed_tokens = req.num_cached_tokens = cached
-            remaining = req.num_tokens - req.num_computed_tokens
-            n = self._chunk(remaining, budget)
-            if (n < remaining and not self._may_chunk(req)) or self.allocator.allocate_slots(req, n) is None:
-                if fresh:  # forget the prefix-cache hit; it is looked up again next time
-                    req.num_computed_tokens = req.num_cached_tokens = 0
-                break  # keep the order: later requests do not overtake
-            self.waiting.remove(req)
-            self.preemption.on_resume(req, self.allocator, out)
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            out.scheduled.append(req)
-            out.num_scheduled_tokens[req.request_id] = n
-            budget -= n
-        return out
 
     def _may_chunk(self, req: Request) -> bool:
         # A non-chunking scheduler never splits a prompt, but a preempted request's
@@ -191,7 +203,9 @@ class QueueScheduler(Scheduler):
         spec = output.spec_token_ids
         counts = output.num_scheduled_tokens
         running = RequestStatus.RUNNING
-        for req in output.scheduled:
+        if not spec:
+            self._update_plain(output.scheduled, counts, sampled, finished, output.decode_batch is not None)
+        for req in (output.scheduled if spec else ()):
             if req.status is not running and req.is_finished:
                 continue
             rid = req.request_id
@@ -215,6 +229,64 @@ class QueueScheduler(Scheduler):
         for fn in output.on_step_done:
             fn()
         return finished
+
+    def _update_plain(self, scheduled: list[Request], counts: dict[str, int], sampled: dict[str, list[int]],
+                      finished: list[Request], decodes_only: bool) -> None:
+        """``update`` of a step without drafts: the same effects, with ``check_stop`` called
+        only for a token that could stop the request (a listed stop id, a length limit),
+        since this runs for every request every step."""
+        get = sampled.get
+        stop_ids = self._stop_ids
+        max_model_len = self.max_model_len
+        running = RequestStatus.RUNNING
+        if decodes_only:  # one token each, no drafts (checked when scheduled): the leanest loop
+            for req in scheduled:
+                if req.status is not running and req.is_finished:
+                    continue
+                req.num_computed_tokens += 1
+                toks = get(req.request_id)
+                if not toks:
+                    continue
+                out = req.output_token_ids
+                if len(toks) == 1:
+                    tok = toks[0]
+                    out.append(tok)
+                    n = len(out)
+                    if tok in stop_ids or n >= req.max_tokens or n + len(req.prompt_token_ids) >= max_model_len:
+                        status = check_stop(req, max_model_len)
+                        if status is not None:
+                            self._finish(req, status)
+                            finished.append(req)
+                else:
+                    self._append_tokens(req, toks, finished)
+            return
+        for req in scheduled:
+            if req.status is not running and req.is_finished:
+                continue
+            rid = req.request_id
+            req.num_computed_tokens += counts[rid]
+            if req.spec_token_ids:
+                req.spec_token_ids = []
+            toks = get(rid)
+            if toks:
+                self._append_tokens(req, toks, finished)
+
+    def _append_tokens(self, req: Request, toks: list[int], finished: list[Request]) -> None:
+        """Append ``toks`` to ``req`` one by one with the stop checks; the rest of ``toks``
+        after a stop is dropped."""
+        stop_ids = self._stop_ids
+        max_model_len = self.max_model_len
+        out = req.output_token_ids
+        for tok in toks:
+            out.append(tok)
+            n = len(out)
+            # check_stop can only stop on a listed id or a length limit: test those first
+            if tok in stop_ids or n >= req.max_tokens or n + len(req.prompt_token_ids) >= max_model_len:
+                status = check_stop(req, max_model_len)
+                if status is not None:
+                    self._finish(req, status)
+                    finished.append(req)
+                    break
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
         done = []
