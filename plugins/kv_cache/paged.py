@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict
 from kvforge import hookimpl
 from kvforge.engine.block_table_array import BlockTableArray
 from kvforge.interfaces import KVAllocator
-from kvforge_plugins.kv_cache.block_hash import BlockHash, extend_hashes
+from kvforge_plugins.kv_cache.block_hash import BlockHash, extend_hashes, hash_block
 
 KVFORGE_HOOK_API = "1"
 
@@ -199,11 +199,44 @@ class PagedAllocator(KVAllocator):
                     tables[rid].extend(new[at:at + n])
                     arr.append(rid, new[at:at + n])
                     at += n
-        if fill is not None:
-            for i, computed in zip(np.flatnonzero(fill).tolist(), num_tokens[fill].tolist()):
-                req = requests[i]
-                self._register_full_blocks(req, tables[req.request_id], computed)
+        if fill is not None and fill.any():
+            self._register_filled(requests, np.flatnonzero(fill), num_tokens[fill], rows)
         return True
+
+    def _register_filled(self, requests: list, idx: np.ndarray, num_tokens: np.ndarray, rows: np.ndarray) -> None:
+        """``_register_full_blocks`` for ``requests[i]`` (i in ``idx``, int64 [K]) holding
+        ``num_tokens`` (int64 [K]) tokens, inlined for the usual decode case: exactly one
+        block filled, the hashes of the earlier ones known, no placeholder, not the first
+        block (its hash takes the salt). Anything else goes through the general method."""
+        bs = self.block_size
+        tables = self._tables
+        hashes_of = self._req_hashes
+        registered = self._num_registered
+        block_hash = self._block_hash
+        cached = self._cached
+        for i, computed in zip(idx.tolist(), num_tokens.tolist()):
+            req = requests[i]
+            rid = req.request_id
+            table = tables[rid]
+            full = computed // bs
+            start = registered[rid]
+            hs = hashes_of.get(rid)
+            if full != start + 1 or not start or hs is None or len(hs) != start or req.num_pending_tokens \
+                    or full > len(table):
+                self._register_full_blocks(req, table, computed)
+                continue
+            lo = start * bs - len(req.prompt_token_ids)
+            toks = req.output_token_ids[lo:lo + bs] if lo >= 0 else req.token_slice(start * bs, full * bs)
+            h = hash_block(hs[-1], toks)
+            hs.append(h)
+            b = table[start]
+            if block_hash[b] is None and h not in cached:
+                block_hash[b] = h
+                cached[h] = b
+            registered[rid] = full
+        sel = rows[idx]
+        self.table_array.marks[sel] = np.fromiter([registered[requests[i].request_id] for i in idx.tolist()],
+                                                  dtype=np.int64, count=len(sel))
 
     def free(self, request) -> None:
         rid = request.request_id

@@ -55,7 +55,7 @@ class QueueScheduler(Scheduler):
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self.num_recomputed_tokens = 0
-        self._decode_batch = DecodeBatch(allocator)  # vectorized all-decode steps (paged allocator)
+        self._decode_batch = DecodeBatch(allocator, max_model_len)  # vectorized all-decode steps (paged allocator)
         # every EOS / stop id of a request admitted so far: update's cheap pre-filter of check_stop
         self._stop_ids: set[int] = set()
 
@@ -203,8 +203,15 @@ class QueueScheduler(Scheduler):
         spec = output.spec_token_ids
         counts = output.num_scheduled_tokens
         running = RequestStatus.RUNNING
-        if not spec:
-            self._update_plain(output.scheduled, counts, sampled, finished, output.decode_batch is not None)
+        maybe = self._decode_batch.update(output, sampled, self._stop_ids) if not spec else None
+        if maybe is not None:  # tokens appended; only these may stop
+            for req in maybe:
+                status = check_stop(req, self.max_model_len)
+                if status is not None:
+                    self._finish(req, status)
+                    finished.append(req)
+        elif not spec:
+            self._update_plain(output.scheduled, counts, sampled, finished)
         for req in (output.scheduled if spec else ()):
             if req.status is not running and req.is_finished:
                 continue
@@ -231,7 +238,7 @@ class QueueScheduler(Scheduler):
         return finished
 
     def _update_plain(self, scheduled: list[Request], counts: dict[str, int], sampled: dict[str, list[int]],
-                      finished: list[Request], decodes_only: bool) -> None:
+                      finished: list[Request]) -> None:
         """``update`` of a step without drafts: the same effects, with ``check_stop`` called
         only for a token that could stop the request (a listed stop id, a length limit),
         since this runs for every request every step."""
@@ -239,27 +246,6 @@ class QueueScheduler(Scheduler):
         stop_ids = self._stop_ids
         max_model_len = self.max_model_len
         running = RequestStatus.RUNNING
-        if decodes_only:  # one token each, no drafts (checked when scheduled): the leanest loop
-            for req in scheduled:
-                if req.status is not running and req.is_finished:
-                    continue
-                req.num_computed_tokens += 1
-                toks = get(req.request_id)
-                if not toks:
-                    continue
-                out = req.output_token_ids
-                if len(toks) == 1:
-                    tok = toks[0]
-                    out.append(tok)
-                    n = len(out)
-                    if tok in stop_ids or n >= req.max_tokens or n + len(req.prompt_token_ids) >= max_model_len:
-                        status = check_stop(req, max_model_len)
-                        if status is not None:
-                            self._finish(req, status)
-                            finished.append(req)
-                else:
-                    self._append_tokens(req, toks, finished)
-            return
         for req in scheduled:
             if req.status is not running and req.is_finished:
                 continue
@@ -268,25 +254,18 @@ class QueueScheduler(Scheduler):
             if req.spec_token_ids:
                 req.spec_token_ids = []
             toks = get(rid)
-            if toks:
-                self._append_tokens(req, toks, finished)
-
-    def _append_tokens(self, req: Request, toks: list[int], finished: list[Request]) -> None:
-        """Append ``toks`` to ``req`` one by one with the stop checks; the rest of ``toks``
-        after a stop is dropped."""
-        stop_ids = self._stop_ids
-        max_model_len = self.max_model_len
-        out = req.output_token_ids
-        for tok in toks:
-            out.append(tok)
-            n = len(out)
-            # check_stop can only stop on a listed id or a length limit: test those first
-            if tok in stop_ids or n >= req.max_tokens or n + len(req.prompt_token_ids) >= max_model_len:
-                status = check_stop(req, max_model_len)
-                if status is not None:
-                    self._finish(req, status)
-                    finished.append(req)
-                    break
+            if not toks:
+                continue
+            out = req.output_token_ids
+            for tok in toks:
+                out.append(tok)
+                n = len(out)
+                if tok in stop_ids or n >= req.max_tokens or n + len(req.prompt_token_ids) >= max_model_len:
+                    status = check_stop(req, max_model_len)
+                    if status is not None:
+                        self._finish(req, status)
+                        finished.append(req)
+                        break
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
         done = []

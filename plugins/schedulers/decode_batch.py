@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvforge.engine.request import Request
+from kvforge.engine.request import Request, RequestStatus
 from kvforge.interfaces import KVAllocator, SchedulerOutput
 
 
@@ -25,8 +25,9 @@ class DecodeBatch:
     no table row changed owner (``BlockTableArray.epoch``).
     """
 
-    def __init__(self, allocator: KVAllocator) -> None:
+    def __init__(self, allocator: KVAllocator, max_model_len: int) -> None:
         self.allocator = allocator
+        self.max_model_len = max_model_len
         self.tables = getattr(allocator, "table_array", None)
         self.allocate = getattr(allocator, "allocate_decodes", None)
         self._reqs: list[Request] = []
@@ -34,6 +35,7 @@ class DecodeBatch:
         self._rows = np.zeros(0, dtype=np.int64)
         self._expected_shape = np.zeros(0, dtype=np.int64)
         self._counts: dict[str, int] = {}
+        self._limits = np.zeros(0, dtype=np.int64)
 
     @property
     def available(self) -> bool:
@@ -56,6 +58,10 @@ class DecodeBatch:
             # len(output) - computed of a plain decode: 1 - len(prompt)
             self._expected_shape = 1 - np.fromiter([len(r.prompt_token_ids) for r in running], dtype=np.int64, count=b)
             self._counts = dict.fromkeys([r.request_id for r in running], 1)
+            # tokens (prompt + output) at which check_stop's length limits end each request
+            self._limits = np.minimum(
+                np.fromiter([r.max_tokens for r in running], dtype=np.int64, count=b) + 1 - self._expected_shape,
+                self.max_model_len)
         # (list comprehensions: the cheapest way to read one attribute of every request)
         computed_list = [r.num_computed_tokens for r in running]
         computed = np.fromiter(computed_list, dtype=np.int64, count=b)
@@ -71,3 +77,34 @@ class DecodeBatch:
         out.num_scheduled_tokens.update(self._counts)
         out.decode_batch = (self._rows, computed)
         return True
+
+    def update(self, out: SchedulerOutput, sampled: dict[str, list[int]], stop_ids: set[int]) -> list[Request] | None:
+        """The token-appending part of ``update`` for a step this batch scheduled (``out``),
+        when every request is still running and got exactly one token: advances each by
+        one computed token and appends its token, a pass at a time.
+
+        Returns:
+            the requests (in batch order) whose new token may stop them (a token in
+            ``stop_ids``, or a length limit reached), for the caller's exact ``check_stop``;
+            or None, with nothing changed, when the step is not such a step.
+        """
+        hint = out.decode_batch
+        if hint is None or hint[0] is not self._rows:
+            return None
+        reqs = out.scheduled
+        get = sampled.get
+        running = RequestStatus.RUNNING
+        # (a request finished after scheduling, e.g. aborted, reads as None here)
+        toks = [get(r.request_id) if r.status is running else None for r in reqs]
+        try:
+            flat = [t for (t,) in toks]  # exactly one token each
+        except (TypeError, ValueError):
+            return None
+        for r, t in zip(reqs, flat):
+            r.num_computed_tokens += 1
+            r.output_token_ids.append(t)
+        # after this step a request holds computed + 2 tokens (computed as scheduled)
+        maybe = np.flatnonzero(hint[1] + 2 >= self._limits).tolist()
+        if not stop_ids.isdisjoint(flat):
+            maybe = sorted(set(maybe).union(i for i, t in enumerate(flat) if t in stop_ids))
+        return [reqs[i] for i in maybe]
