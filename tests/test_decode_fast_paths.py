@@ -29,7 +29,7 @@ def _build(registry, fast: bool, num_blocks: int):
     backend = registry.get("attention", "torch_ref").factory(None)
     runner = ModelRunner(None, backend, alloc, [], torch.device("cpu"))
     if not fast:
-        sched._decode_batch.allocate = None  # DecodeBatch.available -> False
+        sched._decode_batch.available = False
         runner._decode_inputs = None
     return sched, alloc, runner
 

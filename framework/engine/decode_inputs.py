@@ -45,7 +45,7 @@ class DecodeInputBuilder:
         decodes with table rows (the caller then takes the general path)."""
         b = len(reqs)
         if decode_batch is not None and len(decode_batch[0]) == b:
-            rows, ctx = decode_batch
+            rows, ctx, ctx_list = decode_batch
             # (list comprehensions: the cheapest way to read an attribute of every request)
             ids = np.fromiter([(r.output_token_ids or r.prompt_token_ids)[-1] for r in reqs], dtype=np.int64, count=b)
         else:
@@ -67,6 +67,7 @@ class DecodeInputBuilder:
             if not np.array_equal(self._prompt_lens + num_out - 1, ctx) or not num_out.all():
                 return None
             ids = np.fromiter([o[-1] for o in outs], dtype=np.int64, count=b)
+            ctx_list = ctx.tolist()
         if len(self._qsl) != b + 1:
             self._qsl = list(range(b + 1))
         tables = self.tables
@@ -80,7 +81,7 @@ class DecodeInputBuilder:
             extra += [ph.astype(np.int64), np.asarray([prev_rows[reqs[i].request_id] for i in ph.tolist()],
                                                       dtype=np.int64)]
         qsl = np.arange(b + 1, dtype=np.int64)
-        pos, inputs, dev = pack_attention_inputs(ctx, qsl, ctx, ctx + 1, table, slots, 1, [1] * b, ctx.tolist(),
+        pos, inputs, dev = pack_attention_inputs(ctx, qsl, ctx, ctx + 1, table, slots, 1, [1] * b, list(ctx_list),
                                                  bs, self.device, tuple(extra))
         placeholders = (dev[2], dev[3]) if ph.size else None
         return dev[0], pos, inputs, self._qsl, dev[1], b, list(reqs), placeholders

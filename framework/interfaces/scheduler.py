@@ -37,10 +37,11 @@ class SchedulerOutput:
             ``KVAllocator.free_tail``. Set by the scheduler from ``request.spec_token_ids``
             (possibly trimmed to fit the token budget or free blocks).
         decode_batch: optional, for a step of plain decodes only (every scheduled request
-            computes its last token, no drafts): ``(rows, num_computed)``, int64 [B] each,
-            the requests' rows in the allocator's ``table_array`` and their
-            ``num_computed_tokens`` at scheduling time, so the model runner need not read
-            them again. Built-in schedulers set it; None (the default) means unknown.
+            computes its last token, no drafts): ``(rows, num_computed, num_computed_list)``:
+            the requests' rows in the allocator's ``table_array`` (int64 [B]) and their
+            ``num_computed_tokens`` at scheduling time (int64 [B], and as a list), so the
+            model runner need not read them again; nothing may change them before the step
+            runs. Built-in schedulers set it; None (the default) means unknown.
     """
 
     scheduled: list["Request"] = field(default_factory=list)

@@ -206,37 +206,37 @@ class PagedAllocator(KVAllocator):
     def _register_filled(self, requests: list, idx: np.ndarray, num_tokens: np.ndarray, rows: np.ndarray) -> None:
         """``_register_full_blocks`` for ``requests[i]`` (i in ``idx``, int64 [K]) holding
         ``num_tokens`` (int64 [K]) tokens, inlined for the usual decode case: exactly one
-        block filled, the hashes of the earlier ones known, no placeholder, not the first
-        block (its hash takes the salt). Anything else goes through the general method."""
+        block filled, not the first (its hash takes the salt), the earlier blocks' hashes
+        known and no placeholder. Anything else goes through the general method."""
         bs = self.block_size
+        marks = self.table_array.marks
+        start = marks[rows[idx]]  # = _num_registered
+        one = ((num_tokens // bs == start + 1) & (start > 0)).tolist()
         tables = self._tables
         hashes_of = self._req_hashes
         registered = self._num_registered
         block_hash = self._block_hash
         cached = self._cached
-        for i, computed in zip(idx.tolist(), num_tokens.tolist()):
+        done = []  # positions in idx registered inline (their marks are set at the end)
+        for k, (i, first, computed, inline) in enumerate(zip(idx.tolist(), start.tolist(), num_tokens.tolist(), one)):
             req = requests[i]
             rid = req.request_id
-            table = tables[rid]
-            full = computed // bs
-            start = registered[rid]
             hs = hashes_of.get(rid)
-            if full != start + 1 or not start or hs is None or len(hs) != start or req.num_pending_tokens \
-                    or full > len(table):
-                self._register_full_blocks(req, table, computed)
+            if not inline or hs is None or len(hs) != first or req.num_pending_tokens:
+                self._register_full_blocks(req, tables[rid], computed)
                 continue
-            lo = start * bs - len(req.prompt_token_ids)
-            toks = req.output_token_ids[lo:lo + bs] if lo >= 0 else req.token_slice(start * bs, full * bs)
+            lo = first * bs - len(req.prompt_token_ids)
+            toks = req.output_token_ids[lo:lo + bs] if lo >= 0 else req.token_slice(first * bs, first * bs + bs)
             h = hash_block(hs[-1], toks)
             hs.append(h)
-            b = table[start]
+            b = tables[rid][first]
             if block_hash[b] is None and h not in cached:
                 block_hash[b] = h
                 cached[h] = b
-            registered[rid] = full
-        sel = rows[idx]
-        self.table_array.marks[sel] = np.fromiter([registered[requests[i].request_id] for i in idx.tolist()],
-                                                  dtype=np.int64, count=len(sel))
+            registered[rid] = first + 1
+            done.append(k)
+        if done:
+            marks[rows[idx[done]]] = start[done] + 1
 
     def free(self, request) -> None:
         rid = request.request_id

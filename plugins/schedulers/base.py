@@ -107,10 +107,11 @@ class QueueScheduler(Scheduler):
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        if not (self._decode_batch.available and self._decode_batch.schedule(self.running, self.max_num_batched_tokens,
-                                                                             out)):
+        if self._decode_batch.available and self._decode_batch.schedule(self.running, self.max_num_batched_tokens, out):
+            budget = self.max_num_batched_tokens - len(out.scheduled)  # one token each
+        else:
             self._schedule_running(out)
-        budget = self.max_num_batched_tokens - out.total_num_scheduled_tokens
+            budget = self.max_num_batched_tokens - out.total_num_scheduled_tokens
         # 3) waiting requests; never in a step that preempted (keeps swap-in and swap-out apart).
         if out.preempted:
             return out

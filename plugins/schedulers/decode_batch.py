@@ -29,17 +29,13 @@ class DecodeBatch:
         self.allocator = allocator
         self.max_model_len = max_model_len
         self.tables = getattr(allocator, "table_array", None)
-        self.allocate = getattr(allocator, "allocate_decodes", None)
+        self.available = self.tables is not None and hasattr(allocator, "allocate_decodes")
         self._reqs: list[Request] = []
         self._epoch = -1
         self._rows = np.zeros(0, dtype=np.int64)
         self._expected_shape = np.zeros(0, dtype=np.int64)
         self._counts: dict[str, int] = {}
         self._limits = np.zeros(0, dtype=np.int64)
-
-    @property
-    def available(self) -> bool:
-        return self.tables is not None and self.allocate is not None
 
     def schedule(self, running: list[Request], budget: int, out: SchedulerOutput) -> bool:
         """Schedule one token for each of ``running`` into ``out`` when all are plain
@@ -71,11 +67,11 @@ class DecodeBatch:
                              for r in running], dtype=np.int64, count=b)
         if not np.array_equal(shape, self._expected_shape):
             return False
-        if not self.allocate(running, self._rows, computed + 1):
+        if not self.allocator.allocate_decodes(running, self._rows, computed + 1):
             return False  # short of blocks: the general loop allocates one by one and preempts
         out.scheduled.extend(running)
-        out.num_scheduled_tokens.update(self._counts)
-        out.decode_batch = (self._rows, computed)
+        out.num_scheduled_tokens = self._counts.copy()
+        out.decode_batch = (self._rows, computed, computed_list)
         return True
 
     def update(self, out: SchedulerOutput, sampled: dict[str, list[int]], stop_ids: set[int]) -> list[Request] | None:
