@@ -56,7 +56,8 @@ class QueueScheduler(Scheduler):
         self.num_preemptions = 0
         self.num_recomputed_tokens = 0
         self._decode_batch = DecodeBatch(allocator, max_model_len)  # vectorized all-decode steps (paged allocator)
-        # every EOS / stop id of a request admitted so far: update's cheap pre-filter of check_stop
+        # every EOS / stop id of a request added or admitted so far: update's cheap pre-filter
+        # of check_stop (a superset is fine: check_stop decides)
         self._stop_ids: set[int] = set()
 
     # -- policies (override in subclasses) ------------------------------------------------
@@ -72,6 +73,7 @@ class QueueScheduler(Scheduler):
     def add_request(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
+        self._stop_ids.update(request.eos_token_ids, request.sampling_params.stop_token_ids)
         self.waiting.append(request)
 
     def has_unfinished_requests(self) -> bool:
@@ -134,7 +136,7 @@ class QueueScheduler(Scheduler):
                     req.num_computed_tokens = req.num_cached_tokens = 0
                 break  # keep the order: later requests do not overtake
             self.waiting.remove(req)
-            self._stop_ids.update(req.eos_token_ids, req.sampling_params.stop_token_ids)
+            self._stop_ids.update(req.eos_token_ids, req.sampling_params.stop_token_ids)  # (also in add_request)
             self.preemption.on_resume(req, self.allocator, out)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
