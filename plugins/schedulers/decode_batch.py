@@ -36,6 +36,7 @@ class DecodeBatch:
         self._expected_shape = np.zeros(0, dtype=np.int64)
         self._counts: dict[str, int] = {}
         self._limits = np.zeros(0, dtype=np.int64)
+        self._blocker: Request | None = None
 
     def schedule(self, running: list[Request], budget: int, out: SchedulerOutput) -> bool:
         """Schedule one token for each of ``running`` into ``out`` when all are plain
@@ -44,6 +45,13 @@ class DecodeBatch:
         b = len(running)
         if not b or b > budget:
             return False
+        blocker = self._blocker
+        if blocker is not None:  # the request that spoiled the last try: O(1) re-check first
+            if blocker.status is RequestStatus.RUNNING and (blocker.spec_token_ids or len(blocker.prompt_token_ids)
+                                                           + len(blocker.output_token_ids)
+                                                           - blocker.num_computed_tokens != 1):
+                return False
+            self._blocker = None
         tables = self.tables
         if tables.epoch != self._epoch or running != self._reqs:
             try:
@@ -66,6 +74,8 @@ class DecodeBatch:
         shape = np.fromiter([len(r.output_token_ids) - r.num_computed_tokens + (len(r.spec_token_ids) << 32)
                              for r in running], dtype=np.int64, count=b)
         if not np.array_equal(shape, self._expected_shape):
+            # a prefill chunk or drafts: likely still there next step (mixed steps skip the gathers)
+            self._blocker = running[int(np.flatnonzero(shape != self._expected_shape)[0])]
             return False
         if not self.allocator.allocate_decodes(running, self._rows, computed + 1):
             return False  # short of blocks: the general loop allocates one by one and preempts
