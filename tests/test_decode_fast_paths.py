@@ -77,6 +77,10 @@ def test_fast_paths_match_general_paths(seed):
             assert ma == mb, step
             for x, y in zip(ta, tb):
                 assert x.dtype == y.dtype and torch.equal(x, y), step
+        if a.scheduled and rng.random() < 0.1:  # ended between schedule and update (abort, stop string)
+            victim = rng.choice(a.scheduled).request_id
+            for sched, _, _ in engines:
+                sched.finish_requests([victim], RequestStatus.FINISHED_ABORTED)
         toks = [rng.choice((2, 5, 6, 7, 8)) if rng.random() < 0.1 else rng.randrange(5, 50) for _ in a.scheduled]
         done = []
         for (sched, _, _), so in zip(engines, outs):

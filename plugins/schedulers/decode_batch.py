@@ -34,6 +34,7 @@ class DecodeBatch:
         self._epoch = -1
         self._rows = np.zeros(0, dtype=np.int64)
         self._expected_shape = np.zeros(0, dtype=np.int64)
+        self._rids: list[str] = []
         self._counts: dict[str, int] = {}
         self._limits = np.zeros(0, dtype=np.int64)
         self._blocker: Request | None = None
@@ -61,7 +62,8 @@ class DecodeBatch:
             self._reqs, self._epoch, self._rows = list(running), tables.epoch, rows
             # len(output) - computed of a plain decode: 1 - len(prompt)
             self._expected_shape = 1 - np.fromiter([len(r.prompt_token_ids) for r in running], dtype=np.int64, count=b)
-            self._counts = dict.fromkeys([r.request_id for r in running], 1)
+            self._rids = [r.request_id for r in running]
+            self._counts = dict.fromkeys(self._rids, 1)
             # tokens (prompt + output) at which check_stop's length limits end each request
             self._limits = np.minimum(
                 np.fromiter([r.max_tokens for r in running], dtype=np.int64, count=b) + 1 - self._expected_shape,
@@ -71,8 +73,8 @@ class DecodeBatch:
         computed = np.fromiter(computed_list, dtype=np.int64, count=b)
         # a plain decode has prompt + outputs = computed + 1 tokens and no drafts; a request
         # with drafts is pushed off the expected value by its draft count << 32
-        shape = np.fromiter([len(r.output_token_ids) - r.num_computed_tokens + (len(r.spec_token_ids) << 32)
-                             for r in running], dtype=np.int64, count=b)
+        shape = np.fromiter([len(r.output_token_ids) + (len(r.spec_token_ids) << 32) for r in running],
+                            dtype=np.int64, count=b) - computed
         if not np.array_equal(shape, self._expected_shape):
             # a prefill chunk or drafts: likely still there next step (mixed steps skip the gathers)
             self._blocker = running[int(np.flatnonzero(shape != self._expected_shape)[0])]
@@ -98,10 +100,15 @@ class DecodeBatch:
         if hint is None or hint[0] is not self._rows:
             return None
         reqs = out.scheduled
-        get = sampled.get
         running = RequestStatus.RUNNING
-        # (a request finished after scheduling, e.g. aborted, reads as None here)
-        toks = [get(r.request_id) if r.status is running else None for r in reqs]
+        if len(sampled) == len(reqs) and list(sampled) == self._rids:  # the sampler's usual order
+            toks = list(sampled.values())
+            if [r.status for r in reqs].count(running) != len(reqs):
+                return None  # one was finished after scheduling (abort, stop string)
+        else:
+            get = sampled.get
+            # (a request finished after scheduling reads as None here)
+            toks = [get(r.request_id) if r.status is running else None for r in reqs]
         try:
             flat = [t for (t,) in toks]  # exactly one token each
         except (TypeError, ValueError):
