@@ -203,24 +203,33 @@ class QueueScheduler(Scheduler):
 
     def update(self, output: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
         finished: list[Request] = []
-        spec = output.spec_token_ids
-        counts = output.num_scheduled_tokens
-        running = RequestStatus.RUNNING
-        maybe = self._decode_batch.update(output, sampled, self._stop_ids) if not spec else None
-        if maybe is not None:  # tokens appended; only these may stop
-            for req in maybe:
+        if not output.spec_token_ids:
+            maybe = self._decode_batch.update(output, sampled, self._stop_ids)
+            if maybe is None:
+                self._update_plain(output.scheduled, output.num_scheduled_tokens, sampled, finished)
+            for req in maybe or ():  # tokens appended already; only these may stop
                 status = check_stop(req, self.max_model_len)
                 if status is not None:
                     self._finish(req, status)
                     finished.append(req)
-        elif not spec:
-            self._update_plain(output.scheduled, counts, sampled, finished)
-        for req in (output.scheduled if spec else ()):
+        else:
+            self._update_speculative(output, sampled, finished)
+        for fn in output.on_step_done:
+            fn()
+        return finished
+
+    def _update_speculative(self, output: SchedulerOutput, sampled: dict[str, list[int]],
+                            finished: list[Request]) -> None:
+        """``update`` of a step verifying drafts (``output.spec_token_ids``)."""
+        spec = output.spec_token_ids
+        counts = output.num_scheduled_tokens
+        running = RequestStatus.RUNNING
+        for req in output.scheduled:
             if req.status is not running and req.is_finished:
                 continue
             rid = req.request_id
             toks = sampled.get(rid, ())
-            drafts = spec.get(rid) if spec else None
+            drafts = spec.get(rid)
             if drafts:  # speculative: the last token plus the accepted drafts now have KV
                 req.num_computed_tokens += counts[rid] - len(drafts) + max(0, len(toks) - 1)
             else:
@@ -236,9 +245,6 @@ class QueueScheduler(Scheduler):
                     break
             if drafts and not req.is_finished:  # roll back the rejected drafts' slots
                 self.allocator.free_tail(req, req.num_computed_tokens)
-        for fn in output.on_step_done:
-            fn()
-        return finished
 
     def _update_plain(self, scheduled: list[Request], counts: dict[str, int], sampled: dict[str, list[int]],
                       finished: list[Request]) -> None:
