@@ -4,8 +4,9 @@ Measures, per engine step with ``--num-requests`` (default 1,024) running decode
 prefix caching on, on ONE CPU core (``torch.set_num_threads(1)``):
 
 * ``schedule`` — ``scheduler.schedule()``, which includes the allocator's ``allocate_slots``;
-* ``allocate`` — the part of ``schedule`` spent in ``allocate_slots`` (a second, instrumented pass;
-  the timer wrapper's own cost per call is measured and subtracted);
+* ``allocate`` — the part of ``schedule`` spent in ``allocate_slots`` and the paged allocator's batch
+  ``allocate_decodes`` (a second, instrumented pass; the timer wrapper's own cost per call is
+  measured and subtracted);
 * ``prepare`` — ``ModelRunner._prepare(so, None)`` (input ids, positions, slot mapping, block table and the
   attention inputs as tensors) plus the backend's ``build_metadata``;
 * ``update`` — ``scheduler.update(so, sampled)`` with one fake token per request (token append,
@@ -147,16 +148,32 @@ def main() -> int:
         finally:
             spent[0] += time.perf_counter() - t
 
+    # the paged allocator's batch call for steps of plain decodes (kv_cache/paged.py)
+    orig_batch = getattr(alloc, "allocate_decodes", None)
+    batch_calls = [0]
+
+    def timed_batch(*a):
+        t = time.perf_counter()
+        try:
+            return orig_batch(*a)
+        finally:
+            spent[0] += time.perf_counter() - t
+            batch_calls[0] += 1
+
     alloc.allocate_slots = timed
+    if orig_batch is not None:
+        alloc.allocate_decodes = timed_batch
     alloc_ms, sched_inst = [], []
     for _ in range(args.steps // 2):
         spent[0] = 0.0
-        calls[0] = 0
+        calls[0] = batch_calls[0] = 0
         s, _, _, _ = one_step(sched, runner, backend)
         alloc_ms.append(spent[0])
         sched_inst.append(s)
-    per_call = calls[0]
+    per_call = calls[0] + batch_calls[0]
     alloc.allocate_slots = orig
+    if orig_batch is not None:
+        alloc.allocate_decodes = orig_batch
     t = time.perf_counter()
     for _ in range(1000):
         timed_noop(None, 1)
@@ -181,7 +198,8 @@ def main() -> int:
     print(f"median ms/step: schedule {statistics.median(sch) * ms:.3f}  prepare {statistics.median(prep) * ms:.3f}  "
           f"update {statistics.median(upd) * ms:.3f}  TOTAL {statistics.median(tot) * ms:.3f}  "
           f"(p90 total {sorted(tot)[int(0.9 * len(tot))] * ms:.3f})")
-    print(f"  of schedule: allocate_slots {(alloc_med - overhead) * ms:.3f} ms ({per_call} calls/step), "
+    print(f"  of schedule: allocation {(alloc_med - overhead) * ms:.3f} ms ({calls[0]} allocate_slots + "
+          f"{batch_calls[0]} allocate_decodes calls/step), "
           f"scheduling logic {(sched_med_inst - alloc_med) * ms:.3f} ms "
           f"(instrumented pass; wrapper cost {overhead * ms:.3f} ms/step subtracted)")
     target = statistics.median(tot) * ms

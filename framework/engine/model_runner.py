@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from kvforge.engine.block_table_array import BlockTableArray
+from kvforge.engine.decode_inputs import DecodeInputBuilder
 from kvforge.engine.request import Request
 from kvforge.engine.step_inputs import build_attention_inputs
 from kvforge.interfaces import AttentionBackend, ForwardMetadata, KVAllocator, Model, SchedulerOutput
@@ -64,6 +66,10 @@ class ModelRunner:
         self.block_size = allocator.block_size
         self.graphs = None  # CudaGraphRunner, set by the engine when CUDA graphs are on
         self.return_hidden_states = False  # set for drafters that need the target's hidden states
+        # vectorized pure-decode inputs when the allocator keeps its tables in arrays
+        tables = getattr(allocator, "table_array", None)
+        self._decode_inputs = (DecodeInputBuilder(tables, self.block_size, device)
+                               if isinstance(tables, BlockTableArray) else None)
 
     def _prepare(self, out: SchedulerOutput, prev_rows: dict[str, int] | None):
         """Flatten the step into input_ids/positions [T], AttentionInputs and the rows to
@@ -77,6 +83,11 @@ class ModelRunner:
         reqs = out.scheduled
         nst = out.num_scheduled_tokens
         spec = out.spec_token_ids
+        if (self._decode_inputs is not None and reqs and not spec and len(nst) == len(reqs)
+                and sum(nst.values()) == len(reqs)):  # one token each (every count is >= 1)
+            fast = self._decode_inputs.build(reqs, prev_rows, out.decode_batch)
+            if fast is not None:
+                return fast
         get_table = self.allocator.get_block_table
         b = len(reqs)
         ids: list[int] = []

@@ -38,7 +38,23 @@ def build_attention_inputs(qlens: np.ndarray, ctx: np.ndarray, flat_tables: np.n
     # a row-major boolean mask visits the entries in the concatenated order of flat_tables
     table[np.arange(width) < table_lens[:, None]] = flat_tables
     slots = table[row, pos // block_size].astype(np.int64) * block_size + pos % block_size
-    seq = ctx + qlens
+    pos_t, inputs, extra_t = pack_attention_inputs(pos, qsl, ctx, ctx + qlens, table, slots, int(qlens.max()),
+                                                   qlens.tolist(), ctx.tolist(), block_size, device, extra)
+    return pos_t, inputs, qsl.tolist(), extra_t
+
+
+def pack_attention_inputs(pos: np.ndarray, qsl: np.ndarray, ctx: np.ndarray, seq: np.ndarray, table: np.ndarray,
+                          slots: np.ndarray, max_query_len: int, query_lens: list[int], context_lens: list[int],
+                          block_size: int, device: torch.device, extra: tuple[np.ndarray, ...] = ()
+                          ) -> tuple[torch.Tensor, AttentionInputs, list[torch.Tensor]]:
+    """Upload a step's index arrays in one copy and wrap them as AttentionInputs.
+
+    Args:
+        pos: int64 [T]; qsl: int64 [B + 1]; ctx, seq: int64 [B] (tokens); table: int32 [B, W];
+        slots: int64 [T]; query_lens / context_lens: the same lengths as Python lists.
+    Returns:
+        positions on ``device``, the AttentionInputs and the ``extra`` arrays as tensors.
+    """
     pos_t, qsl_t, ctx_t, seq_t, table_t, slots_t, *extra_t = upload(
         [pos, qsl.astype(np.int32), ctx.astype(np.int32), seq.astype(np.int32), table, slots, *extra], device)
     inputs = AttentionInputs(
@@ -47,10 +63,10 @@ def build_attention_inputs(qlens: np.ndarray, ctx: np.ndarray, flat_tables: np.n
         seq_lens=seq_t,
         block_table=table_t,
         slot_mapping=slots_t,
-        max_query_len=int(qlens.max()),
+        max_query_len=max_query_len,
         max_seq_len=int(seq.max()),
-        query_lens_cpu=qlens.tolist(),
-        context_lens_cpu=ctx.tolist(),
+        query_lens_cpu=query_lens,
+        context_lens_cpu=context_lens,
         block_size=block_size,
     )
-    return pos_t, inputs, qsl.tolist(), extra_t
+    return pos_t, inputs, extra_t

@@ -36,6 +36,12 @@ class SchedulerOutput:
             (1 + accepted drafts) and the rejected drafts' slots are rolled back with
             ``KVAllocator.free_tail``. Set by the scheduler from ``request.spec_token_ids``
             (possibly trimmed to fit the token budget or free blocks).
+        decode_batch: optional, for a step of plain decodes only (every scheduled request
+            computes its last token, no drafts): ``(rows, num_computed, num_computed_list)``:
+            the requests' rows in the allocator's ``table_array`` (int64 [B]) and their
+            ``num_computed_tokens`` at scheduling time (int64 [B], and as a list), so the
+            model runner need not read them again; nothing may change them before the step
+            runs. Built-in schedulers set it; None (the default) means unknown.
     """
 
     scheduled: list["Request"] = field(default_factory=list)
@@ -46,6 +52,7 @@ class SchedulerOutput:
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     on_step_done: list = field(default_factory=list)
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    decode_batch: tuple | None = None
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -20,7 +20,9 @@ Checks, through the :class:`~kvforge.interfaces.KVAllocator` interface only:
 - async scheduling: a block completed by a placeholder output token joins the prefix
   cache only once the token's id is known (hash ``num_known_tokens`` only);
 - every block drains after aborts and preemptions in a real ``LLMEngine`` (recompute
-  and swap), and the surviving requests' greedy outputs equal the reference's.
+  and swap), and the surviving requests' greedy outputs equal the reference's;
+- the optional vectorized-decode capability (``table_array`` + ``allocate_decodes``),
+  where present, equals ``allocate_slots`` one request at a time.
 """
 from __future__ import annotations
 
@@ -305,6 +307,8 @@ def check_engine_drain_swap(target: Target) -> None:
     _engine_drain(target, swap=True)
 
 
+from kvforge.testing.kv_allocator_decode_batch import check_decode_batch_capability  # noqa: E402 (uses the above)
+
 CHECKS = [check_lifecycle, check_failed_allocation_is_atomic, check_refcounts_and_no_double_allocation,
           check_prefix_cache_integrity, check_placeholder_tokens_are_not_hashed, check_engine_drain_recompute,
-          check_engine_drain_swap]
+          check_engine_drain_swap, check_decode_batch_capability]

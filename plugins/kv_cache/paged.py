@@ -11,11 +11,13 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict
 
 from kvforge import hookimpl
+from kvforge.engine.block_table_array import BlockTableArray
 from kvforge.interfaces import KVAllocator
-from kvforge_plugins.kv_cache.block_hash import BlockHash, extend_hashes
+from kvforge_plugins.kv_cache.block_hash import BlockHash, extend_hashes, hash_block
 
 KVFORGE_HOOK_API = "1"
 
@@ -47,6 +49,9 @@ class PagedAllocator(KVAllocator):
         self._req_hashes: dict[str, list[BlockHash]] = {}
         self._num_registered: dict[str, int] = {}
         self._pending_hits: dict[str, list[int]] = {}
+        # The same tables as rows of an array (marks = _num_registered), kept in step with
+        # _tables on every change, for the vectorized decode paths of the runner/scheduler.
+        self.table_array = BlockTableArray()
         self.queries = 0
         self.hits = 0
         self.evictions = 0
@@ -54,7 +59,8 @@ class PagedAllocator(KVAllocator):
     # -- prefix cache -----------------------------------------------------------------
     def _hashes(self, request) -> list[BlockHash]:
         hs = self._req_hashes.setdefault(request.request_id, [])
-        salt = (getattr(request, "cache_salt", None) or "").encode()
+        # (the salt only enters the first block's hash)
+        salt = b"" if hs else (getattr(request, "cache_salt", None) or "").encode()
         # placeholders (async scheduling) are not hashed until their ids are known
         extend_hashes(hs, request.token_slice, request.num_known_tokens, self.block_size, salt)
         return hs
@@ -93,6 +99,7 @@ class PagedAllocator(KVAllocator):
                 self._block_hash[b] = h
                 self._cached[h] = b
         self._num_registered[request.request_id] = full
+        self.table_array.marks[self.table_array.row_of[request.request_id]] = full
 
     # -- interface --------------------------------------------------------------------
     @property
@@ -115,7 +122,8 @@ class PagedAllocator(KVAllocator):
         reclaimed = sum(1 for b in hits if self._ref[b] == 0)
         if need > len(self._free) - reclaimed:
             return None
-        if table is None:
+        created = table is None
+        if created:
             table = self._tables[rid] = []
             for b in hits:
                 if self._ref[b] == 0:
@@ -124,6 +132,19 @@ class PagedAllocator(KVAllocator):
                 table.append(b)
             self._pending_hits.pop(rid, None)
             self._num_registered[rid] = len(hits)
+        new = self._take_free_blocks(need)
+        table.extend(new)
+        if created:
+            row = self.table_array.set_table(rid, table)  # (may grow the arrays: index after)
+            self.table_array.marks[row] = self._num_registered[rid]
+        elif new:
+            self.table_array.append(rid, new)
+        if self.enable_prefix_caching:
+            self._register_full_blocks(request, table, request.num_computed_tokens + num_new_tokens)
+        return new
+
+    def _take_free_blocks(self, need: int) -> list[int]:
+        """Hand out ``need`` free blocks (the caller checked there are enough), LRU first."""
         new = []
         for _ in range(need):
             b, _ = self._free.popitem(last=False)
@@ -134,10 +155,88 @@ class PagedAllocator(KVAllocator):
                 self.evictions += 1
             self._ref[b] = 1
             new.append(b)
-        table.extend(new)
-        if self.enable_prefix_caching:
-            self._register_full_blocks(request, table, request.num_computed_tokens + num_new_tokens)
         return new
+
+    def allocate_decodes(self, requests: list, rows: np.ndarray, num_tokens: np.ndarray) -> bool:
+        """``allocate_slots(r, num_tokens[i] - r.num_computed_tokens)`` (no lookahead) for a
+        batch of requests that each have a table covering their computed tokens, with one
+        vectorized check instead of a call per request: only the requests that enter a new
+        block or fill one (about 2 in ``block_size`` per decode step) do any work.
+
+        Args:
+            requests: the batch; rows: int64 [B] their :attr:`table_array` rows;
+            num_tokens: int64 [B] ``num_computed_tokens + num_new_tokens`` of each.
+        Returns:
+            False, with nothing changed, when their new blocks exceed the free blocks
+            (the caller then allocates one request at a time and preempts).
+        """
+        arr = self.table_array
+        bs = self.block_size
+        need = np.maximum(-(-num_tokens // bs) - arr.lens[rows], 0)  # new blocks
+        fill = num_tokens // bs > arr.marks[rows] if self.enable_prefix_caching else None  # blocks to register
+        busy = np.flatnonzero(need > 0 if fill is None else (need > 0) | fill)
+        if not busy.size:
+            return True
+        need = need[busy]
+        total = int(need.sum())
+        if total > len(self._free):
+            return False
+        tables = self._tables
+        if total:
+            # All new blocks first, then the registrations: one request at a time would
+            # interleave them, which differs only when a block evicted here held the hash
+            # a request registers here (then this order keeps that prefix cached).
+            new = self._take_free_blocks(total)
+            enter = busy[need > 0]
+            if total == len(enter):  # the common case: one block each
+                for i, b in zip(enter.tolist(), new):
+                    tables[requests[i].request_id].append(b)
+                arr.append_one(rows[enter], new)
+            else:
+                at = 0
+                for i, n in zip(enter.tolist(), need[need > 0].tolist()):
+                    rid = requests[i].request_id
+                    tables[rid].extend(new[at:at + n])
+                    arr.append(rid, new[at:at + n])
+                    at += n
+        if fill is not None and fill.any():
+            self._register_filled(requests, np.flatnonzero(fill), num_tokens[fill], rows)
+        return True
+
+    def _register_filled(self, requests: list, idx: np.ndarray, num_tokens: np.ndarray, rows: np.ndarray) -> None:
+        """``_register_full_blocks`` for ``requests[i]`` (i in ``idx``, int64 [K]) holding
+        ``num_tokens`` (int64 [K]) tokens, inlined for the usual decode case: exactly one
+        block filled, not the first (its hash takes the salt), the earlier blocks' hashes
+        known and no placeholder. Anything else goes through the general method."""
+        bs = self.block_size
+        marks = self.table_array.marks
+        start = marks[rows[idx]]  # = _num_registered
+        one = ((num_tokens // bs == start + 1) & (start > 0)).tolist()
+        tables = self._tables
+        hashes_of = self._req_hashes
+        registered = self._num_registered
+        block_hash = self._block_hash
+        cached = self._cached
+        done = []  # positions in idx registered inline (their marks are set at the end)
+        for k, (i, first, computed, inline) in enumerate(zip(idx.tolist(), start.tolist(), num_tokens.tolist(), one)):
+            req = requests[i]
+            rid = req.request_id
+            hs = hashes_of.get(rid)
+            if not inline or hs is None or len(hs) != first or req.num_pending_tokens:
+                self._register_full_blocks(req, tables[rid], computed)
+                continue
+            lo = first * bs - len(req.prompt_token_ids)
+            toks = req.output_token_ids[lo:lo + bs] if lo >= 0 else req.token_slice(first * bs, first * bs + bs)
+            h = hash_block(hs[-1], toks)
+            hs.append(h)
+            b = tables[rid][first]
+            if block_hash[b] is None and h not in cached:
+                block_hash[b] = h
+                cached[h] = b
+            registered[rid] = first + 1
+            done.append(k)
+        if done:
+            marks[rows[idx[done]]] = start[done] + 1
 
     def free(self, request) -> None:
         rid = request.request_id
@@ -149,6 +248,7 @@ class PagedAllocator(KVAllocator):
         self._pending_hits.pop(rid, None)
         self._req_hashes.pop(rid, None)
         self._num_registered.pop(rid, None)
+        self.table_array.release(rid)
         table = self._tables.pop(rid, None)
         if not table:
             return
@@ -178,6 +278,8 @@ class PagedAllocator(KVAllocator):
         rid = request.request_id
         if self._num_registered.get(rid, 0) > len(table):
             self._num_registered[rid] = len(table)
+        row = self.table_array.set_table(rid, table)
+        self.table_array.marks[row] = self._num_registered.get(rid, 0)
 
     def get_block_table(self, request_id: str) -> list[int]:
         return self._tables.get(request_id, [])

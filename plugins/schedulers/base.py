@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kvforge.engine.request import Request, RequestStatus, check_stop
 from kvforge.interfaces import KVAllocator, Scheduler, SchedulerContext, SchedulerOutput
+from kvforge_plugins.schedulers.decode_batch import DecodeBatch
 from kvforge_plugins.schedulers.preemption import RecomputePolicy, SwapPolicy
 
 
@@ -54,6 +55,10 @@ class QueueScheduler(Scheduler):
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self.num_recomputed_tokens = 0
+        self._decode_batch = DecodeBatch(allocator, max_model_len)  # vectorized all-decode steps (paged allocator)
+        # every EOS / stop id of a request added or admitted so far: update's cheap pre-filter
+        # of check_stop (a superset is fine: check_stop decides)
+        self._stop_ids: set[int] = set()
 
     # -- policies (override in subclasses) ------------------------------------------------
     def waiting_order(self) -> list[Request]:
@@ -68,6 +73,7 @@ class QueueScheduler(Scheduler):
     def add_request(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
+        self._stop_ids.update(request.eos_token_ids, request.sampling_params.stop_token_ids)
         self.waiting.append(request)
 
     def has_unfinished_requests(self) -> bool:
@@ -103,6 +109,45 @@ class QueueScheduler(Scheduler):
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        if self._decode_batch.available and self._decode_batch.schedule(self.running, self.max_num_batched_tokens, out):
+            budget = self.max_num_batched_tokens - len(out.scheduled)  # one token each
+        else:
+            self._schedule_running(out)
+            budget = self.max_num_batched_tokens - out.total_num_scheduled_tokens
+        # 3) waiting requests; never in a step that preempted (keeps swap-in and swap-out apart).
+        if out.preempted:
+            return out
+        for req in self.waiting_order():
+            if len(self.running) >= self.max_num_seqs or budget <= 0:
+                break
+            fresh = req.num_computed_tokens == 0
+            if fresh:
+                reason = self._never_fits(req) if req.num_preemptions == 0 else None
+                if reason:
+                    self.waiting.remove(req)
+                    self._fail(req, reason, out)
+                    continue
+                cached = self.allocator.get_computed_tokens(req)
+                req.num_computed_tokens = req.num_cached_tokens = cached
+            remaining = req.num_tokens - req.num_computed_tokens
+            n = self._chunk(remaining, budget)
+            if (n < remaining and not self._may_chunk(req)) or self.allocator.allocate_slots(req, n) is None:
+                if fresh:  # forget the prefix-cache hit; it is looked up again next time
+                    req.num_computed_tokens = req.num_cached_tokens = 0
+                break  # keep the order: later requests do not overtake
+            self.waiting.remove(req)
+            self._stop_ids.update(req.eos_token_ids, req.sampling_params.stop_token_ids)  # (also in add_request)
+            self.preemption.on_resume(req, self.allocator, out)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append(req)
+            out.num_scheduled_tokens[req.request_id] = n
+            budget -= n
+            out.decode_batch = None  # no longer a step of decodes only
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput) -> None:
+        """Steps 1) and 2), one request at a time (the general path)."""
         budget = self.max_num_batched_tokens
         # 1) + 2): running decodes first, then running prefills (chunks).
         # (lengths inline, not through properties: this runs for every running request)
@@ -141,36 +186,6 @@ class QueueScheduler(Scheduler):
             out.scheduled.append(req)
             out.num_scheduled_tokens[req.request_id] = n
             budget -= n
-        budget = self.max_num_batched_tokens - out.total_num_scheduled_tokens
-        # 3) waiting requests; never in a step that preempted (keeps swap-in and swap-out apart).
-        if out.preempted:
-            return out
-        for req in self.waiting_order():
-            if len(self.running) >= self.max_num_seqs or budget <= 0:
-                break
-            fresh = req.num_computed_tokens == 0
-            if fresh:
-                reason = self._never_fits(req) if req.num_preemptions == 0 else None
-                if reason:
-                    self.waiting.remove(req)
-                    self._fail(req, reason, out)
-                    continue
-                cached = self.allocator.get_computed_tokens(req)
-                req.num_computed_tokens = req.num_cached_tokens = cached
-            remaining = req.num_tokens - req.num_computed_tokens
-            n = self._chunk(remaining, budget)
-            if (n < remaining and not self._may_chunk(req)) or self.allocator.allocate_slots(req, n) is None:
-                if fresh:  # forget the prefix-cache hit; it is looked up again next time
-                    req.num_computed_tokens = req.num_cached_tokens = 0
-                break  # keep the order: later requests do not overtake
-            self.waiting.remove(req)
-            self.preemption.on_resume(req, self.allocator, out)
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            out.scheduled.append(req)
-            out.num_scheduled_tokens[req.request_id] = n
-            budget -= n
-        return out
 
     def _may_chunk(self, req: Request) -> bool:
         # A non-chunking scheduler never splits a prompt, but a preempted request's
@@ -188,6 +203,24 @@ class QueueScheduler(Scheduler):
 
     def update(self, output: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
         finished: list[Request] = []
+        if not output.spec_token_ids:
+            maybe = self._decode_batch.update(output, sampled, self._stop_ids)
+            if maybe is None:
+                self._update_plain(output.scheduled, output.num_scheduled_tokens, sampled, finished)
+            for req in maybe or ():  # tokens appended already; only these may stop
+                status = check_stop(req, self.max_model_len)
+                if status is not None:
+                    self._finish(req, status)
+                    finished.append(req)
+        else:
+            self._update_speculative(output, sampled, finished)
+        for fn in output.on_step_done:
+            fn()
+        return finished
+
+    def _update_speculative(self, output: SchedulerOutput, sampled: dict[str, list[int]],
+                            finished: list[Request]) -> None:
+        """``update`` of a step verifying drafts (``output.spec_token_ids``)."""
         spec = output.spec_token_ids
         counts = output.num_scheduled_tokens
         running = RequestStatus.RUNNING
@@ -196,7 +229,7 @@ class QueueScheduler(Scheduler):
                 continue
             rid = req.request_id
             toks = sampled.get(rid, ())
-            drafts = spec.get(rid) if spec else None
+            drafts = spec.get(rid)
             if drafts:  # speculative: the last token plus the accepted drafts now have KV
                 req.num_computed_tokens += counts[rid] - len(drafts) + max(0, len(toks) - 1)
             else:
@@ -212,9 +245,36 @@ class QueueScheduler(Scheduler):
                     break
             if drafts and not req.is_finished:  # roll back the rejected drafts' slots
                 self.allocator.free_tail(req, req.num_computed_tokens)
-        for fn in output.on_step_done:
-            fn()
-        return finished
+
+    def _update_plain(self, scheduled: list[Request], counts: dict[str, int], sampled: dict[str, list[int]],
+                      finished: list[Request]) -> None:
+        """``update`` of a step without drafts: the same effects, with ``check_stop`` called
+        only for a token that could stop the request (a listed stop id, a length limit),
+        since this runs for every request every step."""
+        get = sampled.get
+        stop_ids = self._stop_ids
+        max_model_len = self.max_model_len
+        running = RequestStatus.RUNNING
+        for req in scheduled:
+            if req.status is not running and req.is_finished:
+                continue
+            rid = req.request_id
+            req.num_computed_tokens += counts[rid]
+            if req.spec_token_ids:
+                req.spec_token_ids = []
+            toks = get(rid)
+            if not toks:
+                continue
+            out = req.output_token_ids
+            for tok in toks:
+                out.append(tok)
+                n = len(out)
+                if tok in stop_ids or n >= req.max_tokens or n + len(req.prompt_token_ids) >= max_model_len:
+                    status = check_stop(req, max_model_len)
+                    if status is not None:
+                        self._finish(req, status)
+                        finished.append(req)
+                        break
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
         done = []
