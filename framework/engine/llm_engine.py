@@ -296,7 +296,7 @@ class LLMEngine:
 
     def _emit(self, parent_id: str) -> RequestOutput:
         out = self.outputs.make_output(parent_id)
-        if self.spec is not None:
+        if self.spec is not None and out.finished:  # per-request speculation metrics: final output only
             parent = self.outputs.parents[parent_id]
             out.metrics.update(self.spec.request_metrics(c.request for c in parent.children))
         self.outputs.release_if_finished(parent_id)
