@@ -81,6 +81,16 @@ class SequenceView:
         return self.request.all_token_ids + self.extra
 
 
+def needs_processing(requests: Sequence[Request]) -> bool:
+    """Whether any of ``requests`` has a logits processor to apply (logit bias, an unmet
+    min_tokens, penalties); if none has, :func:`process_logits` would only copy."""
+    for r in requests:
+        sp = r.sampling_params
+        if sp.logit_bias or sp.reads_history or len(r.output_token_ids) < sp.min_tokens:
+            return True
+    return False
+
+
 def process_logits(logits: torch.Tensor, views: Sequence[SequenceView], vocab_size: int) -> torch.Tensor:
     """The sampler's steps 1-4 (bias, min_tokens, penalties) on a float32 copy of
     ``logits[:, :vocab_size]`` (``[R, V]``, one row per view); returns the copy."""
@@ -270,8 +280,11 @@ class RejectionSampler:
         if logits.shape[0] != off:
             raise ValueError(f"logits has {logits.shape[0]} rows, the drafts need {off}")
         raw = logits[:, : self.vocab_size]
-        views = [SequenceView(req, d[:j]) for req, d in zip(requests, draft_token_ids) for j in range(len(d) + 1)]
-        work = process_logits(raw, views, self.vocab_size)
+        if needs_processing(requests):
+            views = [SequenceView(req, d[:j]) for req, d in zip(requests, draft_token_ids) for j in range(len(d) + 1)]
+            work = process_logits(raw, views, self.vocab_size)
+        else:  # read-only below
+            work = raw.float()
         dev = work.device
         tokens: list[list[int]] = [[] for _ in range(n)]
         accepted = [0] * n
