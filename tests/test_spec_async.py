@@ -134,43 +134,16 @@ def test_eagle_style_drafter_never_sees_a_stale_hidden_state():
     """Steps that overlap record no hidden states: a drafter that needs them gets a request
     again only after a synchronous step recorded a fresh one (checked: the state must
     predict the request's last token)."""
-    import types
-
-    import torch
-
     from helpers import STORIES_MODEL
-    from kvforge import hookimpl
     from kvforge.config import EngineConfig
     from kvforge.engine.llm_engine import LLMEngine
-    from kvforge.plugin_manager import load_registry
-    from kvforge_plugins.spec_decode.ngram import NgramDrafter
+    from test_spec_decode import hidden_checker_registry
 
     checks = []
-
-    class HiddenChecker(NgramDrafter):
-        def __init__(self, k, ctx):
-            super().__init__(k)
-            self.target = ctx.target_model
-
-        def propose(self, requests, num_tokens, hidden_states=None):
-            with torch.inference_mode():
-                pred = self.target.compute_logits(hidden_states).argmax(dim=-1).tolist()
-            checks.extend(p == r.all_token_ids[-1] for p, r in zip(pred, requests))
-            return super().propose(requests, num_tokens)
-
-    mod = types.ModuleType("toy_eagle_async")
-    mod.KVFORGE_HOOK_API = "1"
-
-    @hookimpl
-    def kvforge_register_drafters(register):
-        register("toy_eagle", lambda cfg, settings, ctx: HiddenChecker(cfg.num_speculative_tokens, ctx),
-                 needs_hidden_states=True)
-
-    mod.kvforge_register_drafters = kvforge_register_drafters
     cfg = EngineConfig.from_sources(None, {
         "model": STORIES_MODEL, "dtype": "float32", "async_scheduling": True, "speculative_method": "toy_eagle",
         "num_speculative_tokens": 3, "speculative.adaptive": False, "speculative.disable_by_batch_size": 2})
-    eng = LLMEngine(cfg, registry=load_registry(extra_plugins=[("toy_eagle_async", mod)]))
+    eng = LLMEngine(cfg, registry=hidden_checker_registry(checks))
     rng = fresh_rng("spec-eagle-async")
     prompts = random_story_prompts(rng, 5)
     sp = lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=1)  # noqa: E731

@@ -298,11 +298,11 @@ def test_config_errors():
                     **{"speculative.settings.num_layers": 9})
 
 
-def test_eagle_style_drafter_gets_target_hidden_states():
-    """A drafter registered with needs_hidden_states=True gets, per request, the target's
-    final hidden state at the position that produced its last token."""
+def hidden_checker_registry(checks: list):
+    """A registry with drafter ``toy_eagle``: n-gram drafts, registered with
+    needs_hidden_states=True; each proposal appends, per request, whether the hidden state
+    it got predicts (through the target's LM head) the request's last token."""
     from kvforge_plugins.spec_decode.ngram import NgramDrafter
-    calls = []
 
     class HiddenChecker(NgramDrafter):
         def __init__(self, k, ctx):
@@ -310,10 +310,10 @@ def test_eagle_style_drafter_gets_target_hidden_states():
             self.target = ctx.target_model
 
         def propose(self, requests, num_tokens, hidden_states=None):
-            assert hidden_states is not None and hidden_states.shape == (len(requests), 64)
+            assert hidden_states is not None and hidden_states.shape[0] == len(requests)
             with torch.inference_mode():
                 pred = self.target.compute_logits(hidden_states).argmax(dim=-1).tolist()
-            calls.append(all(p == r.all_token_ids[-1] for p, r in zip(pred, requests)))
+            checks.extend(p == r.all_token_ids[-1] for p, r in zip(pred, requests))
             return super().propose(requests, num_tokens)
 
     mod = types.ModuleType("toy_eagle")
@@ -325,7 +325,14 @@ def test_eagle_style_drafter_gets_target_hidden_states():
                  needs_hidden_states=True)
 
     mod.kvforge_register_drafters = kvforge_register_drafters
-    registry = load_registry(extra_plugins=[("toy_eagle", mod)])
+    return load_registry(extra_plugins=[("toy_eagle", mod)])
+
+
+def test_eagle_style_drafter_gets_target_hidden_states():
+    """A drafter registered with needs_hidden_states=True gets, per request, the target's
+    final hidden state at the position that produced its last token."""
+    calls = []
+    registry = hidden_checker_registry(calls)
     cfg = EngineConfig.from_sources(None, {"model": STORIES_MODEL, "dtype": "float32",
                                            "speculative_method": "toy_eagle", "num_speculative_tokens": 3,
                                            "speculative.adaptive": False})
