@@ -167,3 +167,28 @@ def test_eagle_style_drafter_never_sees_a_stale_hidden_state():
     assert checks and all(checks), f"{checks.count(False)} of {len(checks)} proposals got a stale hidden state"
     assert eng._overlap.num_overlapped_steps > 0
     _assert_drained(eng)
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "self", "trunc2"])
+def test_seeded_outputs_equal_decoding_without_speculation(drafter):
+    """Seeded sampling draws position-keyed noise and seeded drafts are verified by the
+    coupling: outputs equal plain decoding's whatever the batch mates, the steps that
+    speculate or async scheduling (kvforge.engine.position_noise)."""
+    rng = fresh_rng("spec-seeded-coupled")
+    prompts = random_story_prompts(rng, 6)
+    seeded = [(f"s{i}", p, SamplingParams(temperature=rng.choice([0.7, 1.0]), top_p=rng.choice([1.0, 0.9]),
+                                          seed=rng.randrange(1 << 30), n=1 + i % 2, max_tokens=rng.randint(20, 50),
+                                          ignore_eos=True, logprobs=1))
+              for i, p in enumerate(prompts[:3])]
+    mates = [(f"m{i}", p, SamplingParams(temperature=0.8, max_tokens=rng.randint(5, 40)))
+             for i, p in enumerate(prompts[3:])]
+    ref, _ = _run(seeded, async_scheduling=False)
+    for async_scheduling, batch in ((False, seeded + mates), (True, seeded + mates), (True, seeded)):
+        # drafting depends on the batch: only steps with <= 3 running requests speculate
+        got, eng = _run(batch, async_scheduling=async_scheduling, **DRAFTERS[drafter],
+                        **{"speculative.adaptive": False, "speculative.disable_by_batch_size": 3})
+        for rid, _, _ in seeded:
+            assert [c.token_ids for c in got[rid].outputs] == [c.token_ids for c in ref[rid].outputs], \
+                (rid, async_scheduling, len(batch))
+        assert eng.stats()["spec_num_drafts"] > 0
+        _assert_drained(eng)

@@ -342,3 +342,37 @@ def test_adaptive_rule():
     m = st.metrics()
     assert m["spec_acceptance_rate"] == 3 / 5 and m["spec_mean_accepted_length"] == 2.5
     assert m["spec_acceptance_rate_pos_0"] == 1.0 and m["spec_acceptance_rate_pos_2"] == 0.0
+
+
+def test_coupled_verification_emits_the_target_distribution():
+    """Seeded requests' verification (position-keyed noise): over many seeds the emitted
+    first token follows p_1 (TV bound), with independent or coupled drafts; a coupled draft
+    (same noise, q close to p) is accepted far more often than an independent one."""
+    import types
+
+    from kvforge.engine.position_noise import position_seed
+    from kvforge.engine.rejection_sampler import coupled_verify
+    from kvforge.engine.sampling_ops import exponential_race_sample
+
+    g = torch.Generator().manual_seed(random.randrange(1 << 30))
+    v, k, trials = 6, 2, 4000
+    p = torch.softmax(torch.randn(k + 1, v, generator=g) * 1.5, dim=-1)
+    q = torch.softmax(torch.log(p) + 0.3 * torch.randn(k + 1, v, generator=g), dim=-1)[:k]
+    counts = torch.zeros(v)
+    acc_coupled = acc_indep = 0
+    base = random.randrange(1 << 30)
+    for s in range(trials):
+        req = types.SimpleNamespace(sampling_params=types.SimpleNamespace(seed=base + s), index=0,
+                                    output_token_ids=[], generator=torch.Generator())
+        coupled = exponential_race_sample(q, [req.generator] * k, None,
+                                          [position_seed(req, j) for j in range(k)]).tolist()
+        indep = torch.multinomial(q, 1, generator=g).flatten().tolist()
+        (toks, a), = coupled_verify(p, [req], [coupled])
+        (toks_i, a_i), = coupled_verify(p, [req], [indep])
+        assert toks_i[0] == toks[0]  # the emitted token does not depend on the drafts
+        counts[toks[0]] += 1
+        acc_coupled += a
+        acc_indep += a_i
+    tv = 0.5 * (counts / trials - p[0]).abs().sum().item()
+    assert tv < 0.04, f"TV {tv:.3f} between emitted tokens and p_1"
+    assert acc_coupled > 1.3 * acc_indep, (acc_coupled, acc_indep)

@@ -22,8 +22,11 @@ makes their output identical to non-speculative greedy decoding.
 :class:`~kvforge.engine.sampler.Sampler` does (logit bias, min_tokens, penalties,
 temperature, top-k/top-p/min-p; :mod:`kvforge.engine.sampling_ops`), where position j
 sees the request's output plus the drafts before it. Returned log-probabilities are
-raw, as the sampler's. Requests with a seed draw all their randomness (uniforms, then
-the final token's exponential race) from their own generator, in a fixed order.
+raw, as the sampler's. Requests with a seed are verified by a coupling instead
+(:mod:`kvforge.engine.position_noise`): the token plain sampling would emit at each
+position is drawn with that position's noise, drafts are accepted while they equal it,
+and the first unequal position emits it; their output is identical to decoding without
+speculation, whatever the batch or the drafts.
 """
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ from typing import Sequence
 import torch
 
 from kvforge.engine.outputs import Logprob
+from kvforge.engine.position_noise import position_seed
 from kvforge.engine.request import Request
 from kvforge.engine.sampler import Sampler
 from kvforge.engine.sampling_ops import (apply_temperature, apply_top_k_top_p_min_p,
@@ -235,6 +239,37 @@ def rejection_sample(target_probs: torch.Tensor, draft_token_ids: Sequence[Seque
     return tokens, accepted
 
 
+def coupled_verify(probs: torch.Tensor, requests: Sequence[Request],
+                   draft_token_ids: Sequence[Sequence[int]]) -> list[tuple[list[int], int]]:
+    """Verification of seeded requests by position-keyed noise (see the module docstring).
+
+    Args:
+        probs: float32 ``[sum_i (1 + k_i), V]`` warped target probabilities, request i's
+            rows consecutive (its last token's position, then each draft's).
+        requests: seeded requests (``generator`` set), their outputs not yet holding the drafts.
+        draft_token_ids: request i's ``k_i`` drafts.
+    Returns:
+        per request ``(emitted tokens, accepted drafts)``: the accepted drafts plus the
+        target's token at the first unequal position (or the bonus position).
+    """
+    gens, seeds = [], []
+    for req, d in zip(requests, draft_token_ids):
+        first = len(req.output_token_ids)
+        for j in range(len(d) + 1):
+            gens.append(req.generator)
+            seeds.append(position_seed(req, first + j))
+    target = exponential_race_sample(probs, gens, None, seeds).tolist()
+    out, pos = [], 0
+    for d in draft_token_ids:
+        t = target[pos:pos + len(d) + 1]
+        a = 0
+        while a < len(d) and d[a] == t[a]:
+            a += 1
+        out.append((list(d[:a]) + [t[a]], a))
+        pos += len(d) + 1
+    return out
+
+
 @dataclass
 class VerifyOutput:
     """Per request (in input order): emitted ``token_ids`` (accepted drafts + one
@@ -302,7 +337,16 @@ class RejectionSampler:
                 tokens[i], accepted[i] = list(d[:a]) + [t[a]], a
                 pos += counts[i] + 1
 
-        rand = [i for i in range(n) if not requests[i].sampling_params.greedy]
+        seeded = [i for i in range(n) if not requests[i].sampling_params.greedy and requests[i].generator is not None]
+        if seeded:
+            rows = [starts[i] + j for i in seeded for j in range(counts[i] + 1)]
+            sub = work.index_select(0, torch.tensor(rows, dtype=torch.int64, device=dev))
+            probs = warp_to_probs(sub, [requests[i].sampling_params for i in seeded for _ in range(counts[i] + 1)])
+            for i, (t, a) in zip(seeded, coupled_verify(probs, [requests[i] for i in seeded],
+                                                        [draft_token_ids[i] for i in seeded])):
+                tokens[i], accepted[i] = t, a
+
+        rand = [i for i in range(n) if not requests[i].sampling_params.greedy and requests[i].generator is None]
         if rand:
             rows = [starts[i] + j for i in rand for j in range(counts[i] + 1)]
             sub = work.index_select(0, torch.tensor(rows, dtype=torch.int64, device=dev))

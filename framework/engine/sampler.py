@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from kvforge.engine.outputs import Logprob
+from kvforge.engine.position_noise import position_seed
 from kvforge.engine.request import Request
 from kvforge.engine.sampling_ops import (
     apply_frequency_presence_penalties,
@@ -205,7 +206,9 @@ class Sampler:
         if top_k is not None or top_p is not None or min_p is not None:
             work = apply_top_k_top_p_min_p(work, top_k, top_p, min_p)
         probs = work.softmax(dim=-1)
-        return exponential_race_sample(probs, [r.generator for r in requests], self.generator)
+        # a seeded request's noise is keyed by the position of the token being sampled
+        seeds = [position_seed(r, len(r.output_token_ids)) if r.generator is not None else None for r in requests]
+        return exponential_race_sample(probs, [r.generator for r in requests], self.generator, seeds)
 
     # --- outputs -----------------------------------------------------------------------
 

@@ -176,7 +176,8 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor | None = N
 
 
 def exponential_race_sample(probs: torch.Tensor, generators: list[torch.Generator | None],
-                            default_generator: torch.Generator | None = None) -> torch.Tensor:
+                            default_generator: torch.Generator | None = None,
+                            seeds: list[int | None] | None = None) -> torch.Tensor:
     """Sample one token per row as ``argmax(probs / E)`` with ``E ~ Exp(1)`` (Gumbel-max trick).
 
     Rows whose generator is not None draw their own full ``[V]`` noise row from it, so their
@@ -187,6 +188,9 @@ def exponential_race_sample(probs: torch.Tensor, generators: list[torch.Generato
         probs: float32 ``[N, V]`` probabilities (rows need not be normalised; zeros never win).
         generators: length N, each None or a generator on ``probs.device``.
         default_generator: generator on ``probs.device`` for the other rows.
+        seeds: per row None, or a seed its generator is re-seeded with just before its draw
+            (position-keyed noise, :mod:`kvforge.engine.position_noise`; one generator may
+            then serve several rows).
 
     Returns:
         int64 ``[N]`` sampled token ids.
@@ -203,6 +207,8 @@ def exponential_race_sample(probs: torch.Tensor, generators: list[torch.Generato
             noise.index_copy_(0, torch.tensor(shared, device=probs.device), draw)
         for i, g in enumerate(generators):
             if g is not None:
+                if seeds is not None and seeds[i] is not None:
+                    g.manual_seed(seeds[i])
                 noise[i].exponential_(generator=g)
     # Exp(1) draws of exactly 0 would give 0/0 on masked tokens; clamp to the smallest normal.
     noise.clamp_min_(torch.finfo(noise.dtype).tiny)

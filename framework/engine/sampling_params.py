@@ -20,12 +20,10 @@ class SamplingParams:
         min_p: keep tokens with p >= min_p * p_max, in [0, 1].
         presence_penalty, frequency_penalty: OpenAI-style, in [-2, 2], on generated tokens.
         repetition_penalty: CTRL-style (Keskar et al. 2019), > 0, on prompt and generated tokens.
-        seed: per-request RNG seed; results then do not depend on batch mates. With
-            speculative decoding they do if the adaptive rule (which reads the batch size,
-            acceptance and free KV blocks) drafts in different steps: rejection sampling
-            draws differently from plain sampling (same distribution, other sample). Fix k
-            (``speculative.adaptive: false``) or opt the request out of speculation to keep
-            seeded outputs reproducible.
+        seed: per-request RNG seed. The noise of output token j depends only on (seed, j)
+            (:mod:`kvforge.engine.position_noise`), so results do not depend on batch mates,
+            async scheduling or speculative decoding (seeded drafts are verified by a
+            coupling that emits exactly what plain sampling would).
         stop: strings that end generation (not included unless include_stop_str_in_output).
         stop_token_ids: extra token ids that end generation (included in the output).
         ignore_eos: keep generating after EOS.

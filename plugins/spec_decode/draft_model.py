@@ -29,6 +29,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvforge import hookimpl
+from kvforge.engine.position_noise import position_seed
 from kvforge.engine.request import PLACEHOLDER_TOKEN_ID
 from kvforge.engine.rejection_sampler import SequenceView, needs_processing, process_logits, warp_to_probs
 from kvforge.engine.sampling_ops import exponential_race_sample
@@ -174,7 +175,11 @@ class DraftModelDrafter(Drafter):
             tokens[greedy] = work.index_select(0, greedy).argmax(dim=-1)
         idx = torch.tensor(rand, device=work.device)
         probs = warp_to_probs(work.index_select(0, idx), [reqs[i].sampling_params for i in rand])
-        tokens[idx] = exponential_race_sample(probs, [reqs[i].generator for i in rand], self.generator)
+        # seeded requests draw with the noise the target's verification will use at that
+        # position (kvforge.engine.position_noise): a draft equal to the target is accepted
+        seeds = [position_seed(reqs[i], len(reqs[i].output_token_ids) + len(drafts[i]))
+                 if reqs[i].generator is not None else None for i in rand]
+        tokens[idx] = exponential_race_sample(probs, [reqs[i].generator for i in rand], self.generator, seeds)
         for j, i in enumerate(rand):
             q[i] = probs[j]
         return tokens, q
