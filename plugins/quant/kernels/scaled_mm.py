@@ -138,7 +138,10 @@ def quantize_act_ref(x: torch.Tensor, qdtype: torch.dtype, scale: "torch.Tensor 
     qmax = qmax_of(qdtype)
     xf = x.float()
     if scale is None:
-        scale = xf.abs().amax(dim=1).clamp_min(EPS) / qmax
+        amax = xf.abs().amax(dim=1).clamp_min(EPS)
+        # a tensor divisor: torch divides by a Python scalar as a multiply by its reciprocal
+        # on CUDA (1 ulp off IEEE division, which the Triton kernel does)
+        scale = amax / torch.full_like(amax, qmax)
         y = xf / scale[:, None]
     else:
         scale = scale.float().reshape(1)
