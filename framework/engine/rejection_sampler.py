@@ -85,16 +85,6 @@ class SequenceView:
         return self.request.all_token_ids + self.extra
 
 
-def needs_processing(requests: Sequence[Request]) -> bool:
-    """Whether any of ``requests`` has a logits processor to apply (logit bias, an unmet
-    min_tokens, penalties); if none has, :func:`process_logits` would only copy."""
-    for r in requests:
-        sp = r.sampling_params
-        if sp.logit_bias or sp.reads_history or len(r.output_token_ids) < sp.min_tokens:
-            return True
-    return False
-
-
 def process_logits(logits: torch.Tensor, views: Sequence[SequenceView], vocab_size: int) -> torch.Tensor:
     """The sampler's steps 1-4 (bias, min_tokens, penalties) on a float32 copy of
     ``logits[:, :vocab_size]`` (``[R, V]``, one row per view); returns the copy."""
@@ -315,7 +305,7 @@ class RejectionSampler:
         if logits.shape[0] != off:
             raise ValueError(f"logits has {logits.shape[0]} rows, the drafts need {off}")
         raw = logits[:, : self.vocab_size]
-        if needs_processing(requests):
+        if Sampler.needs_logits_processing(requests):
             views = [SequenceView(req, d[:j]) for req, d in zip(requests, draft_token_ids) for j in range(len(d) + 1)]
             work = process_logits(raw, views, self.vocab_size)
         else:  # read-only below
@@ -351,8 +341,9 @@ class RejectionSampler:
             rows = [starts[i] + j for i in rand for j in range(counts[i] + 1)]
             sub = work.index_select(0, torch.tensor(rows, dtype=torch.int64, device=dev))
             probs = warp_to_probs(sub, [requests[i].sampling_params for i in rand for _ in range(counts[i] + 1)])
+            # (unseeded requests only: all share the engine's generator)
             toks, acc = rejection_sample(probs, [draft_token_ids[i] for i in rand], [draft_probs[i] for i in rand],
-                                         [requests[i].generator for i in rand], self.generator)
+                                         None, self.generator)
             for i, t, a in zip(rand, toks, acc):
                 tokens[i], accepted[i] = t, a
 

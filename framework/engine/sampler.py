@@ -145,6 +145,17 @@ class Sampler:
     # --- logits processing -------------------------------------------------------------
 
     @staticmethod
+    def needs_logits_processing(requests) -> bool:
+        """Whether :meth:`_apply_logits_processors` would change anything for ``requests``
+        (a logit bias, an unmet min_tokens, penalties); callers that build per-position
+        views for it (speculative verification, drafting) skip that work when not."""
+        for r in requests:
+            sp = r.sampling_params
+            if sp.logit_bias or sp.reads_history or len(r.output_token_ids) < sp.min_tokens:
+                return True
+        return False
+
+    @staticmethod
     def _apply_logits_processors(work: torch.Tensor, requests: list[Request], device: torch.device,
                                  vocab: int) -> None:
         """Steps 1-4 (bias, min_tokens, repetition, frequency/presence), in place on ``work``."""

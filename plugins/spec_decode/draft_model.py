@@ -31,7 +31,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from kvforge import hookimpl
 from kvforge.engine.position_noise import position_seed
 from kvforge.engine.request import PLACEHOLDER_TOKEN_ID
-from kvforge.engine.rejection_sampler import SequenceView, needs_processing, process_logits, warp_to_probs
+from kvforge.engine.rejection_sampler import SequenceView, process_logits, warp_to_probs
+from kvforge.engine.sampler import Sampler
 from kvforge.engine.sampling_ops import exponential_race_sample
 from kvforge.interfaces import Drafter, DraftProposal, SchedulerOutput
 
@@ -161,7 +162,7 @@ class DraftModelDrafter(Drafter):
     def _sample(self, logits: torch.Tensor, reqs: list, drafts: list[list[int]]):
         """One draft token per row, left on the device (int64 ``[R]``), and each row's q
         (float32 ``[V]``; None for greedy rows)."""
-        if needs_processing(reqs):
+        if Sampler.needs_logits_processing(reqs):
             work = process_logits(logits, [SequenceView(r, d) for r, d in zip(reqs, drafts)], self.vocab_size)
         else:  # read-only below
             work = logits[:, :self.vocab_size].float()

@@ -91,7 +91,8 @@ def _plan(inputs: AttentionInputs, block_m: int, split: SplitPolicy) -> tuple[li
         if n <= 1:
             items.append((i, m0, 0, hi, -1))
             continue
-        step = -(-(-(-hi // n)) // _ALIGN) * _ALIGN
+        per = -(-hi // n)  # ceil(hi / n), rounded up to whole key tiles
+        step = -(-per // _ALIGN) * _ALIGN
         ranges = [(lo, min(lo + step, hi)) for lo in range(0, hi, step)]
         merges.append((i, m0, slot, len(ranges)))
         for lo, top in ranges:
