@@ -67,15 +67,17 @@ class QuantizationSection(_Section):
 class SpeculativeConfig(_Section):
     """Speculative decoding (off unless ``method`` names a registered drafter).
 
-    The adaptive rule (``adaptive``; :class:`kvforge.engine.spec_decode.AdaptiveSpeculation`)
+    The adaptive rule (``adaptive``; :class:`kvforge.engine.spec_adaptive.AdaptiveSpeculation`)
     picks, every step, the k' <= ``num_speculative_tokens`` that maximises the expected
     tokens per unit of work, ``E(k') / C(B, k')``, with ``E(k') = (1 - a^(k'+1)) / (1 - a)``
     (Leviathan et al. 2023, eq. 1; ``a`` = recent acceptance rate) and
     ``C(B, k') = (1 + c * k') * max(B * (k' + 1), T) / max(B, T) * (1 + o)`` (``B`` running
     requests, ``c`` the drafter's cost per draft step relative to a target step, ``T`` =
     ``verify_free_tokens``, ``o`` = ``step_overhead``); k' = 0 turns speculation off for
-    that step (while off, one step in 64 probes with k' = 1 to re-measure ``a``). A request
-    the drafter proposes nothing for counts as a rejection of its first draft.
+    that step (while off, two steps with k' = 1 probe again after 64 plain steps, an
+    interval that doubles while probes fail). With ``measure_step_cost`` the modelled cost
+    gives way to measured step times (:mod:`kvforge.engine.spec_adaptive`). A request the
+    drafter proposes nothing for counts as a rejection of its first draft.
     """
 
     method: str | None = None
@@ -92,6 +94,10 @@ class SpeculativeConfig(_Section):
                                   "of the latter: the step runs synchronously (no async scheduling) and "
                                   "verifies on the host. Measured on the H200 (8B, bf16): 0.3 at batch 1, "
                                   "0.5 at batch 64.")
+    measure_step_cost: bool = Field(
+        True, description="Let the adaptive rule use measured wall times of plain and speculating "
+                          "decode steps (per batch-size bucket) instead of the modelled cost once both "
+                          "are known; off: the model alone decides (deterministic).")
     initial_acceptance_rate: float = Field(
         0.7, ge=0.0, le=1.0, description="Acceptance-rate estimate before any draft has been verified "
                                          "(and the rate at which an off drafter is still worth probing).")

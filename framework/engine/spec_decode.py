@@ -27,6 +27,7 @@ from typing import Any, Iterable
 import torch
 
 from kvforge.engine.rejection_sampler import RejectionSampler
+from kvforge.engine.spec_adaptive import AdaptiveSpeculation, StepCostMeter
 from kvforge.engine.request import Request, RequestStatus
 from kvforge.interfaces import DraftProposal, Drafter
 
@@ -91,85 +92,6 @@ class SpecStats:
         return out
 
 
-class AdaptiveSpeculation:
-    """Chooses this step's k' (0 = no speculation), deterministically.
-
-    Rule (``speculative`` config section): with ``a`` the recent per-draft acceptance
-    probability, ``B`` the running requests, ``c`` the drafter's ``relative_cost`` and
-    ``T`` = ``verify_free_tokens``:
-
-    * expected tokens per step with k' drafts (Leviathan et al. 2023, eq. 1):
-      ``E(k') = (1 - a^(k'+1)) / (1 - a)``;
-    * step cost relative to a plain decode step:
-      ``C(B, k') = (1 + c k') * max(B (k'+1), T) / max(B, T) * (1 + o)`` for k' >= 1 (a forward
-      costs about the same up to ``T`` tokens, memory-bound, then grows linearly; ``o`` =
-      ``step_overhead``, the host work of a synchronous verifying step);
-    * k' = argmax over 0..k of ``E(k') / C(B, k')`` (ties: the smaller k'); 0 when
-      ``B > disable_by_batch_size``. With ``adaptive`` off k' = k (still 0 above
-      ``disable_by_batch_size``).
-
-    ``a`` starts at ``initial_acceptance_rate``; each verified step moves it towards that
-    step's accepted / tried drafts (a round with a rejection tried ``accepted + 1``) with
-    weight ``tried / (tried + 32)``, so a large batch is trusted more than one request.
-    While the rule says 0 but speculation would pay at ``initial_acceptance_rate``, every
-    ``PROBE_INTERVAL``-th step speculates with k' = 1 to measure ``a`` again (cheap: one
-    draft per request), so a drafter that starts to match again is picked up.
-    """
-
-    PSEUDO_COUNT = 32
-    PROBE_INTERVAL = 64
-
-    def __init__(self, k: int, config, relative_cost: float) -> None:
-        self.k = k
-        self.adaptive = bool(config.adaptive)
-        self.disable_by_batch_size = config.disable_by_batch_size
-        self.free_tokens = config.verify_free_tokens
-        self.prior = config.initial_acceptance_rate
-        self.overhead = config.step_overhead
-        self.relative_cost = max(0.0, float(relative_cost))
-        self.acceptance = self.prior
-        self._off_steps = 0
-
-    @staticmethod
-    def expected_tokens(a: float, k: int) -> float:
-        return float(k + 1) if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
-
-    def cost(self, batch_size: int, k: int) -> float:
-        b, t = max(1, batch_size), self.free_tokens
-        if k == 0:
-            return 1.0
-        return (1.0 + self.relative_cost * k) * max(b * (k + 1), t) / max(b, t) * (1.0 + self.overhead)
-
-    def best_k(self, batch_size: int, acceptance: float) -> int:
-        """argmax_k' E(k') / C(B, k') at this acceptance (0 if nothing beats plain decoding)."""
-        best_k, best = 0, 1.0
-        for k in range(1, self.k + 1):
-            gain = self.expected_tokens(acceptance, k) / self.cost(batch_size, k)
-            if gain > best * (1.0 + 1e-9):
-                best_k, best = k, gain
-        return best_k
-
-    def choose(self, batch_size: int) -> int:
-        if self.disable_by_batch_size is not None and batch_size > self.disable_by_batch_size:
-            return 0
-        if not self.adaptive:
-            return self.k
-        k = self.best_k(batch_size, self.acceptance)
-        if k > 0:
-            self._off_steps = 0
-            return k
-        self._off_steps += 1
-        if self._off_steps >= self.PROBE_INTERVAL and self.best_k(batch_size, self.prior) > 0:
-            self._off_steps = 0
-            return 1
-        return 0
-
-    def observe(self, tried: int, accepted: int) -> None:
-        if tried > 0:
-            w = tried / (tried + self.PSEUDO_COUNT)
-            self.acceptance += w * (accepted / tried - self.acceptance)
-
-
 class SpeculativeDecoder:
     """Engine-side speculation: owns the drafters, the rejection sampler, the adaptive
     rule (one per drafter) and the metrics. Used by :class:`~kvforge.engine.llm_engine.LLMEngine`.
@@ -193,8 +115,9 @@ class SpeculativeDecoder:
         self.max_model_len = max_model_len
         self.needs_hidden = set(needs_hidden_states) & set(self.drafters)
         self.rejection_sampler = RejectionSampler(vocab_size, generator)
+        self.meter = StepCostMeter() if config.adaptive and config.measure_step_cost else None
         self.adaptive = {name: AdaptiveSpeculation(d.num_speculative_tokens, config,
-                                                   getattr(d, "relative_cost", 0.0))
+                                                   getattr(d, "relative_cost", 0.0), self.meter)
                          for name, d in self.drafters.items()}
         self.totals = SpecStats()
         self.last_k: dict[str, int] = {name: 0 for name in self.drafters}
@@ -269,6 +192,9 @@ class SpeculativeDecoder:
         Reads only lengths, so it is valid while a token is still on the device (async
         scheduling); :meth:`propose` then needs the real ids.
         """
+        if self.meter is not None:
+            self.meter.tick()
+        requests = list(requests)
         running = [r for r in requests if r.status == RequestStatus.RUNNING]
         k_now = {name: a.choose(len(running)) if running else 0 for name, a in self.adaptive.items()}
         if free_blocks is not None and free_blocks <= len(running):
@@ -279,14 +205,19 @@ class SpeculativeDecoder:
                 r.spec_token_ids = []
                 self._probs.pop(r.request_id, None)
         groups: dict[str, list[Request]] = {}
-        if not any(k_now.values()):
-            return groups
-        for r in running:
-            if r.num_tokens - r.num_computed_tokens != 1:
-                continue
-            name = chosen_drafter(r, self.default)
-            if name is not None and k_now.get(name, 0) >= 1:
-                groups.setdefault(name, []).append(r)
+        if any(k_now.values()):
+            for r in running:
+                if r.num_tokens - r.num_computed_tokens != 1:
+                    continue
+                name = chosen_drafter(r, self.default)
+                if name is not None and k_now.get(name, 0) >= 1:
+                    groups.setdefault(name, []).append(r)
+        if self.meter is not None:
+            # a pure-decode step: every live request runs and has one token to compute
+            clean = bool(running) and len(running) == len(requests) and \
+                all(r.num_tokens - r.num_computed_tokens <= 1 for r in running)
+            k_step = max((k_now[name] for name in groups), default=0)
+            self.meter.label(len(running), k_step, clean)
         return groups
 
     def propose(self, groups: dict[str, list[Request]]) -> None:

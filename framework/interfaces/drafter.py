@@ -105,7 +105,7 @@ class Drafter(ABC):
         num_speculative_tokens: k, the most tokens ever asked for per request.
         relative_cost: cost of one draft step relative to one target decode step
             (0 for n-gram lookup; about the parameter ratio for a draft model); the
-            adaptive rule (:class:`kvforge.engine.spec_decode.AdaptiveSpeculation`) uses it.
+            adaptive rule (:class:`kvforge.engine.spec_adaptive.AdaptiveSpeculation`) uses it.
     """
 
     KVFORGE_HOOK_API = KVFORGE_HOOK_API
