@@ -81,7 +81,8 @@ def test_measured_costs_turn_off_speculation_the_model_would_keep():
     assert rule.best_k(64, 1.0) == 1  # the model alone speculates
     ks = simulate({0: 6.8, 1: 15.9, 2: 19.0, 3: 22.0, 4: 25.0}, steps=2000, noise=0.05)
     spec_steps = sum(1 for k in ks if k)
-    assert ks[-1] == 0 and spec_steps <= 0.02 * len(ks), spec_steps  # probes back off
+    # two steps to measure k'=1, then (not even acceptance 1 would pay) a probe per 1024 steps
+    assert ks[-1] == 0 and spec_steps <= 6, spec_steps
     assert any(ks), "the model's choice was never tried"
 
 
@@ -95,3 +96,5 @@ def test_measured_costs_pick_the_k_that_pays(step_ms, expect):
 def test_low_acceptance_turns_off_even_when_steps_are_cheap():
     ks = simulate({0: 6.8, 1: 6.9, 2: 7.0, 3: 7.1, 4: 7.2}, steps=600, acceptance=0.02, noise=0.02)
     assert ks[-100:].count(0) >= 95
+    # cheap steps: probes keep re-measuring the acceptance (every 64, 128, 256... steps)
+    assert sum(1 for k in ks[100:] if k) >= 4

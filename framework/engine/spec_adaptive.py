@@ -111,8 +111,9 @@ class AdaptiveSpeculation:
     k' + 1 and k' - 1, so the choice climbs to the measured best. While the rule says 0 but the model would speculate at
     ``initial_acceptance_rate``, two steps with k' = 1 probe again after ``PROBE_INTERVAL``
     plain steps, an interval that doubles after each probe that does not turn speculation
-    back on (up to ``MAX_PROBE_INTERVAL``), so a drafter that starts to match again is
-    picked up and one that never pays costs little.
+    back on (up to ``MAX_PROBE_INTERVAL``, at once when the measured costs leave no gain
+    even at acceptance 1), so a drafter that starts to match again is picked up and one
+    that never pays costs little.
     """
 
     PSEUDO_COUNT = 32
@@ -199,7 +200,10 @@ class AdaptiveSpeculation:
                             return self._start_probe(n)
             return k
         self._off_steps += 1
-        if self._off_steps >= self._probe_interval and self.best_k(batch_size, self.prior) > 0:
+        interval = self._probe_interval
+        if measured and self.best_k(batch_size, 1.0, self.costs(batch_size), self.MEASURED_MARGIN) == 0:
+            interval = self.MAX_PROBE_INTERVAL  # at the measured cost not even perfect drafts pay
+        if self._off_steps >= interval and self.best_k(batch_size, self.prior) > 0:
             self._off_steps = 0
             self._probe_interval = min(2 * self._probe_interval, self.MAX_PROBE_INTERVAL)
             return self._start_probe(1)
