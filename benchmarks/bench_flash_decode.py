@@ -5,8 +5,11 @@
 Cases (GQA 32/8, head_dim 128, bf16, block 16), each checked against torch_ref first:
   * batch 64 x 4096 context  (issue 3 target: >= 3.4 TB/s effective KV read)
   * batch 1 x 32768 context  (issue 3 target: >= 3.0 TB/s through split-KV)
+  * batch 8 x 8192 and batch 256 x 1024 (no target)
 Effective bandwidth = bytes of K and V read (seq_len x Hkv x D x 2 x 2 bytes per row) /
-median time of the attention call (triton.testing.do_bench), vs the measured 4.27 TB/s.
+median time of the attention call (triton.testing.do_bench; the call includes the KV write
+of the step's token and, when split, fd_merge), vs the measured 4.27 TB/s. ``splits`` is
+the plan the backend's forward uses (plan.plan_splits).
 """
 from __future__ import annotations
 

@@ -83,13 +83,16 @@ def methods(ops: dict, kind_filter=None) -> dict:
     def w8a8(qdtype, wkey, impl):
         def fn(x):
             qa, sa = quantize_act(x, qdtype)
+            if impl == "torch-fast":  # the fp8 plugin's fast_accum setting
+                return scaled_mm_torch(qa, sa, ops[f"{wkey}_w"], ops[f"{wkey}_s"], x.dtype, use_fast_accum=True)
             f = scaled_mm_torch if impl == "torch" else scaled_mm_triton
             return f(qa, sa, ops[f"{wkey}_w"], ops[f"{wkey}_s"], x.dtype)
         return fn
 
     return {"bf16": lambda x: F.linear(x, ops["w_bf16"]), "w4a16": w4,
             "fp8-triton": w8a8(torch.float8_e4m3fn, "fp8", "triton"), "fp8-torch": w8a8(torch.float8_e4m3fn, "fp8", "torch"),
-            "int8-triton": w8a8(torch.int8, "int8", "triton"), "int8-torch": w8a8(torch.int8, "int8", "torch")}
+            "int8-triton": w8a8(torch.int8, "int8", "triton"), "int8-torch": w8a8(torch.int8, "int8", "torch"),
+            "fp8-torch-fast": w8a8(torch.float8_e4m3fn, "fp8", "torch-fast")}
 
 
 def references(ops: dict, x: torch.Tensor) -> dict:
@@ -151,7 +154,7 @@ def gemm_table(shapes, ms, cudagraph: bool) -> list[dict]:
     rows = []
     hdr = f"{'K':>6} {'N':>6} {'M':>5} | " + " | ".join(f"{n:>20s}" for n in
                                                        ("bf16", "w4a16", "fp8-triton", "fp8-torch", "int8-triton",
-                                                        "int8-torch"))
+                                                        "int8-torch", "fp8-torch-fast"))
     print("\n== GEMM time: us  TFLOP/s  speedup vs bf16 ==")
     print(hdr)
     for k, n in shapes:
@@ -188,7 +191,8 @@ def targets(rows: list[dict]) -> None:
             best = min(t["fp8-triton"], t["fp8-torch"] if t["fp8-torch"] == t["fp8-torch"] else float("inf"))
             s8 = t["bf16"] / best
             print(f"  FP8   >= 1.6x   {tag} {s8:5.2f}x  {'PASS' if s8 >= 1.6 else 'FAIL'} "
-                  f"(triton {t['bf16'] / t['fp8-triton']:.2f}x, _scaled_mm {t['bf16'] / t['fp8-torch']:.2f}x)")
+                  f"(triton {t['bf16'] / t['fp8-triton']:.2f}x, _scaled_mm {t['bf16'] / t['fp8-torch']:.2f}x, "
+                  f"_scaled_mm fast_accum {t['bf16'] / t.get('fp8-torch-fast', float('nan')):.2f}x)")
 
 
 def write_choices(rows: list[dict]) -> None:
@@ -203,41 +207,81 @@ def write_choices(rows: list[dict]) -> None:
     print(f"\nwrote W8A8 choices to {write_table(entries)}")
 
 
+def wna16_candidates(m: int) -> list[dict]:
+    """W4A16 configs worth timing at M tokens (keys: ``wna16.DEFAULTS``; merged over the M
+    bucket's defaults), ~10-15 per M: each compiles once per shape, and the compiles dominate."""
+    def cc(bn, bk, w, **kw):  # CUDA cores (M = 1): [BLOCK_K, BLOCK_N] tiles, a word row per warp and step
+        return dict(path="fused", dot=False, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, **kw)
+
+    def swap(bm, bn, bk, w, **kw):  # per-field MMAs, weight as the M side (wgmma A from registers)
+        return dict(path="fused", dot=True, swap_ab=True, joined=False, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                    num_warps=w, **kw)
+
+    def joined(bm, bn, bk, w, **kw):  # one MMA per tile on the re-joined weight tile
+        return dict(path="fused", dot=True, joined=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, **kw)
+
+    def dq(bn, bk, w):  # dequantize to a temporary, then cuBLAS
+        return dict(path="dequant", BLOCK_N=bn, BLOCK_K=bk, num_warps=w)
+    if m == 1:
+        return ([cc(bn, bk, w, prefetch=p) for bn, bk, w in ((256, 128, 8), (256, 128, 4), (256, 64, 4),
+                                                             (512, 128, 8), (512, 64, 4)) for p in (True, False)]
+                + [cc(256, 128, 8, waves=wv, max_split=32) for wv in (1, 4)]
+                + [cc(256, 128, 8, reduce="atomic"), swap(16, 512, 64, 4)])
+    if m <= 16:
+        return ([swap(16, bn, bk, w, num_stages=st) for bn, bk, w in ((512, 64, 4), (512, 128, 4), (1024, 64, 8))
+                 for st in (2, 3, 4)]
+                + [swap(16, 512, 64, 4, waves=wv) for wv in (1, 4)] + [swap(16, 512, 64, 4, reduce="atomic")]
+                + [dict(path="fused", dot=True, swap_ab=False, BLOCK_M=16, BLOCK_N=256, BLOCK_K=128, num_warps=4),
+                   joined(16, 256, 64, 4)])
+    if m <= 64:
+        return ([joined(64, bn, bk, w, max_split=4) for bn, bk, w in ((128, 128, 4), (128, 64, 4), (256, 64, 4),
+                                                                      (256, 64, 8))]
+                + [joined(64, 128, 128, 4, max_split=ms) for ms in (1, 2, 8)]
+                + [joined(64, 128, 128, 4, max_split=8, reduce="atomic")]
+                + [swap(bm, 512, 64, 4, max_split=4) for bm in (32, 64)] + [dq(256, 64, 4)])
+    return ([dq(bn, bk, w) for bn, bk, w in ((256, 64, 4), (256, 32, 4), (128, 64, 4), (256, 64, 8), (512, 32, 8))]
+            + ([joined(bm, 256, 64, 8, max_split=1) for bm in (64, 128)] if m <= 256 else []))
+
+
 def tune_wna16(shapes, ms, cudagraph: bool) -> None:
-    """Sweep W4A16 launch configs per shape and M; store the fastest in the choices table."""
-    import itertools
+    """Time ``wna16_candidates`` per shape and M (AutoAWQ layout, bf16); store the fastest
+    (merged with the defaults it ran with) in the choices table, kind "wna16"."""
     from kvforge_plugins.quant.kernels.choices import key, write_table
-    from kvforge_plugins.quant.kernels.wna16 import CONFIGS, bucket
+    from kvforge_plugins.quant.kernels.wna16 import CONFIGS, DEFAULTS, TABLE_SCHEMA, bucket
     gpu = torch.cuda.get_device_name()
     best_all: dict = {gpu: {"wna16": {}}}
     print("\n== W4A16 tuning ==")
     for k, n in shapes:
         ops = make_operands(k, n)
         w4 = methods(ops)["w4a16"]
+        from kvforge_plugins.quant.kernels.wna16 import dequantize_wna16
+        w_ref = dequantize_wna16(ops["awq_qweight"], ops["awq_scales"], ops["awq_zeros"], bits=4, group_size=GROUP,
+                                 pack_k=False, awq_order=True, dtype=torch.float32)
         for m in ms:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            if m <= 64:  # ~80 configs: bandwidth-bound decode
-                grid = itertools.product([16] if m <= 16 else [32, 64], [32, 64, 128], [128, 256],
-                                         [1, 2, 4, 8], [4], [3, 4], [True, False])
-            else:  # 32 configs: compute-bound prefill
-                grid = itertools.product([64, 128], [128, 256], [64], [1], [4, 8], [3, 4], [True])
+            ref = x.float() @ w_ref
+            base = {**DEFAULTS, **CONFIGS[bucket(m)]}
             default_t = bench(lambda v: w4(v), x, cudagraph)
             best = (default_t, None)
-            for bm, bn, bk, split, warps, stages, fp32_acc in grid:
-                if split == 1 and not fp32_acc:
-                    continue
-                cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8 if m > 64 else 1, num_warps=warps,
-                           num_stages=stages, split_k=split, max_split=split, fp32_splitk=fp32_acc)
-                try:
+            for cand in wna16_candidates(m):
+                cfg = {**base, **cand}
+                try:  # a config that runs but computes garbage must not win
+                    rel = ((w4(x, cfg).float() - ref).abs().max() / ref.abs().max()).item()
+                    assert rel < 2e-2, f"wrong result: rel {rel:.2e}"
                     tm = bench(lambda v, c=cfg: w4(v, c), x, cudagraph, rep=20)
-                except Exception:
+                except Exception as e:  # e.g. out of shared memory on this GPU
+                    print(f"    skipped {cand}: {type(e).__name__}: {str(e)[:100]}")
                     continue
+                print(f"    M={m:<5d} {tm * 1e6:7.1f} us {cand}", flush=True)
                 if tm < best[0]:
                     best = (tm, cfg)
-            print(f"  K={k:<6d} N={n:<6d} M={m:<5d} default {default_t * 1e6:7.1f} us ({bucket(m)}: "
-                  f"{CONFIGS[bucket(m)]}) -> best {best[0] * 1e6:7.1f} us {best[1]}", flush=True)
+            print(f"  K={k:<6d} N={n:<6d} M={m:<5d} default {default_t * 1e6:7.1f} us ({bucket(m)}) -> best "
+                  f"{best[0] * 1e6:7.1f} us {best[1] and {kk: v for kk, v in best[1].items() if base.get(kk) != v}}",
+                  flush=True)
             if best[1] is not None:
-                best_all[gpu]["wna16"][key(m, n, k)] = best[1]
+                best_all[gpu]["wna16"][key(m, n, k)] = {**best[1], "schema": TABLE_SCHEMA}
+        del ops, w_ref
+        torch.cuda.empty_cache()
     print(f"wrote W4A16 configs to {write_table(best_all)}")
 
 

@@ -116,6 +116,54 @@ def test_flash_decode_splits_and_poisoned_output(splits_sms):
     assert rel(out, want) < TOL[dtype], (splits, rel(out, want))
 
 
+@cuda
+@pytest.mark.parametrize("dtype,d,group,bs", [
+    (torch.bfloat16, 96, 3, 8),     # 12 vectors a row over 8 lanes x 2: padding lanes; odd group
+    (torch.float16, 8, 2, 16),      # one lane per key (stories260K's head size)
+    (torch.float16, 16, 5, 32),
+    (torch.bfloat16, 256, 12, 16),  # two programs (head slices of 6) per KV head
+    (torch.float32, 96, 9, 8),      # fp32, padding lanes, two slices of 5 (one padded head)
+    (torch.bfloat16, 160, 4, 32),
+])
+@pytest.mark.parametrize("splits_sms", [1, 100000])
+def test_flash_decode_kernel_lane_mappings(dtype, d, group, bs, splits_sms):
+    """Direct kernel call on the lane mappings test_backend_matches_torch_ref misses, on a mixed
+    batch (decode rows are not token rows), with padded q/out row strides (q's padding NaN)
+    and NaN-poisoned outputs: decode rows written and right, nothing else written. q is
+    scaled up so scores spread widely and the kernel's running max is rescaled mid-stream."""
+    from kvforge_plugins.attention.flash_decode.jit import Kernels
+    from kvforge_plugins.attention.flash_decode.plan import plan_splits
+    hkv = 2
+    hq = hkv * group
+    qlens, ctxs = [1, 3, 1, 1, 2, 1], [0, 5, bs - 1, 700, 40, 2 * bs]
+    q0, k, v, cache, inputs = make_batch(qlens, ctxs, hq, hkv, d, bs, dtype)
+    q0 = q0 * 4
+    layer = AttentionLayer(0, hq, hkv, d, d ** -0.5)
+    want = TorchRefBackend().forward(layer, q0, k, v, cache, inputs)  # also writes k/v into the cache
+    t = q0.shape[0]
+    qbig = torch.full((t, hq * d + 24), float("nan"), dtype=dtype, device="cuda")
+    qbig[:, :hq * d] = q0.reshape(t, -1)
+    q = qbig[:, :hq * d].view(t, hq, d)
+    obig = torch.full((t, hq * d + 40), float("nan"), dtype=dtype, device="cuda")
+    out = obig[:, :hq * d].view(t, hq, d)
+    starts = [sum(qlens[:i]) for i in range(len(qlens))]
+    dec = [i for i, n in enumerate(qlens) if n == 1]
+    tok = torch.tensor([starts[i] for i in dec], dtype=torch.int32, device="cuda")
+    req = torch.tensor(dec, dtype=torch.int32, device="cuda")
+    splits, part = plan_splits(len(dec), hkv, inputs.max_seq_len, bs, splits_sms)
+    po = torch.full((len(dec) * hq * splits * d,), float("nan"), device="cuda")
+    pl = torch.full((len(dec) * hq * splits,), float("nan"), device="cuda")
+    Kernels().decode(q, cache, inputs.block_table, inputs.seq_lens, tok, req, len(dec), layer, bs, splits, part,
+                     po, pl, out)
+    torch.cuda.synchronize()
+    rows = tok.long()
+    others = [i for i in range(t) if i not in set(tok.tolist())]
+    assert torch.isfinite(out[rows]).all(), f"unwritten decode outputs with {splits} splits"
+    assert torch.isnan(out[others]).all(), "wrote a row that is not a decode row"
+    assert torch.isnan(obig[:, hq * d:]).all(), "wrote past a row's heads"
+    assert rel(out[rows], want[rows]) < TOL[dtype], (splits, rel(out[rows], want[rows]))
+
+
 def _greedy(model_dir, **kw):
     from kvforge import LLM, SamplingParams
     llm = LLM(model_dir, **kw)

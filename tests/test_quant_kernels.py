@@ -6,9 +6,11 @@ the variable must be set before that; this file is the subprocess's script). fp1
 only: Triton 3.9's interpreter computes bf16 ``tl.dot`` wrongly. Error measure:
 ``rel = max|kernel - ref| / max|ref|`` with the reference dequantizing in fp32:
 
-* W4A16/W8A16 (AWQ and GPTQ layouts, per-tile and per-row group scales, split-K):
-  fp32 activations rel <= 1e-5 (accumulation order only); fp16 rel <= 2e-3 (the kernel
-  rounds the dequantized weight to fp16: 2^-11 relative, accumulated in fp32).
+* W4A16/W8A16 (``wna16_cases.py``: AWQ, plain N-packed and GPTQ layouts, 4 and 8 bits,
+  groups 4..128 and per-channel, M 1..130, every kernel path and split-K reduction, K and N
+  off the tile sizes, NaN-poisoned outputs, fresh random data per run with the seed in the
+  report): fp32 activations rel <= 1e-5 (accumulation order only); fp16 rel <= 2e-3
+  (3e-3 with fp16 atomic split-K); a swap of two packed fields must fail by >= 50x.
 * Activation quantization: Triton equals the torch reference exactly (same fp32 ops,
   same rounding rule) -- at most 0.1% of elements may differ by one quantization step.
 * W8A8 GEMM: INT8 accumulates exactly in int32 (rel <= 1e-6 in fp32 out); FP8 products are
@@ -49,43 +51,11 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
-def _wna16_case(device, m, k, n, bits, group, pack_k, awq, dtype, config, seed=0):
-    from kvforge_plugins.quant.common import pack_rows
-    from kvforge_plugins.quant.kernels.wna16 import dequantize_wna16, wna16_gemm
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randint(0, 2 ** bits, (k, n), generator=g, dtype=torch.int32)
-    groups = -(-k // group)
-    s = (torch.rand(groups, n, generator=g) * 0.02 + 0.005).half()
-    z = torch.randint(0, 2 ** bits, (groups, n), generator=g).to(torch.uint8)
-    if pack_k:
-        qw = pack_rows(q, bits)
-    else:
-        cols = torch.arange(n).view(-1, 8)[:, [0, 2, 4, 6, 1, 3, 5, 7]].reshape(-1) if awq else torch.arange(n)
-        qw = pack_rows(q[:, cols].t().contiguous(), bits).t().contiguous()
-    x = torch.randn(m, k, generator=g).to(dtype)
-    qw, s, z, x = (t.to(device) for t in (qw, s, z, x))
-    w = dequantize_wna16(qw, s, z, bits=bits, group_size=group, pack_k=pack_k, awq_order=awq, dtype=torch.float32)
-    ref = x.float() @ w
-    y = wna16_gemm(x, qw, s, z, bits=bits, group_size=group, pack_k=pack_k, awq_order=awq, n=n, config=config)
-    assert y.dtype == dtype and y.shape == (m, n)
-    return _rel(y, ref)
-
-
-TINY = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=1, num_warps=4, num_stages=1, max_split=4)
+sys.path.insert(0, str(HERE))
+import wna16_cases  # noqa: E402  (W4A16 / W8A16 checks: every path, fresh random data per run)
 
 #: name -> (callable(device) -> error, bound)
-CPU_CHECKS = {
-    "awq_fp16_splitk": (lambda d: _wna16_case(d, 5, 96, 64, 4, 32, False, True, torch.float16, dict(TINY, split_k=3)),
-                        2e-3),
-    "awq_fp32_rowgroups": (lambda d: _wna16_case(d, 20, 64, 48, 4, 16, False, True, torch.float32,
-                                                 dict(TINY, split_k=1, GROUP_M=2)), 1e-5),
-    "gptq4_fp16_tilegroups": (lambda d: _wna16_case(d, 33, 128, 64, 4, 64, True, False, torch.float16,
-                                                    dict(TINY, BLOCK_M=32, split_k=2)), 2e-3),
-    "gptq8_fp32_group4_oddN": (lambda d: _wna16_case(d, 3, 88, 40, 8, 4, True, False, torch.float32,
-                                                     dict(TINY, split_k=1)), 1e-5),
-    "gptq8_fp32_perchannel": (lambda d: _wna16_case(d, 7, 64, 36, 8, 64, True, False, torch.float32,
-                                                    dict(TINY, split_k=2)), 1e-5),
-}
+CPU_CHECKS = dict(wna16_cases.CPU_CHECKS)
 
 
 def _act_quant_case(device, qdtype, static, dtype):
@@ -181,6 +151,7 @@ def _run_all_in_interpreter() -> dict:
             import traceback
             results[name] = {"err": None, "bound": bound, "error": f"{type(e).__name__}: {e}\n"
                                                                    f"{traceback.format_exc()[-2000:]}"}
+        results[name]["seed"] = wna16_cases.SEED
     return results
 
 
@@ -206,8 +177,9 @@ def interp_results():
 @pytest.mark.parametrize("name", list(ALL_CPU))
 def test_triton_interpreter(name, interp_results):
     r = interp_results[name]
-    assert r["error"] is None, f"{name} raised: {r['error']}"
-    assert r["err"] <= r["bound"], f"{name}: error {r['err']:.3g} > bound {r['bound']:.3g}"
+    replay = f"(random data: KVFORGE_TEST_SEED={r['seed']} replays it)"
+    assert r["error"] is None, f"{name} raised {replay}: {r['error']}"
+    assert r["err"] <= r["bound"], f"{name}: error {r['err']:.3g} > bound {r['bound']:.3g} {replay}"
 
 
 # =============================================================================================
@@ -222,11 +194,36 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("m", [1, 16, 64, 300])
 @pytest.mark.parametrize("layout", ["awq", "gptq4", "gptq8"])
 def test_gpu_wna16(layout, m, dtype):
+    """The M buckets' default configs (and the tuned table, if any) at a Llama-like size."""
     bits = 8 if layout == "gptq8" else 4
-    err = _wna16_case("cuda", m, 1024, 2048, bits, 128, layout != "awq", layout == "awq", dtype, None)
-    # fp16: weight rounding 2^-11 plus split-K partial sums rounded to fp16 (<= 8 adds);
-    # bf16: 2^-8 weight rounding (split-K accumulates in fp32 by default)
-    assert err <= (4e-3 if dtype == torch.float16 else 1.6e-2), err
+    err = wna16_cases.run_case("cuda", m, 1024, 2048, bits, 128, "awq" if layout == "awq" else "gptq", dtype, None,
+                               wna16_cases.SEED)
+    # fp16: 2^-11 weight / output rounding; bf16: 2^-8
+    assert err <= (4e-3 if dtype == torch.float16 else 1.6e-2), f"{err} (KVFORGE_TEST_SEED={wna16_cases.SEED})"
+
+
+#: every kernel path explicitly: name -> (M, config)
+GPU_WNA16_PATHS = {
+    "cudacore": (1, dict(dot=False)), "cudacore_noprefetch_split": (1, dict(dot=False, prefetch=False, split_k=3)),
+    "swap": (16, dict(swap_ab=True, BLOCK_M=16, BLOCK_N=512, BLOCK_K=128)),
+    "noswap_unscaled": (16, dict(swap_ab=False, scale_after=False, BLOCK_N=256, BLOCK_K=128)),
+    "joined": (64, dict(joined=True, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128)),
+    "atomic": (16, dict(swap_ab=True, BLOCK_M=16, BLOCK_N=512, BLOCK_K=128, split_k=4, reduce="atomic")),
+    "atomic_fp32": (16, dict(swap_ab=True, BLOCK_M=16, BLOCK_N=512, BLOCK_K=128, split_k=4, reduce="atomic_fp32")),
+    "dequant": (3, dict(path="dequant")),
+}
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["awq", "gptq4"])
+@pytest.mark.parametrize("path", list(GPU_WNA16_PATHS))
+def test_gpu_wna16_paths(path, layout, dtype):
+    m, config = GPU_WNA16_PATHS[path]
+    err = wna16_cases.run_case("cuda", m, 1024, 2048, 4, 128, "awq" if layout == "awq" else "gptq", dtype, config,
+                               wna16_cases.SEED)
+    # fp16: + the split-K partial sums rounded to fp16 with reduce="atomic"
+    assert err <= (4e-3 if dtype == torch.float16 else 1.6e-2), f"{err} (KVFORGE_TEST_SEED={wna16_cases.SEED})"
 
 
 @cuda

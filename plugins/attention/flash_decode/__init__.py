@@ -3,11 +3,14 @@ through CuPy/NVRTC (the way FlashInfer JIT-compiles its kernels).
 
 Decode rows (one query token) run ``fd_partial`` over ``num_splits`` partitions of
 their context and, when split, ``fd_merge`` combines the partial softmax states by
-log-sum-exp (Flash-Decoding, Dao et al. 2023). The split count comes from a plan
-computed on the CPU once per step (:func:`plan_splits`). Prefill/extend rows use
-`triton_paged`'s prefill kernel (its per-step plan, split-KV included) when that plugin
-is importable and supports the layer (block size >= 16, power-of-two head size), else
-the torch reference loop.
+log-sum-exp (Flash-Decoding, Dao et al. 2023). ``fd_partial`` spreads keys over lanes
+(a few lanes per key, each holding 16-byte vectors of it), keeps the q slices of the
+whole GQA group in registers so each K/V byte is read once for all of its query heads,
+and streams K/V through a 4-stage cp.async pipeline (see kernels.cu; emulate.py checks
+its indexing on the CPU). The split count comes from a plan computed on the CPU once per
+step (:func:`plan_splits`). Prefill/extend rows use `triton_paged`'s prefill kernel (its
+per-step plan, split-KV included) when that plugin is importable and supports the layer
+(block size >= 16, power-of-two head size), else the torch reference loop.
 """
 from __future__ import annotations
 
@@ -71,7 +74,7 @@ class FlashDecodeBackend(AttentionBackend):
         if req.head_size not in (8, 16) and (req.head_size % 32 or not 32 <= req.head_size <= 256):
             reasons.append(f"head_size {req.head_size} must be 8, 16 or a multiple of 32 up to 256")
         if req.dtype == torch.float32 and req.head_size > 128:
-            reasons.append("float32 supports head_size <= 128 (shared-memory tile)")
+            reasons.append("float32 supports head_size <= 128 (a K/V row is at most 32 16-byte vectors)")
         if req.block_size not in (8, 16, 32):
             reasons.append(f"block_size {req.block_size} not in (8, 16, 32)")
         if req.num_heads % req.num_kv_heads or req.num_heads // req.num_kv_heads > 16:

@@ -2,11 +2,38 @@
 // FlashInfer's split-KV + merge-states design, Ye et al. 2025), compiled at run time by NVRTC.
 //
 // Compile-time constants (passed as -D options): KV_DTYPE (0 fp16, 1 bf16, 2 fp32),
-// HEAD_DIM (multiple of 32), GROUP (query heads per KV head), BLOCK_SIZE (tokens per
-// KV block), TILE_BLOCKS (KV blocks staged in shared memory per iteration).
+// HEAD_DIM (8, 16 or a multiple of 32 up to 256; fp32 up to 128), GROUP (query heads per
+// KV head), HEADS (query heads served by one program: GROUP, or about half of it when
+// GROUP > 8, see jit.py), BLOCK_SIZE (tokens per KV block: 8, 16 or 32).
 //
 // Layouts: q/out rows [*, Hq, D] (row stride given), cache [2, NB, BS, Hkv, D],
 // block_table int32 [B, max_blocks], seq_lens int32 [B].
+//
+// fd_partial: one program (CUDA block of 4 warps) = (KV head, head slice, split, decode row).
+//   * Keys are spread over lanes: a "key group" of LPK lanes holds one key; lane r of the
+//     group owns the 16-byte vectors r, r + LPK, ... (VPL of them) of the key's row, so a
+//     warp works on KPW = 32 / LPK keys at once and q.k needs only log2(LPK) shuffles
+//     (bf16 head_dim 128, <= 4 heads: 8 lanes x 2 vectors, 4 keys per warp).
+//   * Each thread keeps the q slices (its dims) of all HEADS query heads in registers, so a
+//     K/V vector read once from HBM serves the whole GQA group; its V slice (same dims) is
+//     accumulated for every head, and at the end lanes holding the same dims are summed.
+//   * K/V go global -> shared memory with cp.async (16 bytes, zero-filled past the end),
+//     STAGES deep. Each thread copies exactly the vectors it later reads, so a stage needs
+//     only the thread's own cp.async.wait_group, no barrier. Chosen over plain register
+//     loads because copies in flight cost no registers: 3 stages per thread stay in flight
+//     while one is computed (24 KB per program, ~72 KB per SM), and the registers go to q
+//     and the accumulators (2 x HEADS x EPL floats) instead.
+//   * Online softmax per key group in base 2 (scale * log2(e) folded into q). The running
+//     max m is a reference, not the exact max: the accumulators are rescaled (a branch)
+//     only when a score passes m + RESCALE_SLACK, so p = exp2(s - m) <= 2^8 and after the
+//     first keys the branch is hardly ever taken (FlashAttention-4's conditional rescale);
+//     l and acc stay consistent with m, so the result is exact.
+//   * At the end the key groups of a warp are combined by shuffles, the 4 warps through
+//     shared memory (reusing the ring), and the program writes the output (one split) or
+//     its partial state (part_out fp32 [rows, Hq, splits, D], part_lse = natural-log sum
+//     of exp; an empty split writes only part_lse = -inf).
+// fd_merge: one program per (query head, row) combines the splits by log-sum-exp weights.
+// emulate.py mirrors both kernels' indexing on the CPU (numpy); keep the two in step.
 
 #if KV_DTYPE == 2
 typedef float st;
@@ -24,21 +51,100 @@ __device__ __forceinline__ st from_f(float x) { st h; asm("cvt.rn.bf16.f32 %0, %
 #endif
 
 #define WARP 32
+#define FULL_MASK 0xffffffffu
 #define NEG_INF __int_as_float(0xff800000)
-#define DPL ((HEAD_DIM + WARP - 1) / WARP)     // dims per lane (lanes past HEAD_DIM idle when < 32)
-#define OWN(i) (HEAD_DIM % WARP == 0 || lane + (i) * WARP < HEAD_DIM)
-#define TILE (TILE_BLOCKS * BLOCK_SIZE)       // tokens per iteration
-#define VEC (16 / sizeof(st))                 // elements per 16-byte load
+#define FLT_MAX_ 3.402823466e38f
+#define LOG2E 1.4426950408889634f
+#define LN2 0.6931471805599453f
+#define RESCALE_SLACK 8.f  // log2 units: exp2(s - m) <= 256, far from fp32 overflow
 
-__device__ __forceinline__ float warp_sum(float v) {
+#ifndef HEADS
+#define HEADS GROUP
+#endif
+
+// Smallest power of two >= x, for 1 <= x <= 32 (a macro: NVRTC rejects unannotated functions).
+#define POW2CEIL(x) ((x) <= 1 ? 1 : (x) <= 2 ? 2 : (x) <= 4 ? 4 : (x) <= 8 ? 8 : (x) <= 16 ? 16 : 32)
+
+constexpr int VEC = 16 / (int)sizeof(st);                   // elements per 16-byte vector
+constexpr int NV = HEAD_DIM / VEC;                          // vectors per K/V row
+constexpr int GH = HEADS;                                   // query heads per program
+constexpr int HSLICES = (GROUP + GH - 1) / GH;              // programs per KV head (jit.py agrees)
+// Two vectors per lane (16 bf16 elements) halve the shuffles and exps per element, but
+// q + accumulators then take 2 x 16 x HEADS registers: only while HEADS <= 4.
+constexpr int VPL = (GH <= 4 && NV >= 2) ? 2 : 1;           // vectors per lane per row
+constexpr int EPL = VPL * VEC;                              // elements per lane per row
+constexpr int LPK = POW2CEIL((NV + VPL - 1) / VPL);         // lanes per key (a power of two)
+constexpr int KPW = WARP / LPK;                             // keys a warp holds at once
+constexpr int NWARPS = 4;
+constexpr int NTHREADS = NWARPS * WARP;
+constexpr int UNROLL = 2 / VPL;                             // keys per thread per stage
+constexpr int STAGES = 4;                                   // cp.async ring depth
+constexpr int WKEYS = KPW * UNROLL;                         // keys per warp per stage
+constexpr int PKEYS = NWARPS * WKEYS;                       // keys per program per stage
+constexpr int RING_BYTES = STAGES * UNROLL * 2 * VPL * NTHREADS * 16;
+constexpr int COMB_BYTES = NWARPS * GH * (HEAD_DIM + 2) * 4;
+constexpr int SMEM_BYTES = RING_BYTES > COMB_BYTES ? RING_BYTES : COMB_BYTES;
+// Up to 168 registers (3 programs per SM) with <= 4 heads; more heads need ~190 (2 per SM).
+constexpr int MIN_PROGRAMS = GH <= 4 ? 3 : 2;
+
+static_assert(HEAD_DIM % VEC == 0 && NV >= 1 && NV <= 32, "HEAD_DIM must be a multiple of 16 bytes, <= 32 vectors");
+static_assert(LPK * VPL >= NV && LPK <= WARP, "lane mapping must cover the row");
+static_assert(BLOCK_SIZE % UNROLL == 0, "a thread's keys of one stage must share a KV block");
+static_assert((STAGES & (STAGES - 1)) == 0, "STAGES must be a power of two");
+static_assert(SMEM_BYTES <= 48 * 1024, "static shared memory limit");
+static_assert(GH >= 1 && GH <= 16 && HSLICES * GH >= GROUP, "head slicing");
+
+// Whether lane r of a key group holds vector j of the row (false only for the padding
+// lanes of head dims that are not a power of two vectors, e.g. 96 bf16 = 12 vectors).
+__device__ __forceinline__ bool owns(int r, int j) { return NV == LPK * VPL || r + j * LPK < NV; }
+
+__device__ __forceinline__ void unpack(const uint4& w, float* f) {
+#if KV_DTYPE == 2
+    f[0] = __uint_as_float(w.x); f[1] = __uint_as_float(w.y);
+    f[2] = __uint_as_float(w.z); f[3] = __uint_as_float(w.w);
+#elif KV_DTYPE == 1
+    const unsigned int x[4] = {w.x, w.y, w.z, w.w};
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
+    for (int i = 0; i < 4; ++i) {  // element 2i is the low half (little-endian)
+        f[2 * i] = __uint_as_float(x[i] << 16);
+        f[2 * i + 1] = __uint_as_float(x[i] & 0xffff0000u);
+    }
+#else
+    const unsigned int x[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+        asm("{ .reg .f16 lo, hi;\n\tmov.b32 {lo, hi}, %2;\n\tcvt.f32.f16 %0, lo;\n\tcvt.f32.f16 %1, hi; }"
+            : "=f"(f[2 * i]), "=f"(f[2 * i + 1]) : "r"(x[i]));
+#endif
 }
 
-// One program = (split, kv head, decode row); warp w serves query head kv_head*GROUP + w,
-// so each K/V tile is read from HBM once for the whole GQA group.
-extern "C" __global__ void __launch_bounds__(WARP * GROUP)
+__device__ __forceinline__ unsigned int smem_addr(const void* p) {
+    unsigned int a;
+    asm("{ .reg .u64 t;\n\tcvta.to.shared.u64 t, %1;\n\tcvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+
+// 16-byte global -> shared copy (dst: shared-window address; dst_ptr: the same as a pointer);
+// bytes == 0 writes zeros and reads nothing.
+__device__ __forceinline__ void cp_async16(unsigned int dst, uint4* dst_ptr, const void* src, int bytes) {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(bytes) : "memory");
+#else  // no cp.async before sm_80: a synchronous copy keeps the code correct
+    *dst_ptr = bytes ? *reinterpret_cast<const uint4*>(src) : make_uint4(0, 0, 0, 0);
+#endif
+}
+__device__ __forceinline__ void cp_async_commit() {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory");
+#endif
+}
+
+extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_PROGRAMS)
 fd_partial(const st* __restrict__ q, long long q_row_stride,
            const st* __restrict__ kv, long long kv_half,              // elements in K (= in V)
            const int* __restrict__ block_table, int max_blocks,
@@ -47,103 +153,342 @@ fd_partial(const st* __restrict__ q, long long q_row_stride,
            int num_kv_heads, int partition, int num_splits, float scale,
            float* __restrict__ part_out, float* __restrict__ part_lse,
            st* __restrict__ out, long long out_row_stride) {
-    __shared__ __align__(16) st ks[TILE][HEAD_DIM];
-    __shared__ __align__(16) st vs[TILE][HEAD_DIM];
-    const int split = blockIdx.x, hk = blockIdx.y, row = blockIdx.z;
-    const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
+    __shared__ __align__(16) unsigned char smem[SMEM_BYTES];
+    // KV head fastest: programs running together read all heads of the same tokens
+    // (whole cache rows), and the head slices of one KV head share its K/V through L2.
+    const int hk = blockIdx.x / HSLICES, hs = blockIdx.x % HSLICES;
+    const int split = blockIdx.y, row = blockIdx.z;
+    const int tid = threadIdx.x, warp = tid / WARP, lane = tid % WARP;
+    const int g = lane / LPK, r = lane % LPK;                  // key group in the warp, lane in the group
     const int tok = row_tok[row], req = row_req[row];
-    const int head = hk * GROUP + warp;
-    const int num_heads = num_kv_heads * GROUP;
     const int seq_len = seq_lens[req];
-    const int start = split * partition;
+    const int num_heads = num_kv_heads * GROUP;
+    const int head0 = hk * GROUP + hs * GH;                    // first query head of this program
+    const int nh = min(GH, GROUP - hs * GH);                   // real heads (the rest is padding)
+    // q before the empty-split test: its load then overlaps the seq_lens one.
+    float qf[GH][EPL];
+    {
+        const st* qp = q + (long long)tok * q_row_stride + (long long)head0 * HEAD_DIM;
+        const float qs = scale * LOG2E;  // scores in base 2: exp2 below
+#pragma unroll
+        for (int h = 0; h < GH; ++h)
+#pragma unroll
+            for (int j = 0; j < VPL; ++j)
+#pragma unroll
+                for (int e = 0; e < VEC; ++e) {
+                    float x = 0.f;
+                    if (h < nh && owns(r, j)) x = to_f(qp[h * HEAD_DIM + (r + j * LPK) * VEC + e]) * qs;
+                    qf[h][j * VEC + e] = x;
+                }
+    }
+    const int start = split * partition;                       // a multiple of BLOCK_SIZE
     const int end = min(start + partition, seq_len);
-    const long long pidx = ((long long)row * num_heads + head) * num_splits + split;
     if (start >= end) {  // an empty split: neutral element for the merge
-        if (num_splits > 1 && lane == 0) part_lse[pidx] = NEG_INF;
+        if (num_splits > 1 && tid < nh)
+            part_lse[((long long)row * num_heads + head0 + tid) * num_splits + split] = NEG_INF;
         return;
     }
-    float qr[DPL];
-    const st* qp = q + (long long)tok * q_row_stride + (long long)head * HEAD_DIM;
+
+    // Running max starts at -FLT_MAX, not -inf: exp2(s - m) and exp2(m - m') then never see
+    // -inf - -inf (NaN), and a key group or warp without any valid key keeps l = acc = 0.
+    float m[GH], l[GH], acc[GH][EPL];
 #pragma unroll
-    for (int i = 0; i < DPL; ++i) qr[i] = OWN(i) ? to_f(qp[lane + i * WARP]) * scale : 0.f;
-    float m = NEG_INF, l = 0.f, acc[DPL];
+    for (int h = 0; h < GH; ++h) {
+        m[h] = -FLT_MAX_;
+        l[h] = 0.f;
 #pragma unroll
-    for (int i = 0; i < DPL; ++i) acc[i] = 0.f;
+        for (int e = 0; e < EPL; ++e) acc[h][e] = 0.f;
+    }
+
     const int* bt = block_table + (long long)req * max_blocks;
-    const long long tok_stride = (long long)num_kv_heads * HEAD_DIM;
-    for (int t0 = start - start % BLOCK_SIZE; t0 < end; t0 += TILE) {
-        // stage TILE tokens of K and V for this kv head (16-byte loads)
-        for (int e = threadIdx.x * VEC; e < TILE * HEAD_DIM; e += WARP * GROUP * VEC) {
-            const int t = e / HEAD_DIM, d = e % HEAD_DIM;
-            const int pos = t0 + t;
-            if (pos < end) {
-                const long long blk = bt[pos / BLOCK_SIZE];
-                const long long off = (blk * BLOCK_SIZE + pos % BLOCK_SIZE) * tok_stride + hk * HEAD_DIM + d;
-                *reinterpret_cast<uint4*>(&ks[t][d]) = *reinterpret_cast<const uint4*>(kv + off);
-                *reinterpret_cast<uint4*>(&vs[t][d]) = *reinterpret_cast<const uint4*>(kv + kv_half + off);
-            } else {  // never leave stale shared memory where 0 * NaN could reach acc
-                *reinterpret_cast<uint4*>(&ks[t][d]) = make_uint4(0, 0, 0, 0);
-                *reinterpret_cast<uint4*>(&vs[t][d]) = make_uint4(0, 0, 0, 0);
+    const int tok_stride = num_kv_heads * HEAD_DIM;           // elements between tokens of a block
+    const int blk_stride = BLOCK_SIZE * tok_stride;            // elements between cache blocks
+    // This lane's first vector of K in slot 0 (a padding lane points at the row's first one).
+    const st* kvh = kv + hk * HEAD_DIM + ((NV == LPK * VPL || r < NV) ? r * VEC : 0);
+    uint4 (*ring)[UNROLL][2][VPL][NTHREADS] = reinterpret_cast<uint4 (*)[UNROLL][2][VPL][NTHREADS]>(smem);
+    const unsigned int ring_addr = smem_addr(&ring[0][0][0][0][tid]);
+    // Stage t: this thread's keys are start + t * PKEYS + my_key + u, u < UNROLL (one KV block).
+    const int my_key = warp * WKEYS + g * UNROLL;
+
+    // Block-table entry of the keys starting at key0 (0 past the end: then nothing is read).
+    auto lookup = [&](int key0) -> unsigned int {
+        return key0 < end ? (unsigned int)bt[(unsigned int)key0 / BLOCK_SIZE] : 0u;
+    };
+    auto issue = [&](int t, int key0, unsigned int blk) {
+        // In bounds even past the end (a slot of block blk, or of block 0 when the stage is
+        // wholly past it); such copies read nothing anyway (bytes 0: zero-fill).
+        const st* src = kvh + (unsigned long long)blk * (unsigned int)blk_stride
+                        + ((unsigned int)key0 % BLOCK_SIZE) * (unsigned int)tok_stride;
+        const int slot = t & (STAGES - 1);
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u)
+#pragma unroll
+            for (int c = 0; c < 2; ++c)
+#pragma unroll
+                for (int j = 0; j < VPL; ++j) {
+                    const bool ok = key0 + u < end && owns(r, j);
+                    const int idx = ((slot * UNROLL + u) * 2 + c) * VPL + j;  // &ring[slot][u][c][j][tid]
+                    const int vo = owns(r, j) ? j * LPK * VEC : 0;           // a padding lane stays in the row
+                    cp_async16(ring_addr + idx * (NTHREADS * 16), &ring[slot][u][c][j][tid],
+                               src + (c ? kv_half : 0) + u * tok_stride + vo, ok ? 16 : 0);
+                }
+    };
+
+    // Prologue: STAGES - 1 stages in flight; block-table entries are fetched one stage
+    // ahead of their use so the copy issue never waits on them.
+    int key_issue = start + my_key;                            // key0 of the next stage to issue
+    unsigned int blk = lookup(key_issue);
+#pragma unroll
+    for (int t = 0; t < STAGES - 1; ++t) {
+        const unsigned int nb = lookup(key_issue + PKEYS);
+        issue(t, key_issue, blk);
+        cp_async_commit();
+        blk = nb;
+        key_issue += PKEYS;
+    }
+
+    int key0 = start + my_key;                                 // this thread's first key of stage t
+    for (int t = 0; key0 - g * UNROLL < end; ++t, key0 += PKEYS) {  // warp's first key: warp-uniform
+        {
+            const unsigned int nb = lookup(key_issue + PKEYS);
+            issue(t + STAGES - 1, key_issue, blk);  // into the slot read in iteration t - 1
+            cp_async_commit();
+            blk = nb;
+            key_issue += PKEYS;
+        }
+        cp_async_wait<STAGES - 1>();     // this thread's copies of stage t have landed
+        const int slot = t & (STAGES - 1);
+
+        float s[UNROLL][GH];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            float kf[EPL];
+#pragma unroll
+            for (int j = 0; j < VPL; ++j) {
+                const uint4 w = owns(r, j) ? ring[slot][u][0][j][tid] : make_uint4(0, 0, 0, 0);
+                unpack(w, kf + j * VEC);
+            }
+#pragma unroll
+            for (int h = 0; h < GH; ++h) {
+                float a[VPL];  // one FMA chain per vector, for instruction-level parallelism
+#pragma unroll
+                for (int j = 0; j < VPL; ++j) {
+                    a[j] = 0.f;
+#pragma unroll
+                    for (int e = 0; e < VEC; ++e) a[j] = fmaf(qf[h][j * VEC + e], kf[j * VEC + e], a[j]);
+                }
+                float x = a[0];
+#pragma unroll
+                for (int j = 1; j < VPL; ++j) x += a[j];
+                s[u][h] = x;
             }
         }
-        __syncthreads();
-        float sc[TILE];
-        float tmax = NEG_INF;
+        // Sum over the key group's lanes: every lane of the group gets the same score.
 #pragma unroll
-        for (int t = 0; t < TILE; ++t) {
-            const int pos = t0 + t;
-            float s = 0.f;
+        for (int o = 1; o < LPK; o <<= 1)
 #pragma unroll
-            for (int i = 0; i < DPL; ++i) if (OWN(i)) s += qr[i] * to_f(ks[t][lane + i * WARP]);
-            s = warp_sum(s);
-            sc[t] = (pos >= start && pos < end) ? s : NEG_INF;
-            tmax = fmaxf(tmax, sc[t]);
+            for (int u = 0; u < UNROLL; ++u)
+#pragma unroll
+                for (int h = 0; h < GH; ++h) s[u][h] += __shfl_xor_sync(FULL_MASK, s[u][h], o);
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u)
+            if (key0 + u >= end)
+#pragma unroll
+                for (int h = 0; h < GH; ++h) s[u][h] = NEG_INF;
+
+        // Reference max per key group; one branch for all heads so it stays a jump.
+        float cm[GH];
+        bool grow = false;
+#pragma unroll
+        for (int h = 0; h < GH; ++h) {
+            cm[h] = s[0][h];
+#pragma unroll
+            for (int u = 1; u < UNROLL; ++u) cm[h] = fmaxf(cm[h], s[u][h]);
+            grow |= cm[h] > m[h] + RESCALE_SLACK;  // -FLT_MAX + 8 == -FLT_MAX: the first key grows
         }
-        const float m_new = fmaxf(m, tmax);
-        const float alpha = __expf(m - m_new);
-        l *= alpha;
+        if (grow) {  // then this stage has a valid key: every cm is finite
 #pragma unroll
-        for (int i = 0; i < DPL; ++i) acc[i] *= alpha;
+            for (int h = 0; h < GH; ++h) {
+                const float mn = fmaxf(m[h], cm[h]);
+                const float alpha = exp2f(m[h] - mn);  // 0 after -FLT_MAX
+                m[h] = mn;
+                l[h] *= alpha;
 #pragma unroll
-        for (int t = 0; t < TILE; ++t) {
-            const float p = __expf(sc[t] - m_new);
-            l += p;
-#pragma unroll
-            for (int i = 0; i < DPL; ++i) if (OWN(i)) acc[i] += p * to_f(vs[t][lane + i * WARP]);
+                for (int e = 0; e < EPL; ++e) acc[h][e] *= alpha;
+            }
         }
-        m = m_new;
-        __syncthreads();
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            float vf[EPL];
+#pragma unroll
+            for (int j = 0; j < VPL; ++j) {
+                const uint4 w = owns(r, j) ? ring[slot][u][1][j][tid] : make_uint4(0, 0, 0, 0);
+                unpack(w, vf + j * VEC);
+            }
+#pragma unroll
+            for (int h = 0; h < GH; ++h) {
+                const float p = exp2f(s[u][h] - m[h]);  // 0 for a masked key (whose V is zero-filled)
+                l[h] += p;
+#pragma unroll
+                for (int e = 0; e < EPL; ++e) acc[h][e] = fmaf(p, vf[e], acc[h][e]);
+            }
+        }
     }
-    const float inv = 1.f / l;
-    if (num_splits == 1) {
-        st* op = out + (long long)tok * out_row_stride + (long long)head * HEAD_DIM;
+    cp_async_wait<0>();  // zero-fill copies past the end may still be pending: the ring is reused below
+
+    // Key groups -> warp: rescale to the warp's max, then add the lanes holding the same dims.
 #pragma unroll
-        for (int i = 0; i < DPL; ++i) if (OWN(i)) op[lane + i * WARP] = from_f(acc[i] * inv);
-    } else {
-        float* pp = part_out + pidx * HEAD_DIM;
+    for (int h = 0; h < GH; ++h) {
+        float mw = m[h];
 #pragma unroll
-        for (int i = 0; i < DPL; ++i) if (OWN(i)) pp[lane + i * WARP] = acc[i] * inv;
-        if (lane == 0) part_lse[pidx] = m + __logf(l);
+        for (int o = LPK; o < WARP; o <<= 1) mw = fmaxf(mw, __shfl_xor_sync(FULL_MASK, mw, o));
+        const float sc = exp2f(m[h] - mw);  // a group without keys has l = acc = 0 anyway
+        float lh = l[h] * sc;
+#pragma unroll
+        for (int o = LPK; o < WARP; o <<= 1) lh += __shfl_xor_sync(FULL_MASK, lh, o);
+#pragma unroll
+        for (int e = 0; e < EPL; ++e) {
+            float a = acc[h][e] * sc;
+#pragma unroll
+            for (int o = LPK; o < WARP; o <<= 1) a += __shfl_xor_sync(FULL_MASK, a, o);
+            acc[h][e] = a;
+        }
+        m[h] = mw;
+        l[h] = lh;
+    }
+
+    // Warps -> program, through shared memory (the ring is free once every warp is here).
+    __syncthreads();
+    float* cmax = reinterpret_cast<float*>(smem);   // [NWARPS][GH]
+    float* csum = cmax + NWARPS * GH;               // [NWARPS][GH]
+    float* cacc = csum + NWARPS * GH;               // [NWARPS][GH][HEAD_DIM]
+    if (lane == 0) {
+#pragma unroll
+        for (int h = 0; h < GH; ++h) {
+            cmax[warp * GH + h] = m[h];
+            csum[warp * GH + h] = l[h];
+        }
+    }
+    if (lane < LPK) {
+#pragma unroll
+        for (int h = 0; h < GH; ++h)
+#pragma unroll
+            for (int j = 0; j < VPL; ++j)
+                if (owns(r, j))
+#pragma unroll
+                    for (int e = 0; e < VEC; ++e)
+                        cacc[(warp * GH + h) * HEAD_DIM + (r + j * LPK) * VEC + e] = acc[h][j * VEC + e];
+    }
+    __syncthreads();
+    for (int i = tid; i < nh * HEAD_DIM; i += NTHREADS) {
+        const int h = i / HEAD_DIM, d = i % HEAD_DIM;
+        float mx = NEG_INF;
+#pragma unroll
+        for (int w = 0; w < NWARPS; ++w) mx = fmaxf(mx, cmax[w * GH + h]);  // a real max: warp 0 has key `start`
+        float den = 0.f, num = 0.f;
+#pragma unroll
+        for (int w = 0; w < NWARPS; ++w) {
+            const float sc = exp2f(cmax[w * GH + h] - mx);  // a warp without keys has l = acc = 0
+            den += csum[w * GH + h] * sc;
+            num += cacc[(w * GH + h) * HEAD_DIM + d] * sc;
+        }
+        const float o = num / den;
+        if (num_splits == 1) {
+            out[(long long)tok * out_row_stride + (long long)(head0 + h) * HEAD_DIM + d] = from_f(o);
+        } else {
+            const long long pidx = ((long long)row * num_heads + head0 + h) * num_splits + split;
+            part_out[pidx * HEAD_DIM + d] = o;
+            if (d == 0) part_lse[pidx] = (mx + log2f(den)) * LN2;
+        }
     }
 }
 
+#define MERGE_WARPS 8
+
 // Merge the splits of one (row, head) by log-sum-exp weights (FlashInfer's merge_states).
-extern "C" __global__ void fd_merge(const float* __restrict__ part_out, const float* __restrict__ part_lse,
-                                    const int* __restrict__ row_tok, int num_heads, int num_splits,
-                                    st* __restrict__ out, long long out_row_stride) {
+// Warps take splits round-robin, each lane a float4 of the row, so many rows are in flight.
+// Lanes past the row (f >= NF4) load a clamped copy and store nothing. (min blocks 1: ptxas
+// then keeps a round's loads together instead of trading them for registers.)
+extern "C" __global__ void __launch_bounds__(MERGE_WARPS * WARP, 1)
+fd_merge(const float* __restrict__ part_out, const float* __restrict__ part_lse,
+         const int* __restrict__ row_tok, int num_heads, int num_splits,
+         st* __restrict__ out, long long out_row_stride) {
+    constexpr int NF4 = HEAD_DIM / 4;                 // float4 per row
+    constexpr int F4L = (NF4 + WARP - 1) / WARP;      // float4 per lane
+    __shared__ float red[MERGE_WARPS][HEAD_DIM];
+    __shared__ float red_den[MERGE_WARPS], red_max[MERGE_WARPS];
     const int head = blockIdx.x, row = blockIdx.y;
+    const int tid = threadIdx.x, warp = tid / WARP, lane = tid % WARP;
     const long long base = ((long long)row * num_heads + head) * num_splits;
+
     float mx = NEG_INF;
-    for (int s = 0; s < num_splits; ++s) mx = fmaxf(mx, part_lse[base + s]);
-    float denom = 0.f;
-    for (int s = 0; s < num_splits; ++s) denom += __expf(part_lse[base + s] - mx);
-    st* op = out + (long long)row_tok[row] * out_row_stride + (long long)head * HEAD_DIM;
-    for (int d = threadIdx.x; d < HEAD_DIM; d += blockDim.x) {
-        float a = 0.f;
-        for (int s = 0; s < num_splits; ++s) {
-            const float w = __expf(part_lse[base + s] - mx);
-            if (w > 0.f) a += w * part_out[(base + s) * HEAD_DIM + d];
+    for (int s = tid; s < num_splits; s += MERGE_WARPS * WARP) mx = fmaxf(mx, part_lse[base + s]);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, o));
+    if (lane == 0) red_max[warp] = mx;
+    __syncthreads();
+    mx = red_max[0];
+#pragma unroll
+    for (int w = 1; w < MERGE_WARPS; ++w) mx = fmaxf(mx, red_max[w]);
+
+    float4 a[F4L];
+#pragma unroll
+    for (int i = 0; i < F4L; ++i) a[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+    float den = 0.f;
+    // MB splits per warp per round, all loaded before any is used: batch 1 has only Hq merge
+    // programs, so rounds of memory latency, not bandwidth, set the time.
+    constexpr int MB = 8;
+    for (int s0 = warp; s0 < num_splits; s0 += MERGE_WARPS * MB) {
+        float lse[MB];
+        float4 x[MB][F4L];
+        float w[MB];
+#pragma unroll
+        for (int b = 0; b < MB; ++b) {  // unpredicated loads (split index clamped) batch best
+            const int s = min(s0 + b * MERGE_WARPS, num_splits - 1);
+            lse[b] = part_lse[base + s];
+            const float4* p = reinterpret_cast<const float4*>(part_out + (base + s) * HEAD_DIM);
+#pragma unroll
+            for (int i = 0; i < F4L; ++i) x[b][i] = p[min(lane + i * WARP, NF4 - 1)];
         }
-        op[d] = from_f(a / denom);
+#pragma unroll
+        for (int b = 0; b < MB; ++b) {
+            // An empty split (lse -inf) never wrote its row, which may hold anything: weight 0, not 0 * x.
+            const bool live = s0 + b * MERGE_WARPS < num_splits && lse[b] != NEG_INF;
+            w[b] = live ? __expf(lse[b] - mx) : 0.f;
+        }
+#pragma unroll
+        for (int b = 0; b < MB; ++b) {
+            const bool live = w[b] > 0.f;  // (0 also for a live split whose weight underflows: it adds nothing)
+            den += w[b];
+#pragma unroll
+            for (int i = 0; i < F4L; ++i) {
+                a[i].x += live ? w[b] * x[b][i].x : 0.f;
+                a[i].y += live ? w[b] * x[b][i].y : 0.f;
+                a[i].z += live ? w[b] * x[b][i].z : 0.f;
+                a[i].w += live ? w[b] * x[b][i].w : 0.f;
+            }
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < F4L; ++i) {
+        const int f = lane + i * WARP;
+        if (f < NF4) {
+            red[warp][4 * f] = a[i].x;
+            red[warp][4 * f + 1] = a[i].y;
+            red[warp][4 * f + 2] = a[i].z;
+            red[warp][4 * f + 3] = a[i].w;
+        }
+    }
+    if (lane == 0) red_den[warp] = den;
+    __syncthreads();
+    float dsum = 0.f;
+#pragma unroll
+    for (int w = 0; w < MERGE_WARPS; ++w) dsum += red_den[w];
+    st* op = out + (long long)row_tok[row] * out_row_stride + (long long)head * HEAD_DIM;
+    for (int d = tid; d < HEAD_DIM; d += MERGE_WARPS * WARP) {
+        float v = 0.f;
+#pragma unroll
+        for (int w = 0; w < MERGE_WARPS; ++w) v += red[w][d];
+        op[d] = from_f(dsum > 0.f ? v / dsum : 0.f);  // dsum 0 only if every split was empty
     }
 }
