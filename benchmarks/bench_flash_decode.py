@@ -1,6 +1,11 @@
 """Benchmark the `flash_decode` backend (CUDA C++ via NVRTC) on CUDA; a script, not a test.
 
-    python benchmarks/bench_flash_decode.py
+    python benchmarks/bench_flash_decode.py            # the four cases below
+    python benchmarks/bench_flash_decode.py --sweep    # also time each case per plan knob
+
+``--sweep`` re-times each case with the plan's ``waves`` and ``MIN_PARTITION_TOKENS`` varied
+(the rest of the backend unchanged) and, for each setting, inside a CUDA graph as well
+(``graph`` column: launch gaps removed, as in a captured decode step).
 
 Cases (GQA 32/8, head_dim 128, bf16, block 16), each checked against torch_ref first:
   * batch 64 x 4096 context  (issue 3 target: >= 3.4 TB/s effective KV read)
@@ -13,12 +18,16 @@ the plan the backend's forward uses (plan.plan_splits).
 """
 from __future__ import annotations
 
+import argparse
+import functools
 import random
 
 import torch
 import triton
 
 from kvforge.interfaces import AttentionInputs, AttentionLayer
+import kvforge_plugins.attention.flash_decode as fd_backend
+import kvforge_plugins.attention.flash_decode.plan as fd_plan
 from kvforge_plugins.attention.flash_decode import FlashDecodeBackend
 from kvforge_plugins.attention.flash_decode.plan import plan_splits
 from kvforge_plugins.attention.torch_ref import TorchRefBackend
@@ -27,7 +36,7 @@ PEAK_TBPS = 4.27
 DEV = torch.device("cuda")
 
 
-def case(batch: int, ctx: int, hq=32, hkv=8, d=128, bs=16, dtype=torch.bfloat16):
+def case(batch: int, ctx: int, hq=32, hkv=8, d=128, bs=16, dtype=torch.bfloat16, sweep=False):
     nblk = -(-ctx // bs)
     total = batch * nblk + 1
     perm = torch.randperm(total - 1)
@@ -59,14 +68,41 @@ def case(batch: int, ctx: int, hq=32, hkv=8, d=128, bs=16, dtype=torch.bfloat16)
     splits, part = plan_splits(batch, hkv, ctx, bs, torch.cuda.get_device_properties(DEV).multi_processor_count)
     print(f"flash_decode batch {batch:3d} x ctx {ctx:6d}: {ms * 1e3:8.1f} us  {tbps:5.2f} TB/s "
           f"({tbps / PEAK_TBPS:5.1%} of {PEAK_TBPS})  splits={splits} rel_err={err:.1e}")
+    if sweep:
+        run_sweep(be, layer, q, k, v, cache, inputs, nbytes)
     return tbps
 
 
+def run_sweep(be, layer, q, k, v, cache, inputs, nbytes):
+    """Time one case for each (waves, MIN_PARTITION_TOKENS), eager and in a CUDA graph."""
+    default_min = fd_plan.MIN_PARTITION_TOKENS
+    try:
+        for min_part in (128, 256, 512, 1024, 2048):
+            for waves in (1, 2, 4, 8, 16):
+                fd_plan.MIN_PARTITION_TOKENS = min_part
+                fd_backend.plan_splits = functools.partial(plan_splits, waves=waves)
+                md = be.build_metadata(inputs)
+                fn = lambda: be.forward(layer, q, k, v, cache, md)  # noqa: E731
+                ms = triton.testing.do_bench(fn, warmup=25, rep=150, return_mode="median")
+                stream = torch.cuda.Stream()
+                with torch.cuda.stream(stream):
+                    g_ms = triton.testing.do_bench_cudagraph(fn, rep=150, return_mode="median")
+                splits, _ = fd_backend.plan_splits(len(inputs.query_lens_cpu), layer.num_kv_heads,
+                                                   inputs.max_seq_len, inputs.block_size, be._num_sms)
+                tb, gtb = (nbytes / (t * 1e-3) / 1e12 for t in (ms, g_ms))
+                print(f"    min_part {min_part:5d} waves {waves:2d} splits {splits:4d}: eager {ms * 1e3:7.1f} us "
+                      f"{tb:5.2f} TB/s   graph {g_ms * 1e3:7.1f} us {gtb:5.2f} TB/s")
+    finally:
+        fd_plan.MIN_PARTITION_TOKENS = default_min
+        fd_backend.plan_splits = plan_splits
+
+
 if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sweep", action="store_true", help="also time each case per plan knob")
+    args = ap.parse_args()
     random.seed(0)
     torch.manual_seed(0)
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
-    case(64, 4096)
-    case(1, 32768)
-    case(8, 8192)
-    case(256, 1024)
+    for b, c in ((64, 4096), (1, 32768), (8, 8192), (256, 1024)):
+        case(b, c, sweep=args.sweep)
