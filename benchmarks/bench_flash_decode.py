@@ -3,8 +3,8 @@
     python benchmarks/bench_flash_decode.py            # the four cases below
     python benchmarks/bench_flash_decode.py --sweep    # also time each case per plan knob
 
-``--sweep`` re-times each case with the plan's ``waves`` and ``MIN_PARTITION_TOKENS`` varied
-(the rest of the backend unchanged) and, for each setting, inside a CUDA graph as well
+``--sweep`` re-times each case with explicit split counts (:data:`SWEEP_SPLITS`) and with the
+plan's ``waves`` and ``MIN_PARTITION_TOKENS`` varied (the rest of the backend unchanged) and, for each setting, inside a CUDA graph as well
 (``graph`` column: launch gaps removed, as in a captured decode step).
 
 Cases (GQA 32/8, head_dim 128, bf16, block 16), each checked against torch_ref first:
@@ -36,7 +36,7 @@ PEAK_TBPS = 4.27
 DEV = torch.device("cuda")
 
 
-def case(batch: int, ctx: int, hq=32, hkv=8, d=128, bs=16, dtype=torch.bfloat16, sweep=False):
+def case(batch: int, ctx: int, hq=32, hkv=8, d=128, bs=16, dtype=torch.bfloat16, sweep=False, knobs=False):
     nblk = -(-ctx // bs)
     total = batch * nblk + 1
     perm = torch.randperm(total - 1)
@@ -69,29 +69,41 @@ def case(batch: int, ctx: int, hq=32, hkv=8, d=128, bs=16, dtype=torch.bfloat16,
     print(f"flash_decode batch {batch:3d} x ctx {ctx:6d}: {ms * 1e3:8.1f} us  {tbps:5.2f} TB/s "
           f"({tbps / PEAK_TBPS:5.1%} of {PEAK_TBPS})  splits={splits} rel_err={err:.1e}")
     if sweep:
-        run_sweep(be, layer, q, k, v, cache, inputs, nbytes)
+        run_sweep(be, layer, q, k, v, cache, inputs, nbytes, knobs)
     return tbps
 
 
-def run_sweep(be, layer, q, k, v, cache, inputs, nbytes):
-    """Time one case for each (waves, MIN_PARTITION_TOKENS), eager and in a CUDA graph."""
+SWEEP_SPLITS = (2, 3, 4, 6, 8, 12, 16, 24, 32, 33, 40, 48, 49, 56, 64, 66)
+
+
+def time_setting(be, layer, q, k, v, cache, inputs, nbytes, label: str) -> None:
+    md = be.build_metadata(inputs)
+    fn = lambda: be.forward(layer, q, k, v, cache, md)  # noqa: E731
+    ms = triton.testing.do_bench(fn, warmup=25, rep=150, return_mode="median")
+    with torch.cuda.stream(torch.cuda.Stream()):
+        g_ms = triton.testing.do_bench_cudagraph(fn, rep=150, return_mode="median")
+    splits, _ = fd_backend.plan_splits(len(inputs.query_lens_cpu), layer.num_kv_heads, inputs.max_seq_len,
+                                       inputs.block_size, be._num_sms)
+    tb, gtb = (nbytes / (t * 1e-3) / 1e12 for t in (ms, g_ms))
+    print(f"    {label} splits {splits:4d}: eager {ms * 1e3:7.1f} us {tb:5.2f} TB/s   "
+          f"graph {g_ms * 1e3:7.1f} us {gtb:5.2f} TB/s", flush=True)
+
+
+def run_sweep(be, layer, q, k, v, cache, inputs, nbytes, knobs: bool):
+    """Time one case for each explicit split count and each (waves, MIN_PARTITION_TOKENS),
+    eager and in a CUDA graph."""
     default_min = fd_plan.MIN_PARTITION_TOKENS
     try:
-        for min_part in (128, 256, 512, 1024, 2048):
+        for want in SWEEP_SPLITS:  # explicit split counts, partitions a multiple of the block size only
+            bs, seq = inputs.block_size, inputs.max_seq_len
+            part = -(-(-(-seq // want)) // bs) * bs
+            fd_backend.plan_splits = lambda *a, _p=part, **kw: (-(-seq // _p), _p)
+            time_setting(be, layer, q, k, v, cache, inputs, nbytes, f"splits~{want:3d} part {part:5d}")
+        for min_part in (128, 256, 512, 1024, 2048) if knobs else ():
             for waves in (1, 2, 4, 8, 16):
                 fd_plan.MIN_PARTITION_TOKENS = min_part
                 fd_backend.plan_splits = functools.partial(plan_splits, waves=waves)
-                md = be.build_metadata(inputs)
-                fn = lambda: be.forward(layer, q, k, v, cache, md)  # noqa: E731
-                ms = triton.testing.do_bench(fn, warmup=25, rep=150, return_mode="median")
-                stream = torch.cuda.Stream()
-                with torch.cuda.stream(stream):
-                    g_ms = triton.testing.do_bench_cudagraph(fn, rep=150, return_mode="median")
-                splits, _ = fd_backend.plan_splits(len(inputs.query_lens_cpu), layer.num_kv_heads,
-                                                   inputs.max_seq_len, inputs.block_size, be._num_sms)
-                tb, gtb = (nbytes / (t * 1e-3) / 1e12 for t in (ms, g_ms))
-                print(f"    min_part {min_part:5d} waves {waves:2d} splits {splits:4d}: eager {ms * 1e3:7.1f} us "
-                      f"{tb:5.2f} TB/s   graph {g_ms * 1e3:7.1f} us {gtb:5.2f} TB/s")
+                time_setting(be, layer, q, k, v, cache, inputs, nbytes, f"min_part {min_part:5d} waves {waves:2d}")
     finally:
         fd_plan.MIN_PARTITION_TOKENS = default_min
         fd_backend.plan_splits = plan_splits
@@ -100,9 +112,11 @@ def run_sweep(be, layer, q, k, v, cache, inputs, nbytes):
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sweep", action="store_true", help="also time each case per plan knob")
+    ap.add_argument("--sweep-knobs", action="store_true", help="with --sweep: also vary waves/MIN_PARTITION_TOKENS")
+    ap.add_argument("--cases", default="64x4096,1x32768,8x8192,256x1024", help="BATCHxCTX list")
     args = ap.parse_args()
     random.seed(0)
     torch.manual_seed(0)
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
-    for b, c in ((64, 4096), (1, 32768), (8, 8192), (256, 1024)):
-        case(b, c, sweep=args.sweep)
+    for b, c in (tuple(map(int, bc.split("x"))) for bc in args.cases.split(",")):
+        case(b, c, sweep=args.sweep, knobs=args.sweep_knobs)
