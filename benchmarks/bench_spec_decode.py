@@ -25,7 +25,12 @@ Scenarios (greedy, ignore_eos, prompt token ids, detokenization off):
 * ``draft2``: the target's first 2 layers as the draft (same width), k = 4, adaptive on;
 * ``ngram``: prompt lookup, k = 4, on the copy-heavy prompt, adaptive on;
 * ``batch``: ``--batch`` (64) requests, no speculation vs each drafter with the default
-  adaptive rule (target: no slowdown beyond 5%).
+  adaptive rule (target: no slowdown beyond 5%). Each engine first serves one batch of
+  other random prompts, reported as ``cold``: with ``measure_step_cost`` the rule learns
+  plain and speculating step times at a batch-size bucket the first time it serves it
+  (probe steps, once per engine lifetime), and the later ``random``/``copy`` batches show
+  the steady state of a serving engine. The target is judged on the steady state; the cold
+  ratio is printed too.
 
 TPOT per request = (finished_time - first_token_time) / (output tokens - 1); batch TPOT is
 the mean over requests. Each engine runs a warm-up request first. Prints a table and the
@@ -173,7 +178,9 @@ def main() -> None:
     conts = continuations(base_eng, seeds, args.gen_len)
     copies = [s_ + c + s_ for s_, c in zip(seeds, conts)]
     copy, batch_copy = copies[0], copies[1:]
-    batch_wl = {f"random x{b}": batch_rand, f"copy x{b}": batch_copy} if "batch" not in skip and b > 1 else {}
+    batch_cold = [[3 + rng.randrange(vocab - 3) for _ in range(args.prompt_len)] for _ in range(b)]
+    batch_wl = ({f"cold x{b}": batch_cold, f"random x{b}": batch_rand, f"copy x{b}": batch_copy}
+                if "batch" not in skip and b > 1 else {})
     scenarios = [("base", {}, {"random": [rand], "copy": [copy]}),
                  ("self", {"speculative_method": "draft_model"}, {"random": [rand]}),
                  ("draft2", {"speculative_method": "draft_model", "speculative.settings.num_layers": 2},
@@ -217,8 +224,10 @@ def main() -> None:
         if name == "base":
             continue
         for w in res:
+            cold = w.startswith("cold")
             ratios.append((f"batch {b} {name} ({w.split()[0]}): TPOT spec/base",
-                           res[w]["tpot"] / batched["base"][w]["tpot"], "<= 1.05"))
+                           res[w]["tpot"] / batched["base"][w]["tpot"],
+                           "(first batch: the rule's measurements)" if cold else "<= 1.05"))
     print("\nsummary")
     for label, value, target in ratios:
         print(f"  {label:<48} {value:7.3f}   target {target}")

@@ -20,6 +20,7 @@ import torch
 
 from kvforge import hookimpl
 from kvforge.interfaces import AttentionBackend, AttentionInputs, AttentionLayer, AttentionRequirements
+from kvforge_plugins.attention.flash_decode.jit import head_slices, heads_per_program
 from kvforge_plugins.attention.flash_decode.plan import plan_splits
 from kvforge_plugins.attention.torch_ref import TorchRefBackend, write_kv
 
@@ -119,8 +120,10 @@ class FlashDecodeBackend(AttentionBackend):
         write_kv(kv_cache, k, v, inputs.slot_mapping)
         out = torch.empty_like(q)
         if md.num_decode:
-            splits, partition = plan_splits(md.num_decode, layer.num_kv_heads, inputs.max_seq_len,
-                                            inputs.block_size, self._num_sms)
+            group = layer.num_heads // layer.num_kv_heads
+            splits, partition = plan_splits(md.num_decode, layer.num_kv_heads * head_slices(group),
+                                            inputs.max_seq_len, inputs.block_size, self._num_sms,
+                                            resident=3 if heads_per_program(group) <= 4 else 2)
             part_out, part_lse = self._ws(md.num_decode, layer.num_heads, splits, layer.head_size, q.device)
             self.kernels.decode(q, kv_cache, inputs.block_table, inputs.seq_lens, md.decode_tok, md.decode_req,
                                 md.num_decode, layer, inputs.block_size, splits, partition, part_out, part_lse, out)

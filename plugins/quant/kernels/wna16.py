@@ -23,7 +23,9 @@ layer take ~35 us, more than its 103 MB take to read). So the kernel never resha
 words into a [K, N] tile (a shared-memory layout conversion per tile); the dequantization
 core is 2-3 instructions per weight; with loads, scales and addressing the compiled sm90
 loops of the default configs count ~4.5 per weight at M = 1 and 16 (GPTQ 4.3 / 5.5) and
-7.7 at M = 64 (GPTQ 5.5) (Triton 3.6 and 3.9, ``cuobjdump -sass``; not yet timed):
+7.7 at M = 64 (GPTQ 5.5) (Triton 3.6 and 3.9, ``cuobjdump -sass``). Timed on the H200 they
+reach only ~1.6 TB/s of packed weight at M = 1-16 (14336x14336; BENCHMARKS.md), half the copy
+rate, and the CUDA-core path below is slower than the MMA path even at M = 1:
 
 * Fields are extracted in the loaded layout by a ``tl.static_range`` loop over the pf fields
   of the word tile. Int -> float without the slow I2F unit: the field, masked in place, is
@@ -34,7 +36,7 @@ loops of the default configs count ~4.5 per weight at M = 1 and 16 (GPTQ 4.3 / 5
   joined along a new in-thread dimension (tl.join: no data movement) and reshaped into
   natural column order once, at the end. GPTQ: field i is the input rows ``pf*r + i``: it
   multiplies the stride-pf gather ``x[:, pf*r + i]``; one accumulator.
-* ``dot=False`` (M = 1, MODE 0): CUDA cores. Word tiles [num_warps, BLOCK_N/pf] (a row per
+* ``dot=False`` (MODE 0; not a default: slower than ``swap_ab`` on the H200): CUDA cores. Word tiles [num_warps, BLOCK_N/pf] (a row per
   warp, columns over lanes) keep the sum over k inside each thread (FFMA chains; the warps are
   summed once at the end); a tile lies in one group, so its scale multiplies the tile's
   partial sums, not each weight (LOP3 + FADD + FFMA per weight). ``prefetch``: the next
@@ -89,7 +91,9 @@ DEFAULTS = dict(path="fused", dot=True, swap_ab=False, joined=False, scale_after
 #: Per bucket; "_kpack": K-packed (GPTQ) weights. Chosen from the compiled sm90 code (registers,
 #: no spills, instructions per weight); ``benchmarks/bench_quant.py --tune`` measures.
 CONFIGS: dict[str, dict] = {
-    "decode1": dict(dot=False, BLOCK_N=256, BLOCK_K=128, num_warps=8),
+    # M = 1 on N-packed weights: the M = 16 MMA tile (15 rows masked) measured 1.5-2.3x faster
+    # than the CUDA-core GEMV on the H200 (bench_quant.py --tune, BENCHMARKS.md).
+    "decode1": dict(swap_ab=True, BLOCK_M=16, BLOCK_N=512, BLOCK_K=64, num_warps=4),
     "decode16": dict(swap_ab=True, BLOCK_M=16, BLOCK_N=512, BLOCK_K=64, num_warps=4),
     "decode64": dict(joined=True, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=4, max_split=4),
     "prefill": dict(path="dequant", BLOCK_N=256, BLOCK_K=64, num_warps=4),
