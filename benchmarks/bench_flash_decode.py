@@ -3,8 +3,9 @@
     python benchmarks/bench_flash_decode.py            # the four cases below
     python benchmarks/bench_flash_decode.py --sweep    # also time each case per plan knob
 
-``--sweep`` re-times each case with explicit split counts (:data:`SWEEP_SPLITS`) and with the
-plan's ``waves`` and ``MIN_PARTITION_TOKENS`` varied (the rest of the backend unchanged) and, for each setting, inside a CUDA graph as well
+``--sweep`` re-times each case with explicit split counts (:data:`SWEEP_SPLITS`) and, with
+``--sweep-knobs``, the plan's ``FILL`` and ``MIN_PARTITION_TOKENS`` varied (the rest of the
+backend unchanged) and, for each setting, inside a CUDA graph as well
 (``graph`` column: launch gaps removed, as in a captured decode step).
 
 Cases (GQA 32/8, head_dim 128, bf16, block 16), each checked against torch_ref first:
@@ -12,14 +13,15 @@ Cases (GQA 32/8, head_dim 128, bf16, block 16), each checked against torch_ref f
   * batch 1 x 32768 context  (issue 3 target: >= 3.0 TB/s through split-KV)
   * batch 8 x 8192 and batch 256 x 1024 (no target)
 Effective bandwidth = bytes of K and V read (seq_len x Hkv x D x 2 x 2 bytes per row) /
-median time of the attention call (triton.testing.do_bench; the call includes the KV write
-of the step's token and, when split, fd_merge), vs the measured 4.27 TB/s. ``splits`` is
+median time of the attention call (the call includes the KV write of the step's token and,
+when split, fd_merge), vs the measured 4.27 TB/s: eager launches (triton.testing.do_bench)
+and replayed from a CUDA graph (do_bench_cudagraph; launch gaps removed, as in the engine's
+captured decode steps). ``splits`` is
 the plan the backend's forward uses (plan.plan_splits).
 """
 from __future__ import annotations
 
 import argparse
-import functools
 import random
 
 import torch
@@ -63,14 +65,26 @@ def case(batch: int, ctx: int, hq=32, hkv=8, d=128, bs=16, dtype=torch.bfloat16,
         err = float("nan")
     ms = triton.testing.do_bench(lambda: be.forward(layer, q, k, v, cache, md), warmup=50, rep=300,
                                  return_mode="median")
+    with torch.cuda.stream(torch.cuda.Stream()):
+        g_ms = triton.testing.do_bench_cudagraph(lambda: be.forward(layer, q, k, v, cache, md), rep=300,
+                                                 return_mode="median")
     nbytes = batch * ctx * hkv * d * 2 * cache.element_size()
-    tbps = nbytes / (ms * 1e-3) / 1e12
-    splits, part = plan_splits(batch, hkv, ctx, bs, torch.cuda.get_device_properties(DEV).multi_processor_count)
-    print(f"flash_decode batch {batch:3d} x ctx {ctx:6d}: {ms * 1e3:8.1f} us  {tbps:5.2f} TB/s "
-          f"({tbps / PEAK_TBPS:5.1%} of {PEAK_TBPS})  splits={splits} rel_err={err:.1e}")
+    tbps, g_tbps = (nbytes / (t * 1e-3) / 1e12 for t in (ms, g_ms))
+    splits = md_splits(be, layer, inputs)
+    print(f"flash_decode batch {batch:3d} x ctx {ctx:6d}: eager {ms * 1e3:7.1f} us {tbps:5.2f} TB/s "
+          f"({tbps / PEAK_TBPS:5.1%} of {PEAK_TBPS}); CUDA graph {g_ms * 1e3:7.1f} us {g_tbps:5.2f} TB/s "
+          f"({g_tbps / PEAK_TBPS:5.1%})  splits={splits} rel_err={err:.1e}")
     if sweep:
         run_sweep(be, layer, q, k, v, cache, inputs, nbytes, knobs)
     return tbps
+
+
+def md_splits(be, layer, inputs) -> int:
+    """The split count the backend's forward plans for this batch."""
+    group = layer.num_heads // layer.num_kv_heads
+    return fd_backend.plan_splits(len(inputs.query_lens_cpu), layer.num_kv_heads * fd_backend.head_slices(group),
+                                  inputs.max_seq_len, inputs.block_size, be._num_sms,
+                                  resident=3 if fd_backend.heads_per_program(group) <= 4 else 2)[0]
 
 
 SWEEP_SPLITS = (2, 3, 4, 6, 8, 12, 16, 24, 32, 33, 40, 48, 49, 56, 64, 66)
@@ -82,37 +96,36 @@ def time_setting(be, layer, q, k, v, cache, inputs, nbytes, label: str) -> None:
     ms = triton.testing.do_bench(fn, warmup=25, rep=150, return_mode="median")
     with torch.cuda.stream(torch.cuda.Stream()):
         g_ms = triton.testing.do_bench_cudagraph(fn, rep=150, return_mode="median")
-    splits, _ = fd_backend.plan_splits(len(inputs.query_lens_cpu), layer.num_kv_heads, inputs.max_seq_len,
-                                       inputs.block_size, be._num_sms)
+    splits = md_splits(be, layer, inputs)
     tb, gtb = (nbytes / (t * 1e-3) / 1e12 for t in (ms, g_ms))
     print(f"    {label} splits {splits:4d}: eager {ms * 1e3:7.1f} us {tb:5.2f} TB/s   "
           f"graph {g_ms * 1e3:7.1f} us {gtb:5.2f} TB/s", flush=True)
 
 
 def run_sweep(be, layer, q, k, v, cache, inputs, nbytes, knobs: bool):
-    """Time one case for each explicit split count and each (waves, MIN_PARTITION_TOKENS),
-    eager and in a CUDA graph."""
-    default_min = fd_plan.MIN_PARTITION_TOKENS
+    """Time one case for each explicit split count and (``knobs``) each plan setting
+    (``FILL``, ``MIN_PARTITION_TOKENS``), eager and in a CUDA graph."""
+    saved = fd_plan.FILL, fd_plan.MIN_PARTITION_TOKENS
     try:
         for want in SWEEP_SPLITS:  # explicit split counts, partitions a multiple of the block size only
             bs, seq = inputs.block_size, inputs.max_seq_len
             part = -(-(-(-seq // want)) // bs) * bs
             fd_backend.plan_splits = lambda *a, _p=part, **kw: (-(-seq // _p), _p)
             time_setting(be, layer, q, k, v, cache, inputs, nbytes, f"splits~{want:3d} part {part:5d}")
-        for min_part in (128, 256, 512, 1024, 2048) if knobs else ():
-            for waves in (1, 2, 4, 8, 16):
-                fd_plan.MIN_PARTITION_TOKENS = min_part
-                fd_backend.plan_splits = functools.partial(plan_splits, waves=waves)
-                time_setting(be, layer, q, k, v, cache, inputs, nbytes, f"min_part {min_part:5d} waves {waves:2d}")
+        fd_backend.plan_splits = plan_splits
+        for fill in (1, 2, 3, 4) if knobs else ():
+            for min_part in (128, 256, 512, 1024):
+                fd_plan.FILL, fd_plan.MIN_PARTITION_TOKENS = fill, min_part
+                time_setting(be, layer, q, k, v, cache, inputs, nbytes, f"fill {fill} min_part {min_part:5d}")
     finally:
-        fd_plan.MIN_PARTITION_TOKENS = default_min
+        fd_plan.FILL, fd_plan.MIN_PARTITION_TOKENS = saved
         fd_backend.plan_splits = plan_splits
 
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sweep", action="store_true", help="also time each case per plan knob")
-    ap.add_argument("--sweep-knobs", action="store_true", help="with --sweep: also vary waves/MIN_PARTITION_TOKENS")
+    ap.add_argument("--sweep-knobs", action="store_true", help="with --sweep: also vary FILL/MIN_PARTITION_TOKENS")
     ap.add_argument("--cases", default="64x4096,1x32768,8x8192,256x1024", help="BATCHxCTX list")
     args = ap.parse_args()
     random.seed(0)
