@@ -14,7 +14,7 @@ Cases (GQA 32/8, head_dim 128, bf16, block 16), each checked against torch_ref f
   * batch 8 x 8192 and batch 256 x 1024 (no target)
 Effective bandwidth = bytes of K and V read (seq_len x Hkv x D x 2 x 2 bytes per row) /
 median time of the attention call (the call includes the KV write of the step's token and,
-when split, the fused split merge), vs the measured 4.27 TB/s: eager launches (triton.testing.do_bench)
+when split, fd_merge), vs the measured 4.27 TB/s: eager launches (triton.testing.do_bench)
 and replayed from a CUDA graph (do_bench_cudagraph; launch gaps removed, as in the engine's
 captured decode steps). ``splits`` is
 the plan the backend's forward uses (plan.plan_splits).

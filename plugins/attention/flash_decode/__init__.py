@@ -2,9 +2,8 @@
 through CuPy/NVRTC (the way FlashInfer JIT-compiles its kernels).
 
 Decode rows (one query token) run ``fd_partial`` over ``num_splits`` partitions of
-their context and, when split, the last program of each (row, KV head) to finish
-combines the partial softmax states by log-sum-exp, in the same launch (Flash-Decoding,
-Dao et al. 2023). ``fd_partial`` spreads keys over lanes
+their context and, when split, ``fd_merge`` combines the partial softmax states by
+log-sum-exp (Flash-Decoding, Dao et al. 2023). ``fd_partial`` spreads keys over lanes
 (a few lanes per key, each holding 16-byte vectors of it), keeps the q slices of the
 whole GQA group in registers so each K/V byte is read once for all of its query heads,
 and streams K/V through a 4-stage cp.async pipeline (see kernels.cu; emulate.py checks

@@ -220,25 +220,25 @@ def fd_partial(lay: Layout, q_flat, q_row_stride, kv_flat, kv_half, block_table,
                             part_lse[pidx] = (mx + np.log2(den)) * LN2
 
 
-def merge_if_last(D, part_out, part_lse, row_tok, num_heads, num_splits, out_flat, out_row_stride):
-    """merge_if_last (run by the last program of each (row, KV head slice); here after all
-    programs): per head, the max lse, then the splits in order, empty ones (lse -inf) skipped."""
+def fd_merge(D, part_out, part_lse, row_tok, num_heads, num_splits, out_flat, out_row_stride):
+    MW = 8
     for row in range(len(row_tok)):
         for head in range(num_heads):
             base = (row * num_heads + head) * num_splits
-            lses = part_lse[base:base + num_splits]
-            assert not np.isnan(lses).any(), "a split wrote no lse"
-            mx = lses.max()
-            acc = np.zeros(D, F32)
-            den = F32(0)
-            for s in range(num_splits):
-                lse = part_lse[base + s]
-                if lse == -np.inf:
-                    continue
-                w = F32(np.exp(lse - mx))
-                den += w
-                acc = (w * part_out[(base + s) * D:(base + s + 1) * D] + acc).astype(F32)
-            out_flat[int(row_tok[row]) * out_row_stride + head * D + np.arange(D)] = acc * (F32(1) / den)
+            mx = part_lse[base:base + num_splits].max()
+            red = np.zeros((MW, D), F32)
+            red_den = np.zeros(MW, F32)
+            for w in range(MW):
+                for s in range(w, num_splits, MW):
+                    lse = part_lse[base + s]
+                    live = lse != -np.inf
+                    wt = F32(np.exp(lse - mx)) if live else F32(0)
+                    red_den[w] += wt
+                    x = part_out[(base + s) * D:(base + s + 1) * D]
+                    red[w] += np.where(live, wt * x, F32(0))
+            dsum = red_den.sum(dtype=F32)
+            v = red.sum(0, dtype=F32)
+            out_flat[int(row_tok[row]) * out_row_stride + head * D + np.arange(D)] = v / dsum if dsum > 0 else 0
 
 
 def check_case(rng: random.Random, elem_bytes: int, D: int, G: int, BS: int, hkv: int, seqs, partition=None,
@@ -284,7 +284,7 @@ def check_case(rng: random.Random, elem_bytes: int, D: int, G: int, BS: int, hkv
     fd_partial(lay, q_flat, q_stride, kv_flat, cache[0].size, table, np.array(seqs), row_tok, row_req, hkv, part,
                splits, scale, part_out, part_lse, out_flat, o_stride)
     if splits > 1:
-        merge_if_last(D, part_out, part_lse, row_tok, hq, splits, out_flat, o_stride)
+        fd_merge(D, part_out, part_lse, row_tok, hq, splits, out_flat, o_stride)
     worst = 0.0
     written = np.zeros(T, bool)
     for i, (tok, req) in enumerate(zip(row_tok, row_req)):

@@ -19,6 +19,7 @@ import torch
 _SRC = (Path(__file__).with_name("kernels.cu")).read_text()
 _DT = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 PARTIAL_THREADS = 128  # NTHREADS in kernels.cu
+MERGE_THREADS = 256    # MERGE_WARPS * 32 in kernels.cu
 
 
 def heads_per_program(group: int) -> int:
@@ -46,7 +47,6 @@ class Kernels:
         self.cupy = cupy
         self._mods: dict[tuple, tuple] = {}
         self._stream_cache: dict[int, object] = {}
-        self._counter_bufs: dict[torch.device, list[torch.Tensor]] = {}
 
     def _get(self, dtype: torch.dtype, head_dim: int, group: int, block_size: int):
         key = (dtype, head_dim, group, block_size)
@@ -56,23 +56,11 @@ class Kernels:
                     f"-DGROUP={group}", f"-DHEADS={heads_per_program(group)}", f"-DBLOCK_SIZE={block_size}")
             try:
                 m = self.cupy.RawModule(code=_SRC, options=opts)
-                mod = m.get_function("fd_partial")
+                mod = (m.get_function("fd_partial"), m.get_function("fd_merge"))
             except Exception as e:
                 raise RuntimeError(f"flash_decode: NVRTC compile failed for {key}: {e}") from e
             self._mods[key] = mod
         return mod
-
-    def _counters(self, n: int, device: torch.device) -> torch.Tensor:
-        """Zeroed int32 arrival counters of the fused split merge, >= n, one buffer per device
-        (each launch leaves them zero). Outgrown buffers stay referenced: captured CUDA graphs
-        may still use them."""
-        bufs = self._counter_bufs.setdefault(device, [])
-        if bufs and bufs[-1].numel() >= n:
-            return bufs[-1]
-        if torch.cuda.is_current_stream_capturing():
-            return torch.zeros(n, dtype=torch.int32, device=device)  # a memset node in the graph: correct
-        bufs.append(torch.zeros(max(n, 4096), dtype=torch.int32, device=device))
-        return bufs[-1]
 
     def _stream(self, handle: int):
         """CuPy view of torch's stream, cached per handle (one object per stream, not per launch)."""
@@ -95,9 +83,7 @@ class Kernels:
         must be a multiple of ``block_size`` (:func:`plan_splits` makes it one); with
         ``num_splits`` > 1, part_out/part_lse hold num_rows * Hq * num_splits (* D) fp32."""
         group = layer.num_heads // layer.num_kv_heads
-        partial = self._get(q.dtype, layer.head_size, group, block_size)
-        programs = layer.num_kv_heads * head_slices(group)
-        counters = self._counters(num_rows * programs, q.device) if num_splits > 1 else part_lse
+        partial, merge = self._get(q.dtype, layer.head_size, group, block_size)
         assert q.stride(2) == 1 and q.stride(1) == layer.head_size and kv_cache.is_contiguous()
         assert out.stride(2) == 1 and out.stride(1) == layer.head_size
         assert kv_cache.data_ptr() % 16 == 0 and partition % block_size == 0  # 16-byte K/V copies
@@ -105,9 +91,12 @@ class Kernels:
         sl = seq_lens if seq_lens.dtype == torch.int32 else seq_lens.int()
         stream = self._stream(torch.cuda.current_stream(q.device).cuda_stream)
         with stream:
-            partial((programs, num_splits, num_rows), (PARTIAL_THREADS,),
+            partial((layer.num_kv_heads * head_slices(group), num_splits, num_rows), (PARTIAL_THREADS,),
                     (_ptr(q), np.int64(q.stride(0)), _ptr(kv_cache), np.int64(kv_cache[0].numel()),
                      _ptr(bt), np.int32(bt.shape[1]), _ptr(sl), _ptr(row_tok), _ptr(row_req),
                      np.int32(layer.num_kv_heads), np.int32(partition), np.int32(num_splits),
-                     np.float32(layer.scale), _ptr(part_out), _ptr(part_lse), _ptr(counters), _ptr(out),
-                     np.int64(out.stride(0))))
+                     np.float32(layer.scale), _ptr(part_out), _ptr(part_lse), _ptr(out), np.int64(out.stride(0))))
+            if num_splits > 1:
+                merge((layer.num_heads, num_rows), (MERGE_THREADS,),
+                      (_ptr(part_out), _ptr(part_lse), _ptr(row_tok), np.int32(layer.num_heads),
+                       np.int32(num_splits), _ptr(out), np.int64(out.stride(0))))

@@ -32,9 +32,8 @@
 //     shared memory (reusing the ring), and the program writes the output (one split) or
 //     its partial state (part_out fp32 [rows, Hq, splits, D], part_lse = natural-log sum
 //     of exp; an empty split writes only part_lse = -inf).
-//   * Split: the last program of a (row, KV head slice) to finish merges the splits of its
-//     heads (merge_if_last), so one launch serves a step.
-// emulate.py mirrors the kernel's indexing on the CPU (numpy); keep the two in step.
+// fd_merge: one program per (query head, row) combines the splits by log-sum-exp weights.
+// emulate.py mirrors both kernels' indexing on the CPU (numpy); keep the two in step.
 
 #if KV_DTYPE == 2
 typedef float st;
@@ -145,75 +144,6 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
 #endif
 }
 
-// Split merge, fused into fd_partial: the last program of a (row, KV head slice) to finish
-// combines its heads' splits by log-sum-exp weights (FlashInfer's merge_states), so a split
-// step is one launch (a second kernel cost ~2-3 us of a ~45 us batch-1 x 32k step under CUDA
-// graphs). Arrival is counted in counters[row * gridDim.x + blockIdx.x] (zero before the
-// launch; the last program resets it). Threadfence-reduction pattern (CUDA programming
-// guide, "Memory Fence Functions"): every thread fences its partial stores before the count,
-// the last program fences again and reads the partials through L2 (__ldcg).
-__device__ __forceinline__ void merge_if_last(int row, int tok, int head0, int nh, int num_heads, int num_splits,
-                                              const float* part_out, const float* part_lse,
-                                              int* __restrict__ counters, st* __restrict__ out,
-                                              long long out_row_stride) {
-    __shared__ int is_last;
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        int* c = counters + (long long)row * gridDim.x + blockIdx.x;
-        is_last = atomicAdd(c, 1) == num_splits - 1;
-        if (is_last) *c = 0;  // ready for the next launch (CUDA graph replays reuse the buffer)
-    }
-    __syncthreads();
-    if (!is_last) return;
-    __threadfence();
-    constexpr int NF4 = HEAD_DIM / 4;             // float4 per head row
-    constexpr int F4L = (NF4 + WARP - 1) / WARP;  // float4 per lane
-    const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
-    for (int h = warp; h < nh; h += NWARPS) {    // a warp per head
-        const long long base = ((long long)row * num_heads + head0 + h) * num_splits;
-        float mx = NEG_INF;
-        for (int sp = lane; sp < num_splits; sp += WARP) mx = fmaxf(mx, __ldcg(part_lse + base + sp));
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, o));
-        float4 a[F4L];
-#pragma unroll
-        for (int i = 0; i < F4L; ++i) a[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-        float den = 0.f;
-#pragma unroll 4
-        for (int sp = 0; sp < num_splits; ++sp) {
-            const float lse = __ldcg(part_lse + base + sp);
-            if (lse == NEG_INF) continue;  // an empty split never wrote its row: skip it, not 0 * row
-            const float w = __expf(lse - mx);
-            den += w;
-            const float4* src = reinterpret_cast<const float4*>(part_out + (base + sp) * HEAD_DIM);
-#pragma unroll
-            for (int i = 0; i < F4L; ++i) {
-                const int f = lane + i * WARP;
-                if (f < NF4) {
-                    const float4 x = __ldcg(src + f);
-                    a[i].x = fmaf(w, x.x, a[i].x);
-                    a[i].y = fmaf(w, x.y, a[i].y);
-                    a[i].z = fmaf(w, x.z, a[i].z);
-                    a[i].w = fmaf(w, x.w, a[i].w);
-                }
-            }
-        }
-        const float inv = 1.f / den;  // den >= 1: the split holding the max has weight 1
-        st* op = out + (long long)tok * out_row_stride + (long long)(head0 + h) * HEAD_DIM;
-#pragma unroll
-        for (int i = 0; i < F4L; ++i) {
-            const int f = lane + i * WARP;
-            if (f < NF4) {
-                op[4 * f] = from_f(a[i].x * inv);
-                op[4 * f + 1] = from_f(a[i].y * inv);
-                op[4 * f + 2] = from_f(a[i].z * inv);
-                op[4 * f + 3] = from_f(a[i].w * inv);
-            }
-        }
-    }
-}
-
 extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_PROGRAMS)
 fd_partial(const st* __restrict__ q, long long q_row_stride,
            const st* __restrict__ kv, long long kv_half,              // elements in K (= in V)
@@ -221,7 +151,7 @@ fd_partial(const st* __restrict__ q, long long q_row_stride,
            const int* __restrict__ seq_lens,
            const int* __restrict__ row_tok, const int* __restrict__ row_req,
            int num_kv_heads, int partition, int num_splits, float scale,
-           float* __restrict__ part_out, float* __restrict__ part_lse, int* __restrict__ counters,
+           float* __restrict__ part_out, float* __restrict__ part_lse,
            st* __restrict__ out, long long out_row_stride) {
     __shared__ __align__(16) unsigned char smem[SMEM_BYTES];
     // KV head fastest: programs running together read all heads of the same tokens
@@ -254,11 +184,8 @@ fd_partial(const st* __restrict__ q, long long q_row_stride,
     const int start = split * partition;                       // a multiple of BLOCK_SIZE
     const int end = min(start + partition, seq_len);
     if (start >= end) {  // an empty split: neutral element for the merge
-        if (num_splits > 1) {
-            if (tid < nh) part_lse[((long long)row * num_heads + head0 + tid) * num_splits + split] = NEG_INF;
-            merge_if_last(row, tok, head0, nh, num_heads, num_splits, part_out, part_lse, counters, out,
-                          out_row_stride);
-        }
+        if (num_splits > 1 && tid < nh)
+            part_lse[((long long)row * num_heads + head0 + tid) * num_splits + split] = NEG_INF;
         return;
     }
 
@@ -474,6 +401,94 @@ fd_partial(const st* __restrict__ q, long long q_row_stride,
             if (d == 0) part_lse[pidx] = (mx + log2f(den)) * LN2;
         }
     }
-    if (num_splits > 1)
-        merge_if_last(row, tok, head0, nh, num_heads, num_splits, part_out, part_lse, counters, out, out_row_stride);
+}
+
+#define MERGE_WARPS 8
+
+// Merge the splits of one (row, head) by log-sum-exp weights (FlashInfer's merge_states).
+// Warps take splits round-robin, each lane a float4 of the row, so many rows are in flight.
+// Lanes past the row (f >= NF4) load a clamped copy and store nothing. (min blocks 1: ptxas
+// then keeps a round's loads together instead of trading them for registers.)
+extern "C" __global__ void __launch_bounds__(MERGE_WARPS * WARP, 1)
+fd_merge(const float* __restrict__ part_out, const float* __restrict__ part_lse,
+         const int* __restrict__ row_tok, int num_heads, int num_splits,
+         st* __restrict__ out, long long out_row_stride) {
+    constexpr int NF4 = HEAD_DIM / 4;                 // float4 per row
+    constexpr int F4L = (NF4 + WARP - 1) / WARP;      // float4 per lane
+    __shared__ float red[MERGE_WARPS][HEAD_DIM];
+    __shared__ float red_den[MERGE_WARPS], red_max[MERGE_WARPS];
+    const int head = blockIdx.x, row = blockIdx.y;
+    const int tid = threadIdx.x, warp = tid / WARP, lane = tid % WARP;
+    const long long base = ((long long)row * num_heads + head) * num_splits;
+
+    float mx = NEG_INF;
+    for (int s = tid; s < num_splits; s += MERGE_WARPS * WARP) mx = fmaxf(mx, part_lse[base + s]);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, o));
+    if (lane == 0) red_max[warp] = mx;
+    __syncthreads();
+    mx = red_max[0];
+#pragma unroll
+    for (int w = 1; w < MERGE_WARPS; ++w) mx = fmaxf(mx, red_max[w]);
+
+    float4 a[F4L];
+#pragma unroll
+    for (int i = 0; i < F4L; ++i) a[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+    float den = 0.f;
+    // MB splits per warp per round, all loaded before any is used: batch 1 has only Hq merge
+    // programs, so rounds of memory latency, not bandwidth, set the time.
+    constexpr int MB = 8;
+    for (int s0 = warp; s0 < num_splits; s0 += MERGE_WARPS * MB) {
+        float lse[MB];
+        float4 x[MB][F4L];
+        float w[MB];
+#pragma unroll
+        for (int b = 0; b < MB; ++b) {  // unpredicated loads (split index clamped) batch best
+            const int s = min(s0 + b * MERGE_WARPS, num_splits - 1);
+            lse[b] = part_lse[base + s];
+            const float4* p = reinterpret_cast<const float4*>(part_out + (base + s) * HEAD_DIM);
+#pragma unroll
+            for (int i = 0; i < F4L; ++i) x[b][i] = p[min(lane + i * WARP, NF4 - 1)];
+        }
+#pragma unroll
+        for (int b = 0; b < MB; ++b) {
+            // An empty split (lse -inf) never wrote its row, which may hold anything: weight 0, not 0 * x.
+            const bool live = s0 + b * MERGE_WARPS < num_splits && lse[b] != NEG_INF;
+            w[b] = live ? __expf(lse[b] - mx) : 0.f;
+        }
+#pragma unroll
+        for (int b = 0; b < MB; ++b) {
+            const bool live = w[b] > 0.f;  // (0 also for a live split whose weight underflows: it adds nothing)
+            den += w[b];
+#pragma unroll
+            for (int i = 0; i < F4L; ++i) {
+                a[i].x += live ? w[b] * x[b][i].x : 0.f;
+                a[i].y += live ? w[b] * x[b][i].y : 0.f;
+                a[i].z += live ? w[b] * x[b][i].z : 0.f;
+                a[i].w += live ? w[b] * x[b][i].w : 0.f;
+            }
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < F4L; ++i) {
+        const int f = lane + i * WARP;
+        if (f < NF4) {
+            red[warp][4 * f] = a[i].x;
+            red[warp][4 * f + 1] = a[i].y;
+            red[warp][4 * f + 2] = a[i].z;
+            red[warp][4 * f + 3] = a[i].w;
+        }
+    }
+    if (lane == 0) red_den[warp] = den;
+    __syncthreads();
+    float dsum = 0.f;
+#pragma unroll
+    for (int w = 0; w < MERGE_WARPS; ++w) dsum += red_den[w];
+    st* op = out + (long long)row_tok[row] * out_row_stride + (long long)head * HEAD_DIM;
+    for (int d = tid; d < HEAD_DIM; d += MERGE_WARPS * WARP) {
+        float v = 0.f;
+#pragma unroll
+        for (int w = 0; w < MERGE_WARPS; ++w) v += red[w][d];
+        op[d] = from_f(dsum > 0.f ? v / dsum : 0.f);  // dsum 0 only if every split was empty
+    }
 }
