@@ -51,6 +51,21 @@ def _zs(z, s, J: tl.constexpr, BITS: tl.constexpr, AWQ_ORDER: tl.constexpr):
     return z * (1 << E) + 8388608.0, s * (1.0 / (1 << E))
 
 
+def _group_tile(s_ptr, z_ptr, g_off, cols, mask_k, mask_c, SWAP: tl.constexpr):
+    """fp32 scales and zero points of a tile whose rows lie in several groups: ``g_off`` [k]
+    (each row's group offset, ``group * N``), ``cols`` [n] -> two [k, n] tiles ([n, k] with
+    SWAP, the transposed load of :func:`_dot`); 0 where ``mask_k`` x ``mask_c`` is off."""
+    if SWAP:
+        sp = g_off[None, :] + cols[:, None]
+        smask = mask_k[None, :] & mask_c[:, None]
+    else:
+        sp = g_off[:, None] + cols[None, :]
+        smask = mask_k[:, None] & mask_c[None, :]
+    s = tl.load(s_ptr + sp, mask=smask, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + sp, mask=smask, other=0).to(tl.float32)
+    return s, z
+
+
 def _join_tree(c, PF: tl.constexpr):
     """Tuple of PF tensors (c[j] = output columns PF*n + j) -> [..., 2, 2(, 2)] whose reshape to
     [..., PF*n] is natural column order. tl.join adds an in-thread dimension: no data movement."""
@@ -206,15 +221,7 @@ def _awq_dot_tile(accs, x_ptr, qw_ptr, s_ptr, z_ptr, M, N, NW, K, stride_xm, k0,
                 s = s[None, :]
                 z = z[None, :]
         else:
-            g_off = (offs_k // GROUP) * N
-            if SWAP:
-                sp = g_off[None, :] + cols[:, None]
-                smask = mk[None, :] & mask_nw[:, None]
-            else:
-                sp = g_off[:, None] + cols[None, :]
-                smask = mk[:, None] & mask_nw[None, :]
-            s = tl.load(s_ptr + sp, mask=smask, other=0.0).to(tl.float32)
-            z = tl.load(z_ptr + sp, mask=smask, other=0).to(tl.float32)
+            s, z = _group_tile(s_ptr, z_ptr, (offs_k // GROUP) * N, cols, mk, mask_nw, SWAP)
         zc, sc = _zs(z, s, j, BITS, AWQ_ORDER)
         d = _qf(w_lo, w_hi, j, BITS, AWQ_ORDER) - zc
         if MODE == 2:  # the MMA sees the exact integers (q - z) * 2**E; the scale row comes after
@@ -337,20 +344,12 @@ def _gptq_dot_tile(acc, x_ptr, qw_ptr, s_ptr, z_ptr, M, N, K, stride_xm, t, offs
         w_hi = (w >> 16) | 0x4B000000
         for i in tl.static_range(PF):
             if not ROW_SCALES:
-                g_off = (offs_kw * PF + i) // GROUP * N
-                if SWAP:
-                    sp = g_off[None, :] + offs_n[:, None]
-                    smask = mkw[None, :] & mask_n[:, None]
-                else:
-                    sp = g_off[:, None] + offs_n[None, :]
-                    smask = mkw[:, None] & mask_n[None, :]
-                s = tl.load(s_ptr + sp, mask=smask, other=0.0).to(tl.float32)
-                z = tl.load(z_ptr + sp, mask=smask, other=0).to(tl.float32)
+                s, z = _group_tile(s_ptr, z_ptr, (offs_kw * PF + i) // GROUP * N, offs_n, mkw, mask_n, SWAP)
             zc, sc = _zs(z, s, i, BITS, False)
             acc = _dot(acc, tl.load(xp + i, mask=mask_x, other=0.0), (_qf(w_lo, w_hi, i, BITS, False) - zc) * sc, SWAP,
                        FP32_DOT)
     return acc
 
 
-HELPERS = ("_qf", "_zs", "_join_tree", "_dot", "_gemv_load", "_awq_gemv_tile", "_gptq_gemv_tile",
+HELPERS = ("_qf", "_zs", "_group_tile", "_join_tree", "_dot", "_gemv_load", "_awq_gemv_tile", "_gptq_gemv_tile",
            "_awq_dot_tile", "_awq_joined_tile", "_gptq_joined_tile", "_gptq_dot_tile")
