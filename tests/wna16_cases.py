@@ -95,7 +95,8 @@ F16, F32 = torch.float16, torch.float32
 #: name -> (m, k, n, bits, group (-1: per channel), layout, dtype, config, bound). K and N are
 #: not multiples of the tiles unless noted; config None = the M bucket's defaults.
 CASES = {
-    # bucket defaults: M = 1 (CUDA cores), 3 / 16 (per-field MMAs), 64 (joined MMA), 65 / 130 (prefill)
+    # bucket defaults: M = 1 (AWQ: per-field MMA; GPTQ: CUDA cores), 3 / 16 (per-field MMAs), 64 (joined MMA),
+    # 65 / 130 (prefill)
     "awq4_m1_g128_f32": (1, 256, 200, 4, 128, "awq", F32, None, 1e-5),
     "awq4_m1_g32_f16_oddk": (1, 200, 200, 4, 32, "awq", F16, None, 2e-3),
     "gptq4_m1_perchannel_f32": (1, 200, 136, 4, -1, "gptq", F32, None, 1e-5),
@@ -127,6 +128,7 @@ CASES = {
                               dict(joined=True, BLOCK_N=64, BLOCK_K=64, split_k=4, reduce="atomic_fp32"), 2e-3),
     "awq4_m2_cudacore_g40_f32_oddk": (2, 116, 200, 4, 40, "awq", F32,
                                       dict(dot=False, prefetch=False, num_warps=2, split_k=2), 1e-5),
+    "awq4_m1_cudacore_g128_f32": (1, 256, 200, 4, 128, "awq", F32, dict(dot=False), 1e-5),
     "gptq8_m1_g4_f32": (1, 64, 40, 8, 4, "gptq", F32, dict(dot=False), 1e-5),
     "gptq4_m1_g4_fallback_f32": (1, 64, 40, 4, 4, "gptq", F32, dict(dot=False), 1e-5),
     "awq4_m3_dequant_g32_f16": (3, 192, 200, 4, 32, "awq", F16, dict(path="dequant", BLOCK_N=128, BLOCK_K=64), 2e-3),

@@ -36,8 +36,8 @@ rate, and the CUDA-core path below is slower than the MMA path even at M = 1:
   joined along a new in-thread dimension (tl.join: no data movement) and reshaped into
   natural column order once, at the end. GPTQ: field i is the input rows ``pf*r + i``: it
   multiplies the stride-pf gather ``x[:, pf*r + i]``; one accumulator.
-* ``dot=False`` (MODE 0; not a default: slower than ``swap_ab`` on the H200): CUDA cores. Word tiles [num_warps, BLOCK_N/pf] (a row per
-  warp, columns over lanes) keep the sum over k inside each thread (FFMA chains; the warps are
+* ``dot=False`` (MODE 0; the N-packed M = 1 default until the H200 timed it slower than
+  ``swap_ab``): CUDA cores. Word tiles [num_warps, BLOCK_N/pf] (a row per warp, columns over lanes) keep the sum over k inside each thread (FFMA chains; the warps are
   summed once at the end); a tile lies in one group, so its scale multiplies the tile's
   partial sums, not each weight (LOP3 + FADD + FFMA per weight). ``prefetch``: the next
   tile's loads are issued before this tile's math (the compiler otherwise schedules loads a
