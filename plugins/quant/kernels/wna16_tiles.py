@@ -51,6 +51,18 @@ def _zs(z, s, J: tl.constexpr, BITS: tl.constexpr, AWQ_ORDER: tl.constexpr):
     return z * (1 << E) + 8388608.0, s * (1.0 / (1 << E))
 
 
+def _row_scales(s_ptr, z_ptr, g_off, cols, mask_c, SWAP: tl.constexpr):
+    """fp32 scale and zero-point row of a tile inside one group (``g_off`` = group * N),
+    ``cols`` [n] -> [1, n] each ([n, 1] with SWAP, the transposed load of :func:`_dot`)."""
+    s = tl.load(s_ptr + g_off + cols, mask=mask_c, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + g_off + cols, mask=mask_c, other=0).to(tl.float32)
+    if SWAP:
+        s2, z2 = s[:, None], z[:, None]
+    else:
+        s2, z2 = s[None, :], z[None, :]
+    return s2, z2
+
+
 def _group_tile(s_ptr, z_ptr, g_off, cols, mask_k, mask_c, SWAP: tl.constexpr):
     """fp32 scales and zero points of a tile whose rows lie in several groups: ``g_off`` [k]
     (each row's group offset, ``group * N``), ``cols`` [n] -> two [k, n] tiles ([n, k] with
@@ -211,15 +223,7 @@ def _awq_dot_tile(accs, x_ptr, qw_ptr, s_ptr, z_ptr, M, N, NW, K, stride_xm, k0,
     for j in tl.static_range(PF):
         cols = offs_nw * PF + j
         if ROW_SCALES:  # one scale row per tile
-            g_off = (k0 // GROUP) * N
-            s = tl.load(s_ptr + g_off + cols, mask=mask_nw, other=0.0).to(tl.float32)
-            z = tl.load(z_ptr + g_off + cols, mask=mask_nw, other=0).to(tl.float32)
-            if SWAP:
-                s = s[:, None]
-                z = z[:, None]
-            else:
-                s = s[None, :]
-                z = z[None, :]
+            s, z = _row_scales(s_ptr, z_ptr, (k0 // GROUP) * N, cols, mask_nw, SWAP)
         else:
             s, z = _group_tile(s_ptr, z_ptr, (offs_k // GROUP) * N, cols, mk, mask_nw, SWAP)
         zc, sc = _zs(z, s, j, BITS, AWQ_ORDER)
@@ -323,15 +327,7 @@ def _gptq_dot_tile(acc, x_ptr, qw_ptr, s_ptr, z_ptr, M, N, K, stride_xm, t, offs
         xp = x_ptr + offs_m[:, None] * stride_xm + (offs_kw * PF)[None, :]
         mask_x = mm[:, None] & mkw[None, :]
     if ROW_SCALES:
-        g_off = (t * BLOCK_K // GROUP) * N
-        s = tl.load(s_ptr + g_off + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + g_off + offs_n, mask=mask_n, other=0).to(tl.float32)
-        if SWAP:
-            s = s[:, None]
-            z = z[:, None]
-        else:
-            s = s[None, :]
-            z = z[None, :]
+        s, z = _row_scales(s_ptr, z_ptr, (t * BLOCK_K // GROUP) * N, offs_n, mask_n, SWAP)
     if MODE == 2:  # exact integer weights (fields shifted down: one zero point), one scale row after
         zc = z + 8388608.0
         tacc = tl.zeros_like(acc)
@@ -351,5 +347,5 @@ def _gptq_dot_tile(acc, x_ptr, qw_ptr, s_ptr, z_ptr, M, N, K, stride_xm, t, offs
     return acc
 
 
-HELPERS = ("_qf", "_zs", "_group_tile", "_join_tree", "_dot", "_gemv_load", "_awq_gemv_tile", "_gptq_gemv_tile",
+HELPERS = ("_qf", "_zs", "_row_scales", "_group_tile", "_join_tree", "_dot", "_gemv_load", "_awq_gemv_tile", "_gptq_gemv_tile",
            "_awq_dot_tile", "_awq_joined_tile", "_gptq_joined_tile", "_gptq_dot_tile")
