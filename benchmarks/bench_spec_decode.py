@@ -26,11 +26,10 @@ Scenarios (greedy, ignore_eos, prompt token ids, detokenization off):
 * ``ngram``: prompt lookup, k = 4, on the copy-heavy prompt, adaptive on;
 * ``batch``: ``--batch`` (64) requests, no speculation vs each drafter with the default
   adaptive rule (target: no slowdown beyond 5%). Each engine first serves one batch of
-  other random prompts, reported as ``cold``: with ``measure_step_cost`` the rule learns
-  plain and speculating step times at a batch-size bucket the first time it serves it
-  (probe steps, once per engine lifetime), and the later ``random``/``copy`` batches show
-  the steady state of a serving engine. The target is judged on the steady state; the cold
-  ratio is printed too.
+  other random prompts, reported as ``cold``: it includes whatever an engine pays once at
+  a new batch size (with ``measure_step_cost`` the rule's first step-time measurements
+  there), and the later ``random``/``copy`` batches show the steady state of a serving
+  engine. The target is judged on the steady state; the cold ratio is printed too.
 
 TPOT per request = (finished_time - first_token_time) / (output tokens - 1); batch TPOT is
 the mean over requests. Each engine runs a warm-up request first. Prints a table and the
