@@ -89,6 +89,16 @@ def run(eng: LLMEngine, prompts: list[list[int]], gen_len: int) -> dict:
         eng.add_request(f"{tag}-{i}", {"prompt_token_ids": p}, sp)
     before = eng.stats()
     outs = {}
+    k_steps: dict[int, int] = {}  # engine steps by the largest k' the adaptive rule chose
+    if eng.spec is not None:
+        plan = eng.spec.plan
+
+        def counting_plan(*a, **kw):
+            groups = plan(*a, **kw)
+            k = max(eng.spec.last_k.values(), default=0)
+            k_steps[k] = k_steps.get(k, 0) + 1
+            return groups
+        eng.spec.plan = counting_plan
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     t0 = time.monotonic()
@@ -97,6 +107,8 @@ def run(eng: LLMEngine, prompts: list[list[int]], gen_len: int) -> dict:
             if o.finished:
                 outs[o.request_id] = o
     wall = time.monotonic() - t0
+    if eng.spec is not None:
+        del eng.spec.plan  # back to the class's method
     after = eng.stats()
     tpots = []
     for o in outs.values():
@@ -109,7 +121,8 @@ def run(eng: LLMEngine, prompts: list[list[int]], gen_len: int) -> dict:
     return {"tpot": sum(tpots) / len(tpots), "wall": wall, "tokens": sum(len(o.outputs[0].token_ids)
                                                                             for o in outs.values()),
             "acceptance": accepted / drafted if drafted else float("nan"),
-            "mean_len": 1 + accepted / drafts if drafts else 1.0, "k": after.get("spec_k", 0)}
+            "mean_len": 1 + accepted / drafts if drafts else 1.0, "k": after.get("spec_k", 0),
+            "k_steps": dict(sorted(k_steps.items()))}
 
 
 def continuations(eng: LLMEngine, prompts: list[list[int]], gen_len: int) -> list[list[int]]:
@@ -136,7 +149,8 @@ def measure(eng: LLMEngine, name: str, workloads: dict[str, list[list[int]]], ge
     res = {w: run(eng, prompts, gen_len) for w, prompts in workloads.items()}
     for w, r in res.items():
         print(f"{name:>8} {w:>10}: TPOT {1e3 * r['tpot']:8.3f} ms  tok/s {r['tokens'] / r['wall']:9.1f}  "
-              f"acceptance {r['acceptance']:.3f}  tokens/verify {r['mean_len']:.2f}  last k {r['k']:.0f}",
+              f"acceptance {r['acceptance']:.3f}  tokens/verify {r['mean_len']:.2f}  last k {r['k']:.0f}"
+              + (f"  steps by k' {r['k_steps']}" if r["k_steps"] else ""),
               flush=True)
     meter = eng.spec.meter if eng.spec is not None else None
     if meter is not None and meter.times:  # the adaptive rule's measured step times, ms by (bucket, k')
