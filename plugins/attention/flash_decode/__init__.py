@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from pydantic import BaseModel, ConfigDict
 
 from kvforge import hookimpl
 from kvforge.interfaces import AttentionBackend, AttentionInputs, AttentionLayer, AttentionRequirements
@@ -45,11 +46,24 @@ class FlashDecodeMetadata:
     prefill_md: object = None  # triton_paged's plan of the prefill rows (None: reference loop)
 
 
+class FlashDecodeSettings(BaseModel):
+    """``attention.settings`` for flash_decode.
+
+    ``fused_merge``: split steps merge the partial states inside fd_partial (the last
+    program of each row and KV head to finish merges; one launch) instead of in a second
+    kernel. Off by default: not yet measured faster (BENCHMARKS.md).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+    fused_merge: bool = False
+
+
 class FlashDecodeBackend(AttentionBackend):
     name = "flash_decode"
 
-    def __init__(self, settings=None) -> None:
+    def __init__(self, settings: FlashDecodeSettings | None = None) -> None:
         from kvforge_plugins.attention.flash_decode.jit import Kernels
+        self.settings = settings or FlashDecodeSettings()
         self.kernels = Kernels()
         self._ref = TorchRefBackend()
         self._workspace: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -126,7 +140,8 @@ class FlashDecodeBackend(AttentionBackend):
                                             resident=3 if heads_per_program(group) <= 4 else 2)
             part_out, part_lse = self._ws(md.num_decode, layer.num_heads, splits, layer.head_size, q.device)
             self.kernels.decode(q, kv_cache, inputs.block_table, inputs.seq_lens, md.decode_tok, md.decode_req,
-                                md.num_decode, layer, inputs.block_size, splits, partition, part_out, part_lse, out)
+                                md.num_decode, layer, inputs.block_size, splits, partition, part_out, part_lse, out,
+                                fused_merge=self.settings.fused_merge)
         if md.prefill_rows:
             self._forward_prefill(layer, q, kv_cache, md, out)
         return out
@@ -156,5 +171,5 @@ class FlashDecodeBackend(AttentionBackend):
 
 @hookimpl
 def kvforge_register_attention_backends(register) -> None:
-    register("flash_decode", FlashDecodeBackend, priority=5, dtypes=("float16", "bfloat16", "float32"),
+    register("flash_decode", FlashDecodeBackend, settings_model=FlashDecodeSettings, priority=5, dtypes=("float16", "bfloat16", "float32"),
              block_sizes=(8, 16, 32), devices=("cuda",), cuda_graphs=True)

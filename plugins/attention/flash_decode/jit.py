@@ -47,13 +47,15 @@ class Kernels:
         self.cupy = cupy
         self._mods: dict[tuple, tuple] = {}
         self._stream_cache: dict[int, object] = {}
+        self._counter_bufs: dict[torch.device, list[torch.Tensor]] = {}
 
-    def _get(self, dtype: torch.dtype, head_dim: int, group: int, block_size: int):
-        key = (dtype, head_dim, group, block_size)
+    def _get(self, dtype: torch.dtype, head_dim: int, group: int, block_size: int, fused_merge: bool):
+        key = (dtype, head_dim, group, block_size, fused_merge)
         mod = self._mods.get(key)
         if mod is None:
             opts = ("-std=c++17", "--use_fast_math", f"-DKV_DTYPE={_DT[dtype]}", f"-DHEAD_DIM={head_dim}",
-                    f"-DGROUP={group}", f"-DHEADS={heads_per_program(group)}", f"-DBLOCK_SIZE={block_size}")
+                    f"-DGROUP={group}", f"-DHEADS={heads_per_program(group)}", f"-DBLOCK_SIZE={block_size}",
+                    f"-DFUSED_MERGE={int(fused_merge)}")
             try:
                 m = self.cupy.RawModule(code=_SRC, options=opts)
                 mod = (m.get_function("fd_partial"), m.get_function("fd_merge"))
@@ -61,6 +63,18 @@ class Kernels:
                 raise RuntimeError(f"flash_decode: NVRTC compile failed for {key}: {e}") from e
             self._mods[key] = mod
         return mod
+
+    def _counters(self, n: int, device: torch.device) -> torch.Tensor:
+        """Zeroed int32 arrival counters of the fused split merge, >= n, one buffer per device
+        (each launch leaves them zero; launches on one device must not run concurrently on
+        several streams). Outgrown buffers stay referenced: captured CUDA graphs may use them."""
+        bufs = self._counter_bufs.setdefault(device, [])
+        if bufs and bufs[-1].numel() >= n:
+            return bufs[-1]
+        if torch.cuda.is_current_stream_capturing():
+            return torch.zeros(n, dtype=torch.int32, device=device)  # a memset node in the graph: correct
+        bufs.append(torch.zeros(max(n, 4096), dtype=torch.int32, device=device))
+        return bufs[-1]
 
     def _stream(self, handle: int):
         """CuPy view of torch's stream, cached per handle (one object per stream, not per launch)."""
@@ -74,16 +88,22 @@ class Kernels:
         return s
 
     def decode(self, q, kv_cache, block_table, seq_lens, row_tok, row_req, num_rows: int, layer,
-               block_size: int, num_splits: int, partition: int, part_out, part_lse, out) -> None:
+               block_size: int, num_splits: int, partition: int, part_out, part_lse, out,
+               fused_merge: bool = False) -> None:
         """Decode attention for ``num_rows`` rows; writes ``out[row_tok[i]]``.
 
         q/out: [T, Hq, D] with unit stride inside a row (row strides may differ);
         kv_cache: [2, NB, BS, Hkv, D] contiguous, 16-byte aligned; block_table int32 [B, max_blocks];
         seq_lens int32 [B]; row_tok/row_req int32 [num_rows]. ``partition`` (tokens per split)
         must be a multiple of ``block_size`` (:func:`plan_splits` makes it one); with
-        ``num_splits`` > 1, part_out/part_lse hold num_rows * Hq * num_splits (* D) fp32."""
+        ``num_splits`` > 1, part_out/part_lse hold num_rows * Hq * num_splits (* D) fp32.
+        ``fused_merge``: the last fd_partial program of a (row, KV head slice) merges the
+        splits (one launch) instead of a separate fd_merge launch."""
         group = layer.num_heads // layer.num_kv_heads
-        partial, merge = self._get(q.dtype, layer.head_size, group, block_size)
+        partial, merge = self._get(q.dtype, layer.head_size, group, block_size, fused_merge)
+        programs = layer.num_kv_heads * head_slices(group)
+        fused = fused_merge and num_splits > 1
+        counters = self._counters(num_rows * programs, q.device) if fused else part_lse  # unread unless fused
         assert q.stride(2) == 1 and q.stride(1) == layer.head_size and kv_cache.is_contiguous()
         assert out.stride(2) == 1 and out.stride(1) == layer.head_size
         assert kv_cache.data_ptr() % 16 == 0 and partition % block_size == 0  # 16-byte K/V copies
@@ -91,12 +111,13 @@ class Kernels:
         sl = seq_lens if seq_lens.dtype == torch.int32 else seq_lens.int()
         stream = self._stream(torch.cuda.current_stream(q.device).cuda_stream)
         with stream:
-            partial((layer.num_kv_heads * head_slices(group), num_splits, num_rows), (PARTIAL_THREADS,),
+            partial((programs, num_splits, num_rows), (PARTIAL_THREADS,),
                     (_ptr(q), np.int64(q.stride(0)), _ptr(kv_cache), np.int64(kv_cache[0].numel()),
                      _ptr(bt), np.int32(bt.shape[1]), _ptr(sl), _ptr(row_tok), _ptr(row_req),
                      np.int32(layer.num_kv_heads), np.int32(partition), np.int32(num_splits),
-                     np.float32(layer.scale), _ptr(part_out), _ptr(part_lse), _ptr(out), np.int64(out.stride(0))))
-            if num_splits > 1:
+                     np.float32(layer.scale), _ptr(part_out), _ptr(part_lse), _ptr(counters), _ptr(out),
+                     np.int64(out.stride(0))))
+            if num_splits > 1 and not fused:
                 merge((layer.num_heads, num_rows), (MERGE_THREADS,),
                       (_ptr(part_out), _ptr(part_lse), _ptr(row_tok), np.int32(layer.num_heads),
                        np.int32(num_splits), _ptr(out), np.int64(out.stride(0))))
