@@ -178,6 +178,11 @@ class EngineConfig(_Section):
         if p.world_size * p.data_parallel_size > 1 and self.speculative.method is not None:
             raise ValueError("speculative.method: speculative decoding runs on a single rank only; "
                              "set tensor/pipeline/data_parallel_size to 1 to use it")
+        spec = self.speculative
+        if spec.num_speculative_tokens and spec.method is None and \
+                not [d for d in self.request_choices.drafters if d != "none"]:
+            raise ValueError("speculative.num_speculative_tokens: set, but no drafter would use it (set "
+                             "speculative.method, or request_choices.drafters for per-request drafters)")
         return self
 
     @classmethod

@@ -55,6 +55,10 @@ BAD = [
     (H, {"messages": U, "tool_choice": "required"}, "tool_choice"), (H, {"messages": U, "logprobs": "yes"}, "logprobs"),
     (H, {"messages": U, "model": "other"}, "model"), (T, {}, "prompt"), (D, {"tokens": "abc"}, "tokens"),
     (D, {}, "tokens"),
+    (C, {"prompt": ""}, "prompt"), (C, {"prompt": ["hi", ""]}, "prompt[1]"),
+    (C, {"prompt": "hi", "kvforge": {"drafter": "bogus"}}, "kvforge.drafter"),
+    (C, {"prompt": "hi", "kvforge": {"nope": 1}}, "kvforge"), (C, {"prompt": "hi", "kvforge": 5}, "kvforge"),
+    (C, {"prompt": "hi", "logprobs": True}, "logprobs"),
 ]
 
 
@@ -87,6 +91,8 @@ def test_bad_requests_name_the_field(server):
             assert c.get(C).status_code == 405
             r = c.post(C, json={"prompt": "hi", "max_tokens": 2, "unknown_field": {"x": 1}})
             assert r.status_code == 200                     # unknown fields are ignored, like OpenAI's
+            r = c.post(C, json={"prompt": "hi", "max_tokens": 2, "kvforge": {"drafter": "none"}})
+            assert r.status_code == 200, r.text             # the per-request opt-out of speculation
     finally:
         stop.set()
         t.join(60)

@@ -128,8 +128,15 @@ def test_prompt_plus_max_tokens_exceeds_max_model_len(llm, good):
     assert str(MAX_MODEL_LEN) in str(e)
     # A prompt that alone fills max_model_len leaves no room to generate.
     full = [1] + [rng.randrange(3, VOCAB) for _ in range(MAX_MODEL_LEN - 1 + rng.randint(0, 20))]
-    _check_isolated(llm, good, lambda: eng.add_request("bad", {"prompt_token_ids": full}, _sp(max_tokens=None)),
-                    "max_model_len")
+    for mt in (None, 4):  # the prompt is at fault, whatever max_tokens says
+        _check_isolated(llm, good, lambda: eng.add_request("bad", {"prompt_token_ids": full}, _sp(max_tokens=mt)),
+                        "prompt:", "max_model_len")
+
+
+def test_generate_sampling_params_of_the_wrong_type(llm):
+    with pytest.raises(ValueError, match="sampling_params"):
+        llm.generate("Once upon a time", {"max_tokens": 3}, use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
 
 
 def test_prompt_token_ids_outside_vocab(llm, good):
@@ -148,6 +155,14 @@ def test_prompt_token_ids_outside_vocab(llm, good):
     ("n", {"n": 0}),
     ("n", {"n": -2}),
     ("max_tokens", {"max_tokens": 0}),
+    # wrong types: refused when the request is added (a bool or float logprobs used to reach
+    # the sampler and fail every request of its step)
+    ("logprobs", {"logprobs": True}), ("logprobs", {"logprobs": 2.5}), ("prompt_logprobs", {"prompt_logprobs": 1.5}),
+    ("max_tokens", {"max_tokens": 3.5}), ("max_tokens", {"max_tokens": "4"}), ("top_k", {"top_k": 2.5}),
+    ("top_k", {"top_k": None}), ("min_tokens", {"min_tokens": 2.5}), ("n", {"n": True}),
+    ("temperature", {"temperature": True}), ("stop", {"stop": [5]}), ("stop_token_ids", {"stop_token_ids": ["a"]}),
+    ("stop_token_ids", {"stop_token_ids": [2.5]}), ("extra_args", {"extra_args": [1]}),
+    ("logit_bias", {"logit_bias": {"abc": 1}}), ("seed", {"seed": 2 ** 70}),
 ])
 def test_bad_sampling_params(llm, good, field, kwargs):
     eng = llm.llm_engine
@@ -216,6 +231,7 @@ def test_generate_bad_batch_leaves_engine_idle(llm):
     ({"scheduler.nosuch": 1}, ["scheduler.nosuch"]),
     ({"max_num_seqs": 0}, ["scheduler.max_num_seqs"]),
     ({"block_size": -16}, ["cache.block_size"]),
+    ({"num_speculative_tokens": 3}, ["speculative.num_speculative_tokens", "speculative.method"]),
 ])
 def test_bad_engine_config(llm, good, kwargs, names):
     _check_isolated(llm, good, lambda: LLM(STORIES_MODEL, **kwargs), *names)

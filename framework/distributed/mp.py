@@ -194,6 +194,9 @@ class MultiprocExecutor(DistributedExecutor):
                     raise self._died(rank) from None
                 if reply[0] == "error":
                     _, etype, emsg, tb = reply
+                    dead = self._dead_peer(by_sentinel) if etype != "ValueError" else None
+                    if dead is not None:  # a collective failed because a peer died: report the death
+                        raise self._died(dead)
                     log.error("worker rank %d failed in %s:\n%s", rank, method, tb)
                     if method == "load_model" and etype == "ValueError":
                         raise ValueError(emsg)
@@ -201,6 +204,14 @@ class MultiprocExecutor(DistributedExecutor):
                 results[rank] = reply[1]
                 del pending[rank]
         return results
+
+    @staticmethod
+    def _dead_peer(by_sentinel: dict, wait: float = 1.0) -> int | None:
+        """The rank of a worker process that has exited, waiting up to ``wait`` seconds: a
+        surviving rank's collective fails (gloo: "connection reset") as soon as its peer's
+        sockets close, which can be before the dead process's sentinel is ready."""
+        ready = mp_wait(list(by_sentinel), timeout=wait)
+        return by_sentinel[ready[0]] if ready else None
 
     def _died(self, rank: int) -> WorkerDiedError:
         p = self.procs[rank]

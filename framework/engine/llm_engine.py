@@ -140,13 +140,13 @@ class LLMEngine:
                 raise ValueError(f"{name}: {asked} exceeds max_logprobs ({self.config.model.max_logprobs}); "
                                  "raise model.max_logprobs to allow more")
         validate_request_choices(self.config, self.registry, params, priority)
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt: {len(ids)} tokens leave no room to generate within max_model_len "
+                             f"({self.max_model_len})")
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
         if len(ids) + max_tokens > self.max_model_len:
             raise ValueError(f"max_tokens: prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds "
                              f"max_model_len ({self.max_model_len})")
-        if max_tokens < 1:
-            raise ValueError(f"prompt: {len(ids)} tokens leave no room to generate within max_model_len "
-                             f"({self.max_model_len})")
         salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
         if salt is not None and not isinstance(salt, str):
             raise ValueError("cache_salt: must be a string")

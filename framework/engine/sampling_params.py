@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,6 +63,7 @@ class SamplingParams:
     extra_args: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        self._verify_types()
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -70,15 +72,56 @@ class SamplingParams:
             self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
         self._verify()
 
-    def _verify(self) -> None:
+    def _verify_types(self) -> None:
+        """Types first, so a wrong type never reaches the sampler (where it would fail the
+        whole step's batch). bool is not accepted where a number is meant."""
         def bad(name: str, msg: str) -> ValueError:
-            return ValueError(f"{name} {msg}, got {getattr(self, name)!r}")
+            return ValueError(f"{name}: {msg}, got {getattr(self, name)!r}")
+
+        def is_int(v: Any) -> bool:  # numpy integers too
+            return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):
-            if not isinstance(getattr(self, name), (int, float)) or not math.isfinite(getattr(self, name)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v):
                 raise bad(name, "must be a finite number")
-        if not isinstance(self.n, int) or self.n < 1:
+        for name in ("n", "top_k", "min_tokens"):
+            if not is_int(getattr(self, name)):
+                raise bad(name, "must be an integer")
+        for name in ("max_tokens", "logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None and not is_int(getattr(self, name)):
+                raise bad(name, "must be an integer or None")
+        if self.seed is not None and (not is_int(self.seed) or not -2 ** 63 <= self.seed < 2 ** 63):
+            raise bad("seed", "must be a 64-bit signed integer or None")
+        if self.stop is not None and not isinstance(self.stop, str) and (
+                not isinstance(self.stop, (list, tuple)) or not all(isinstance(x, str) for x in self.stop)):
+            raise bad("stop", "must be a string or a list of strings")
+        if self.stop_token_ids is not None and (not isinstance(self.stop_token_ids, (list, tuple))
+                                                or not all(is_int(t) for t in self.stop_token_ids)):
+            raise bad("stop_token_ids", "must be a list of integers")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise bad("logit_bias", "must be a dict of token id -> bias")
+            for k, v in self.logit_bias.items():
+                try:
+                    ok = int(k) == float(k) and not isinstance(k, bool)
+                except (TypeError, ValueError):
+                    ok = False
+                if not ok or isinstance(v, bool) or not isinstance(v, numbers.Real):
+                    raise bad("logit_bias", "must map integer token ids to numbers")
+        if not isinstance(self.extra_args, dict):
+            raise bad("extra_args", "must be a dict")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
+                     "spaces_between_special_tokens", "detokenize"):
+            if not isinstance(getattr(self, name), (bool, numbers.Integral)) or getattr(self, name) not in (0, 1):
+                raise bad(name, "must be a bool")
+
+    def _verify(self) -> None:
+        def bad(name: str, msg: str) -> ValueError:
+            return ValueError(f"{name}: {msg}, got {getattr(self, name)!r}")
+
+        if self.n < 1:
             raise bad("n", "must be an integer >= 1")
         if self.temperature < 0:
             raise bad("temperature", "must be >= 0")
@@ -118,10 +161,10 @@ class SamplingParams:
         if self.logit_bias:
             bad = [t for t in self.logit_bias if not 0 <= t < vocab_size]
             if bad:
-                raise ValueError(f"logit_bias has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+                raise ValueError(f"logit_bias: token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
         bad = [t for t in self.stop_token_ids if t >= vocab_size]
         if bad:
-            raise ValueError(f"stop_token_ids has ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+            raise ValueError(f"stop_token_ids: ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
 
     @property
     def reads_history(self) -> bool:

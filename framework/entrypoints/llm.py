@@ -53,6 +53,9 @@ class LLM:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
+        elif isinstance(sampling_params, (dict, str)) or not isinstance(sampling_params, Sequence):
+            raise ValueError(f"sampling_params: expected SamplingParams or a list of them, "
+                             f"got {type(sampling_params).__name__}")
         else:
             params = list(sampling_params)
             if len(params) != len(prompts):

@@ -56,6 +56,9 @@ class _SamplingFields(_Strict):
     spaces_between_special_tokens: bool = True
     priority: int = 0
     cache_salt: str | None = None
+    # kvforge extension: the request's plugin choices, as SamplingParams.extra_args["kvforge"]
+    # offline (e.g. {"drafter": "none"} opts out of speculative decoding); validated by the engine.
+    kvforge: dict[str, Any] | None = None
     request_id: str | None = Field(None, min_length=1, max_length=256)
 
     @field_validator("stop", mode="before")

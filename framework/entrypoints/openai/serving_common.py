@@ -16,6 +16,7 @@ from starlette.responses import StreamingResponse
 from kvforge.engine.async_engine import AsyncLLMEngine, EngineClosedError, EngineError, RequestStream
 from kvforge.engine.detokenizer import decode_single_token
 from kvforge.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from kvforge.engine.request_choices import EXTRA_ARGS_KEY
 from kvforge.engine.sampling_params import SamplingParams
 from kvforge.entrypoints.openai.errors import OpenAIError
 from kvforge.entrypoints.openai.protocol import _SamplingFields
@@ -114,6 +115,8 @@ def sampling_params(req: _SamplingFields, max_tokens: int, logprobs: int | None,
         value = getattr(req, name)
         if value is not None:
             kw[name] = value
+    if req.kvforge is not None:
+        kw["extra_args"] = {"kvforge": req.kvforge}
     if req.min_tokens > max_tokens:
         raise OpenAIError(f"min_tokens: must be <= max_tokens ({max_tokens}), got {req.min_tokens}", 400)
     try:
@@ -141,8 +144,8 @@ async def add_all(ctx: ServerContext, items: list[tuple[str, dict, SamplingParam
     except BaseException as e:
         for s in streams:
             s.abort()
-        if isinstance(e, ValueError):
-            raise OpenAIError(str(e), 400) from e
+        if isinstance(e, ValueError):  # the engine names SamplingParams.extra_args["kvforge"]: here it is "kvforge"
+            raise OpenAIError(str(e).replace(f"extra_args.{EXTRA_ARGS_KEY}", "kvforge"), 400) from e
         if isinstance(e, EngineClosedError):
             raise OpenAIError(str(e), 503) from e
         if isinstance(e, EngineError):

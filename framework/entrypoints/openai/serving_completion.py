@@ -27,6 +27,9 @@ async def _prompts(ctx: sc.ServerContext, req: CompletionRequest) -> list[tuple[
         texts = list(p)
     out = []
     for i, item in enumerate(texts):
+        if len(item) == 0:  # as offline: an empty prompt is refused, not generated from BOS alone
+            where = "prompt" if len(texts) == 1 else f"prompt[{i}]"
+            raise OpenAIError(f"{where}: must not be empty", 400, param="prompt")
         if isinstance(item, str):
             ids = await ctx.encode(item, req.add_special_tokens)
             out.append((item, ids))
