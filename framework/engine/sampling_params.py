@@ -110,8 +110,10 @@ class SamplingParams:
                     ok = False
                 if not ok or isinstance(v, bool) or not isinstance(v, numbers.Real):
                     raise bad("logit_bias", "must map integer token ids to numbers")
+        if self.extra_args is None:  # vLLM's default
+            self.extra_args = {}
         if not isinstance(self.extra_args, dict):
-            raise bad("extra_args", "must be a dict")
+            raise bad("extra_args", "must be a dict or None")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
                      "spaces_between_special_tokens", "detokenize"):
             if not isinstance(getattr(self, name), (bool, numbers.Integral)) or getattr(self, name) not in (0, 1):
