@@ -121,6 +121,9 @@ CASES = {
                                    dict(swap_ab=True, scale_after=False, BLOCK_N=64, BLOCK_K=64), 2e-3),
     "awq4_m3_noswap_f32": (3, 256, 200, 4, 128, "awq", F32, dict(swap_ab=False, BLOCK_N=128, BLOCK_K=64), 1e-5),
     "gptq4_m3_joined_f16": (3, 256, 200, 4, 128, "gptq", F16, dict(joined=True, BLOCK_N=64, BLOCK_K=64), 2e-3),
+    # joined MMAs with groups that straddle tiles (per-element scales)
+    "awq4_m5_joined_g24_f32": (5, 192, 200, 4, 24, "awq", F32, dict(joined=True, BLOCK_N=64, BLOCK_K=64), 1e-5),
+    "gptq4_m5_joined_g24_f32": (5, 192, 136, 4, 24, "gptq", F32, dict(joined=True, BLOCK_N=64, BLOCK_K=64), 1e-5),
     "awq4_m5_serial3_f32": (5, 384, 200, 4, 128, "awq", F32, dict(BLOCK_N=128, BLOCK_K=64, split_k=3), 1e-5),
     "gptq4_m5_atomic_f16": (5, 256, 200, 4, 64, "gptq", F16,
                             dict(BLOCK_N=64, BLOCK_K=128, split_k=2, reduce="atomic"), 3e-3),

@@ -253,14 +253,9 @@ def _awq_joined_tile(acc, x_ptr, qw_ptr, s_ptr, z_ptr, M, N, NW, K, stride_xm, k
     for j in tl.static_range(PF):
         cols = offs_nw * PF + j
         if ROW_SCALES:
-            g_off = (k0 // GROUP) * N
-            s = tl.load(s_ptr + g_off + cols, mask=mask_nw, other=0.0).to(tl.float32)[None, :]
-            z = tl.load(z_ptr + g_off + cols, mask=mask_nw, other=0).to(tl.float32)[None, :]
+            s, z = _row_scales(s_ptr, z_ptr, (k0 // GROUP) * N, cols, mask_nw, False)
         else:
-            sp = ((offs_k // GROUP) * N)[:, None] + cols[None, :]
-            smask = mk[:, None] & mask_nw[None, :]
-            s = tl.load(s_ptr + sp, mask=smask, other=0.0).to(tl.float32)
-            z = tl.load(z_ptr + sp, mask=smask, other=0).to(tl.float32)
+            s, z = _group_tile(s_ptr, z_ptr, (offs_k // GROUP) * N, cols, mk, mask_nw, False)
         zc, sc = _zs(z, s, j, BITS, AWQ_ORDER)
         if FP32_DOT:
             vals = vals + ((_qf(w_lo, w_hi, j, BITS, AWQ_ORDER) - zc) * sc,)
@@ -285,16 +280,11 @@ def _gptq_joined_tile(acc, x_ptr, qw_ptr, s_ptr, z_ptr, M, N, K, stride_xm, t, o
     w_lo = w | 0x4B000000  # compile-time magic: see _awq_dot_tile
     w_hi = (w >> 16) | 0x4B000000
     if ROW_SCALES:
-        g_off = (t * BLOCK_K // GROUP) * N
-        s = tl.load(s_ptr + g_off + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        z = tl.load(z_ptr + g_off + offs_n, mask=mask_n, other=0).to(tl.float32)[None, :]
+        s, z = _row_scales(s_ptr, z_ptr, (t * BLOCK_K // GROUP) * N, offs_n, mask_n, False)
     vals = ()
     for i in tl.static_range(PF):
         if not ROW_SCALES:
-            sp = ((offs_kw * PF + i) // GROUP * N)[:, None] + offs_n[None, :]
-            smask = mkw[:, None] & mask_n[None, :]
-            s = tl.load(s_ptr + sp, mask=smask, other=0.0).to(tl.float32)
-            z = tl.load(z_ptr + sp, mask=smask, other=0).to(tl.float32)
+            s, z = _group_tile(s_ptr, z_ptr, (offs_kw * PF + i) // GROUP * N, offs_n, mkw, mask_n, False)
         zc, sc = _zs(z, s, i, BITS, False)
         if FP32_DOT:
             vals = vals + ((_qf(w_lo, w_hi, i, BITS, False) - zc) * sc,)
