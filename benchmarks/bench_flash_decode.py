@@ -109,11 +109,8 @@ def ab_fused_merge(be, layer, q, k, v, cache, inputs, nbytes, ref, rounds: int =
 
 
 def md_splits(be, layer, inputs) -> int:
-    """The split count the backend's forward plans for this batch."""
-    group = layer.num_heads // layer.num_kv_heads
-    return fd_backend.plan_splits(len(inputs.query_lens_cpu), layer.num_kv_heads * fd_backend.head_slices(group),
-                                  inputs.max_seq_len, inputs.block_size, be._num_sms,
-                                  resident=3 if fd_backend.heads_per_program(group) <= 4 else 2)[0]
+    """The split count the backend's forward plans for this batch (plan_splits as patched now)."""
+    return be.plan_for(be.build_metadata(inputs), layer)[0]
 
 
 SWEEP_SPLITS = (2, 3, 4, 6, 8, 12, 16, 24, 32, 33, 40, 48, 49, 56, 64, 66)

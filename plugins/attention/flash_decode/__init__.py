@@ -14,7 +14,7 @@ per-step plan, split-KV included) when that plugin is importable and supports th
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from pydantic import BaseModel, ConfigDict
@@ -34,16 +34,16 @@ _DTYPES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 class FlashDecodeMetadata:
     """Per-step plan. ``decode_tok``/``decode_req`` int32 [Bd]: token row and request
     row of each decode; ``prefill`` is the AttentionInputs restricted to prefill rows
-    (None if none); ``num_splits``/``partition`` (tokens) from :func:`plan_splits`."""
+    (None if none); ``plans``: (num_splits, partition tokens) from :func:`plan_splits` per
+    (KV heads, GQA group), made by the step's first layer of that shape and reused by the rest."""
 
     inputs: AttentionInputs
     decode_tok: torch.Tensor
     decode_req: torch.Tensor
     num_decode: int
-    num_splits: int
-    partition: int
     prefill_rows: list[int]
     prefill_md: object = None  # triton_paged's plan of the prefill rows (None: reference loop)
+    plans: dict = field(default_factory=dict)
 
 
 class FlashDecodeSettings(BaseModel):
@@ -116,9 +116,20 @@ class FlashDecodeBackend(AttentionBackend):
             req = torch.tensor(decode_rows, dtype=torch.int32, device=dev)
         if self._num_sms is None:
             self._num_sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
-        # Heads are unknown here; plan with a typical GQA group count, refined in forward.
         prefill_md = self._prefill.build_metadata(inputs) if prefill_rows and self._prefill is not None else None
-        return FlashDecodeMetadata(inputs, tok, req, len(decode_rows), 0, 0, prefill_rows, prefill_md)
+        return FlashDecodeMetadata(inputs, tok, req, len(decode_rows), prefill_rows, prefill_md)
+
+    def plan_for(self, md: FlashDecodeMetadata, layer: AttentionLayer) -> tuple[int, int]:
+        """(num_splits, partition tokens) of this step's decode rows for layers shaped like
+        ``layer`` (heads are known only per layer; computed once per step and shape)."""
+        key = (layer.num_kv_heads, layer.num_heads)
+        plan = md.plans.get(key)
+        if plan is None:
+            group = layer.num_heads // layer.num_kv_heads
+            plan = md.plans[key] = plan_splits(md.num_decode, layer.num_kv_heads * head_slices(group),
+                                               md.inputs.max_seq_len, md.inputs.block_size, self._num_sms,
+                                               resident=3 if heads_per_program(group) <= 4 else 2)
+        return plan
 
     def _ws(self, rows: int, heads: int, splits: int, d: int, dev) -> tuple[torch.Tensor, torch.Tensor]:
         key = (rows, heads, splits, d, dev)
@@ -134,10 +145,7 @@ class FlashDecodeBackend(AttentionBackend):
         write_kv(kv_cache, k, v, inputs.slot_mapping)
         out = torch.empty_like(q)
         if md.num_decode:
-            group = layer.num_heads // layer.num_kv_heads
-            splits, partition = plan_splits(md.num_decode, layer.num_kv_heads * head_slices(group),
-                                            inputs.max_seq_len, inputs.block_size, self._num_sms,
-                                            resident=3 if heads_per_program(group) <= 4 else 2)
+            splits, partition = self.plan_for(md, layer)
             part_out, part_lse = self._ws(md.num_decode, layer.num_heads, splits, layer.head_size, q.device)
             self.kernels.decode(q, kv_cache, inputs.block_table, inputs.seq_lens, md.decode_tok, md.decode_req,
                                 md.num_decode, layer, inputs.block_size, splits, partition, part_out, part_lse, out,
