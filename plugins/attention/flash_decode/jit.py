@@ -16,6 +16,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kvforge.layers.arrival_counters import arrival_counters
+
 _SRC = (Path(__file__).with_name("kernels.cu")).read_text()
 _DT = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 PARTIAL_THREADS = 128  # NTHREADS in kernels.cu
@@ -47,7 +49,6 @@ class Kernels:
         self.cupy = cupy
         self._mods: dict[tuple, tuple] = {}
         self._stream_cache: dict[int, object] = {}
-        self._counter_bufs: dict[torch.device, list[torch.Tensor]] = {}
 
     def _get(self, dtype: torch.dtype, head_dim: int, group: int, block_size: int, fused_merge: bool):
         key = (dtype, head_dim, group, block_size, fused_merge)
@@ -63,18 +64,6 @@ class Kernels:
                 raise RuntimeError(f"flash_decode: NVRTC compile failed for {key}: {e}") from e
             self._mods[key] = mod
         return mod
-
-    def _counters(self, n: int, device: torch.device) -> torch.Tensor:
-        """Zeroed int32 arrival counters of the fused split merge, >= n, one buffer per device
-        (each launch leaves them zero; launches on one device must not run concurrently on
-        several streams). Outgrown buffers stay referenced: captured CUDA graphs may use them."""
-        bufs = self._counter_bufs.setdefault(device, [])
-        if bufs and bufs[-1].numel() >= n:
-            return bufs[-1]
-        if torch.cuda.is_current_stream_capturing():
-            return torch.zeros(n, dtype=torch.int32, device=device)  # a memset node in the graph: correct
-        bufs.append(torch.zeros(max(n, 4096), dtype=torch.int32, device=device))
-        return bufs[-1]
 
     def _stream(self, handle: int):
         """CuPy view of torch's stream, cached per handle (one object per stream, not per launch)."""
@@ -103,7 +92,7 @@ class Kernels:
         partial, merge = self._get(q.dtype, layer.head_size, group, block_size, fused_merge)
         programs = layer.num_kv_heads * head_slices(group)
         fused = fused_merge and num_splits > 1
-        counters = self._counters(num_rows * programs, q.device) if fused else part_lse  # unread unless fused
+        counters = arrival_counters(num_rows * programs, q.device) if fused else part_lse  # unread unless fused
         assert q.stride(2) == 1 and q.stride(1) == layer.head_size and kv_cache.is_contiguous()
         assert out.stride(2) == 1 and out.stride(1) == layer.head_size
         assert kv_cache.data_ptr() % 16 == 0 and partition % block_size == 0  # 16-byte K/V copies

@@ -64,8 +64,8 @@ over W. Any config may set ``path`` (the tuner may pick ``fused`` for mid-size M
 Configs: ``DEFAULTS`` <- ``CONFIGS[bucket(M, pack_k)]`` <- the tuned table for this GPU and
 shape (``choices.py``; kind "wna16" for N-packed weights, "wna16_kpack" for K-packed;
 written by ``benchmarks/bench_quant.py --tune``) <- ``config=``. The serial reduction's tile
-counters are one zeroed int32 buffer per device: launches on one device must not run
-concurrently on several streams.
+counters come from :func:`kvforge.layers.arrival_counters.arrival_counters` (one zeroed
+buffer per device: launches on one device must not run concurrently on several streams).
 """
 from __future__ import annotations
 
@@ -73,6 +73,8 @@ import functools
 import math
 
 import torch
+
+from kvforge.layers.arrival_counters import arrival_counters
 
 from .choices import lookup
 from .wna16_kernels import kernels
@@ -116,21 +118,6 @@ def _num_sms(index: int) -> int:
 @functools.lru_cache(maxsize=None)
 def _sm90(index: int) -> bool:
     return torch.cuda.get_device_capability(index) >= (9, 0)
-
-
-#: Per device: zeroed int32 tile counters of the serial split-K reduction (each launch leaves
-#: them zero). Outgrown buffers stay referenced: captured CUDA graphs may still use them.
-_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
-
-
-def _counters(n: int, device: torch.device) -> torch.Tensor:
-    bufs = _COUNTERS.setdefault(device, [])
-    if bufs and bufs[-1].numel() >= n:
-        return bufs[-1]
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return torch.zeros(n, dtype=torch.int32, device=device)  # a memset in the graph: correct, slower
-    bufs.append(torch.zeros(max(n, 4096), dtype=torch.int32, device=device))
-    return bufs[-1]
 
 
 def _config(m: int, n: int, k: int, x: torch.Tensor, pack_k: bool, config: "dict | None") -> dict:
@@ -193,7 +180,7 @@ def wna16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
         if serial:
             assert split * m * n < 2 ** 31
             ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-            cnt = _counters(tiles, x.device)
+            cnt = arrival_counters(tiles, x.device)
     else:
         assert cfg["reduce"] in ("atomic", "atomic_fp32"), cfg["reduce"]
         fp32 = cfg["reduce"] == "atomic_fp32" or (x.dtype == torch.bfloat16 and x.is_cuda
