@@ -38,8 +38,7 @@ PEAK_TBPS = 4.27
 DEV = torch.device("cuda")
 
 
-def case(batch: int, ctx: int, hq=32, hkv=8, d=128, bs=16, dtype=torch.bfloat16, sweep=False, knobs=False,
-         ab=False):
+def case(batch: int, ctx: int, hq=32, hkv=8, d=128, bs=16, dtype=torch.bfloat16, sweep=False, knobs=False):
     nblk = -(-ctx // bs)
     total = batch * nblk + 1
     perm = torch.randperm(total - 1)
@@ -75,37 +74,9 @@ def case(batch: int, ctx: int, hq=32, hkv=8, d=128, bs=16, dtype=torch.bfloat16,
     print(f"flash_decode batch {batch:3d} x ctx {ctx:6d}: eager {ms * 1e3:7.1f} us {tbps:5.2f} TB/s "
           f"({tbps / PEAK_TBPS:5.1%} of {PEAK_TBPS}); CUDA graph {g_ms * 1e3:7.1f} us {g_tbps:5.2f} TB/s "
           f"({g_tbps / PEAK_TBPS:5.1%})  splits={splits} rel_err={err:.1e}")
-    if ab:
-        ab_fused_merge(be, layer, q, k, v, cache, inputs, nbytes, ref if batch * ctx <= 64 * 4096 else None)
     if sweep:
         run_sweep(be, layer, q, k, v, cache, inputs, nbytes, knobs)
     return tbps
-
-
-def ab_fused_merge(be, layer, q, k, v, cache, inputs, nbytes, ref, rounds: int = 5) -> None:
-    """fd_merge after fd_partial vs the merge fused into fd_partial, alternated ``rounds``
-    times in this process (CUDA-graph replay; medians), each checked against torch_ref."""
-    times: dict[bool, list[float]] = {False: [], True: []}
-    graphs = {}
-    for fused in (False, True):
-        be.settings.fused_merge = fused
-        md = be.build_metadata(inputs)
-        fn = lambda md=md: be.forward(layer, q, k, v, cache, md)  # noqa: E731
-        out = fn()
-        if ref is not None:
-            err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-            assert err < 2e-2, (fused, err)
-        graphs[fused] = fn
-    for _ in range(rounds):
-        for fused in (False, True):
-            be.settings.fused_merge = fused
-            with torch.cuda.stream(torch.cuda.Stream()):
-                times[fused].append(triton.testing.do_bench_cudagraph(graphs[fused], rep=100, return_mode="median"))
-    be.settings.fused_merge = False
-    for fused in (False, True):
-        t = sorted(times[fused])[len(times[fused]) // 2]
-        print(f"    {'fused merge' if fused else 'fd_merge   '}: graph {t * 1e3:7.1f} us "
-              f"{nbytes / (t * 1e-3) / 1e12:5.2f} TB/s (median of {rounds}, alternated)", flush=True)
 
 
 def md_splits(be, layer, inputs) -> int:
@@ -152,12 +123,10 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sweep", action="store_true", help="also time each case per plan knob")
     ap.add_argument("--sweep-knobs", action="store_true", help="with --sweep: also vary FILL/MIN_PARTITION_TOKENS")
-    ap.add_argument("--ab-fused-merge", action="store_true",
-                    help="also time fd_merge vs the fused merge side by side (attention.settings.fused_merge)")
     ap.add_argument("--cases", default="64x4096,1x32768,8x8192,256x1024", help="BATCHxCTX list")
     args = ap.parse_args()
     random.seed(0)
     torch.manual_seed(0)
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
     for b, c in (tuple(map(int, bc.split("x"))) for bc in args.cases.split(",")):
-        case(b, c, sweep=args.sweep, knobs=args.sweep_knobs, ab=args.ab_fused_merge)
+        case(b, c, sweep=args.sweep, knobs=args.sweep_knobs)

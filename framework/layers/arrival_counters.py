@@ -4,8 +4,8 @@ A kernel whose programs each write a partial result can finish the reduction in 
 launch: every program counts its arrival (an atomic add), and the last to arrive reduces
 and sets its counter back to zero (the threadfence-reduction pattern, CUDA C++
 Programming Guide, "Memory Fence Functions"). Such kernels need counters that are zero
-at launch; this module keeps one buffer per device for all of them (W4A16's serial
-split-K, flash_decode's fused split merge). Launches on one device must therefore not
+at launch; this module keeps one buffer per device for all of them (today W4A16's serial
+split-K). Launches on one device must therefore not
 run concurrently on several streams.
 """
 from __future__ import annotations

@@ -47,15 +47,10 @@ class FlashDecodeMetadata:
 
 
 class FlashDecodeSettings(BaseModel):
-    """``attention.settings`` for flash_decode.
-
-    ``fused_merge``: split steps merge the partial states inside fd_partial (the last
-    program of each row and KV head to finish merges; one launch) instead of in a second
-    kernel. Off by default: not yet measured faster (BENCHMARKS.md).
-    """
+    """``attention.settings`` for flash_decode: none yet (the split plan is measured, not
+    configured); a key given here is refused by name rather than ignored."""
 
     model_config = ConfigDict(extra="forbid")
-    fused_merge: bool = False
 
 
 class FlashDecodeBackend(AttentionBackend):
@@ -148,8 +143,7 @@ class FlashDecodeBackend(AttentionBackend):
             splits, partition = self.plan_for(md, layer)
             part_out, part_lse = self._ws(md.num_decode, layer.num_heads, splits, layer.head_size, q.device)
             self.kernels.decode(q, kv_cache, inputs.block_table, inputs.seq_lens, md.decode_tok, md.decode_req,
-                                md.num_decode, layer, inputs.block_size, splits, partition, part_out, part_lse, out,
-                                fused_merge=self.settings.fused_merge)
+                                md.num_decode, layer, inputs.block_size, splits, partition, part_out, part_lse, out)
         if md.prefill_rows:
             self._forward_prefill(layer, q, kv_cache, md, out)
         return out

@@ -16,8 +16,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvforge.layers.arrival_counters import arrival_counters
-
 _SRC = (Path(__file__).with_name("kernels.cu")).read_text()
 _DT = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 PARTIAL_THREADS = 128  # NTHREADS in kernels.cu
@@ -50,13 +48,12 @@ class Kernels:
         self._mods: dict[tuple, tuple] = {}
         self._stream_cache: dict[int, object] = {}
 
-    def _get(self, dtype: torch.dtype, head_dim: int, group: int, block_size: int, fused_merge: bool):
-        key = (dtype, head_dim, group, block_size, fused_merge)
+    def _get(self, dtype: torch.dtype, head_dim: int, group: int, block_size: int):
+        key = (dtype, head_dim, group, block_size)
         mod = self._mods.get(key)
         if mod is None:
             opts = ("-std=c++17", "--use_fast_math", f"-DKV_DTYPE={_DT[dtype]}", f"-DHEAD_DIM={head_dim}",
-                    f"-DGROUP={group}", f"-DHEADS={heads_per_program(group)}", f"-DBLOCK_SIZE={block_size}",
-                    f"-DFUSED_MERGE={int(fused_merge)}")
+                    f"-DGROUP={group}", f"-DHEADS={heads_per_program(group)}", f"-DBLOCK_SIZE={block_size}")
             try:
                 m = self.cupy.RawModule(code=_SRC, options=opts)
                 mod = (m.get_function("fd_partial"), m.get_function("fd_merge"))
@@ -77,22 +74,17 @@ class Kernels:
         return s
 
     def decode(self, q, kv_cache, block_table, seq_lens, row_tok, row_req, num_rows: int, layer,
-               block_size: int, num_splits: int, partition: int, part_out, part_lse, out,
-               fused_merge: bool = False) -> None:
+               block_size: int, num_splits: int, partition: int, part_out, part_lse, out) -> None:
         """Decode attention for ``num_rows`` rows; writes ``out[row_tok[i]]``.
 
         q/out: [T, Hq, D] with unit stride inside a row (row strides may differ);
         kv_cache: [2, NB, BS, Hkv, D] contiguous, 16-byte aligned; block_table int32 [B, max_blocks];
         seq_lens int32 [B]; row_tok/row_req int32 [num_rows]. ``partition`` (tokens per split)
         must be a multiple of ``block_size`` (:func:`plan_splits` makes it one); with
-        ``num_splits`` > 1, part_out/part_lse hold num_rows * Hq * num_splits (* D) fp32.
-        ``fused_merge``: the last fd_partial program of a (row, KV head slice) merges the
-        splits (one launch) instead of a separate fd_merge launch."""
+        ``num_splits`` > 1, part_out/part_lse hold num_rows * Hq * num_splits (* D) fp32."""
         group = layer.num_heads // layer.num_kv_heads
-        partial, merge = self._get(q.dtype, layer.head_size, group, block_size, fused_merge)
+        partial, merge = self._get(q.dtype, layer.head_size, group, block_size)
         programs = layer.num_kv_heads * head_slices(group)
-        fused = fused_merge and num_splits > 1
-        counters = arrival_counters(num_rows * programs, q.device) if fused else part_lse  # unread unless fused
         assert q.stride(2) == 1 and q.stride(1) == layer.head_size and kv_cache.is_contiguous()
         assert out.stride(2) == 1 and out.stride(1) == layer.head_size
         assert kv_cache.data_ptr() % 16 == 0 and partition % block_size == 0  # 16-byte K/V copies
@@ -104,9 +96,9 @@ class Kernels:
                     (_ptr(q), np.int64(q.stride(0)), _ptr(kv_cache), np.int64(kv_cache[0].numel()),
                      _ptr(bt), np.int32(bt.shape[1]), _ptr(sl), _ptr(row_tok), _ptr(row_req),
                      np.int32(layer.num_kv_heads), np.int32(partition), np.int32(num_splits),
-                     np.float32(layer.scale), _ptr(part_out), _ptr(part_lse), _ptr(counters), _ptr(out),
+                     np.float32(layer.scale), _ptr(part_out), _ptr(part_lse), _ptr(out),
                      np.int64(out.stride(0))))
-            if num_splits > 1 and not fused:
+            if num_splits > 1:
                 merge((layer.num_heads, num_rows), (MERGE_THREADS,),
                       (_ptr(part_out), _ptr(part_lse), _ptr(row_tok), np.int32(layer.num_heads),
                        np.int32(num_splits), _ptr(out), np.int64(out.stride(0))))

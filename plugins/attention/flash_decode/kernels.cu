@@ -4,7 +4,7 @@
 // Compile-time constants (passed as -D options): KV_DTYPE (0 fp16, 1 bf16, 2 fp32),
 // HEAD_DIM (8, 16 or a multiple of 32 up to 256; fp32 up to 128), GROUP (query heads per
 // KV head), HEADS (query heads served by one program: GROUP, or about half of it when
-// GROUP > 8, see jit.py), BLOCK_SIZE (tokens per KV block: 8, 16 or 32), FUSED_MERGE (0/1).
+// GROUP > 8, see jit.py), BLOCK_SIZE (tokens per KV block: 8, 16 or 32).
 //
 // Layouts: q/out rows [*, Hq, D] (row stride given), cache [2, NB, BS, Hkv, D],
 // block_table int32 [B, max_blocks], seq_lens int32 [B].
@@ -33,8 +33,6 @@
 //     its partial state (part_out fp32 [rows, Hq, splits, D], part_lse = natural-log sum
 //     of exp; an empty split writes only part_lse = -inf).
 // fd_merge: one program per (query head, row) combines the splits by log-sum-exp weights.
-// With FUSED_MERGE=1 (attention.settings.fused_merge) fd_merge does not run: the last
-// program of each (row, KV head slice) to finish merges its heads (merge_if_last).
 // emulate.py mirrors both kernels' indexing on the CPU (numpy); keep the two in step.
 
 #if KV_DTYPE == 2
@@ -62,9 +60,6 @@ __device__ __forceinline__ st from_f(float x) { st h; asm("cvt.rn.bf16.f32 %0, %
 
 #ifndef HEADS
 #define HEADS GROUP
-#endif
-#ifndef FUSED_MERGE
-#define FUSED_MERGE 0
 #endif
 
 // Smallest power of two >= x, for 1 <= x <= 32 (a macro: NVRTC rejects unannotated functions).
@@ -149,77 +144,6 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
 #endif
 }
 
-#if FUSED_MERGE
-// Split merge fused into fd_partial (FUSED_MERGE=1; else the fd_merge kernel runs after it): the last program of a (row, KV head slice) to finish
-// combines its heads' splits by log-sum-exp weights (FlashInfer's merge_states), so a split
-// step is one launch (a second kernel cost ~2-3 us of a ~45 us batch-1 x 32k step under CUDA
-// graphs). Arrival is counted in counters[row * gridDim.x + blockIdx.x] (zero before the
-// launch; the last program resets it). Threadfence-reduction pattern (CUDA programming
-// guide, "Memory Fence Functions"): every thread fences its partial stores before the count,
-// the last program fences again and reads the partials through L2 (__ldcg).
-__device__ __forceinline__ void merge_if_last(int row, int tok, int head0, int nh, int num_heads, int num_splits,
-                                              const float* part_out, const float* part_lse,
-                                              int* __restrict__ counters, st* __restrict__ out,
-                                              long long out_row_stride) {
-    __shared__ int is_last;
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        int* c = counters + (long long)row * gridDim.x + blockIdx.x;
-        is_last = atomicAdd(c, 1) == num_splits - 1;
-        if (is_last) *c = 0;  // ready for the next launch (CUDA graph replays reuse the buffer)
-    }
-    __syncthreads();
-    if (!is_last) return;
-    __threadfence();
-    constexpr int NF4 = HEAD_DIM / 4;             // float4 per head row
-    constexpr int F4L = (NF4 + WARP - 1) / WARP;  // float4 per lane
-    const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
-    for (int h = warp; h < nh; h += NWARPS) {    // a warp per head
-        const long long base = ((long long)row * num_heads + head0 + h) * num_splits;
-        float mx = NEG_INF;
-        for (int sp = lane; sp < num_splits; sp += WARP) mx = fmaxf(mx, __ldcg(part_lse + base + sp));
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, o));
-        float4 a[F4L];
-#pragma unroll
-        for (int i = 0; i < F4L; ++i) a[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-        float den = 0.f;
-#pragma unroll 4
-        for (int sp = 0; sp < num_splits; ++sp) {
-            const float lse = __ldcg(part_lse + base + sp);
-            if (lse == NEG_INF) continue;  // an empty split never wrote its row: skip it, not 0 * row
-            const float w = __expf(lse - mx);
-            den += w;
-            const float4* src = reinterpret_cast<const float4*>(part_out + (base + sp) * HEAD_DIM);
-#pragma unroll
-            for (int i = 0; i < F4L; ++i) {
-                const int f = lane + i * WARP;
-                if (f < NF4) {
-                    const float4 x = __ldcg(src + f);
-                    a[i].x = fmaf(w, x.x, a[i].x);
-                    a[i].y = fmaf(w, x.y, a[i].y);
-                    a[i].z = fmaf(w, x.z, a[i].z);
-                    a[i].w = fmaf(w, x.w, a[i].w);
-                }
-            }
-        }
-        const float inv = 1.f / den;  // den >= 1: the split holding the max has weight 1
-        st* op = out + (long long)tok * out_row_stride + (long long)(head0 + h) * HEAD_DIM;
-#pragma unroll
-        for (int i = 0; i < F4L; ++i) {
-            const int f = lane + i * WARP;
-            if (f < NF4) {
-                op[4 * f] = from_f(a[i].x * inv);
-                op[4 * f + 1] = from_f(a[i].y * inv);
-                op[4 * f + 2] = from_f(a[i].z * inv);
-                op[4 * f + 3] = from_f(a[i].w * inv);
-            }
-        }
-    }
-}
-#endif
-
 extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_PROGRAMS)
 fd_partial(const st* __restrict__ q, long long q_row_stride,
            const st* __restrict__ kv, long long kv_half,              // elements in K (= in V)
@@ -227,7 +151,7 @@ fd_partial(const st* __restrict__ q, long long q_row_stride,
            const int* __restrict__ seq_lens,
            const int* __restrict__ row_tok, const int* __restrict__ row_req,
            int num_kv_heads, int partition, int num_splits, float scale,
-           float* __restrict__ part_out, float* __restrict__ part_lse, int* __restrict__ counters,
+           float* __restrict__ part_out, float* __restrict__ part_lse,
            st* __restrict__ out, long long out_row_stride) {
     __shared__ __align__(16) unsigned char smem[SMEM_BYTES];
     // KV head fastest: programs running together read all heads of the same tokens
@@ -262,11 +186,6 @@ fd_partial(const st* __restrict__ q, long long q_row_stride,
     if (start >= end) {  // an empty split: neutral element for the merge
         if (num_splits > 1 && tid < nh)
             part_lse[((long long)row * num_heads + head0 + tid) * num_splits + split] = NEG_INF;
-#if FUSED_MERGE
-        if (num_splits > 1)
-            merge_if_last(row, tok, head0, nh, num_heads, num_splits, part_out, part_lse, counters, out,
-                          out_row_stride);
-#endif
         return;
     }
 
@@ -482,10 +401,6 @@ fd_partial(const st* __restrict__ q, long long q_row_stride,
             if (d == 0) part_lse[pidx] = (mx + log2f(den)) * LN2;
         }
     }
-#if FUSED_MERGE
-    if (num_splits > 1)
-        merge_if_last(row, tok, head0, nh, num_heads, num_splits, part_out, part_lse, counters, out, out_row_stride);
-#endif
 }
 
 #define MERGE_WARPS 8
