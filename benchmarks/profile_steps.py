@@ -42,6 +42,7 @@ def main() -> None:
     p.add_argument("--input-len", type=int, default=1024)
     p.add_argument("--prefill-prompts", type=int, default=32)
     p.add_argument("--decode-batch", type=int, default=1)
+    p.add_argument("--decode-context", type=int, default=32, help="prompt tokens of each decode-phase request")
     p.add_argument("--rows", type=int, default=18)
     a = p.parse_args()
     engine = LLMEngine.from_kwargs(a.model, load_format=a.load_format)
@@ -52,11 +53,11 @@ def main() -> None:
     while engine.has_unfinished_requests():
         engine.step()
     for i in range(a.decode_batch):
-        engine.add_request(f"d{i}", {"prompt_token_ids": [5 + i] * 32}, SamplingParams(temperature=0, max_tokens=200,
-                                                                                      ignore_eos=True))
-    for _ in range(5):
+        engine.add_request(f"d{i}", {"prompt_token_ids": [5 + (i + j) % 1000 for j in range(a.decode_context)]},
+                           SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+    for _ in range(5 + -(-a.decode_batch * a.decode_context // 8192)):  # past every prefill chunk
         engine.step()
-    _run(engine, 20, f"20 decode steps at batch {a.decode_batch}", a.rows)
+    _run(engine, 20, f"20 decode steps at batch {a.decode_batch}, context ~{a.decode_context}", a.rows)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Turns one step's logits into next tokens (and log-probabilities), vLLM V1 semantics.
 
-Per row, on a float32 copy of the logits, in this order:
+Per row, on float32 logits (copied only when step 1-4 apply), in this order:
 
 1. ``logit_bias`` (additive);
 2. ``min_tokens``: while fewer tokens than ``min_tokens`` were generated, EOS (unless
@@ -10,6 +10,9 @@ Per row, on a float32 copy of the logits, in this order:
 5. greedy rows (temperature < 1e-5) take the argmax; the others are divided by the
    temperature, filtered by top-k, top-p, min-p (Hugging Face's warper order and keep rules)
    and sampled with the exponential race (Gumbel-max) trick.
+
+A step whose rows are all greedy, with no logprobs asked and nothing for steps 1-4, takes
+one pass over the logits instead (:mod:`kvforge.engine.greedy_kernel`).
 
 Returned log-probabilities are those of the raw incoming logits (vLLM V1's default
 ``raw_logprobs``), not of the processed distribution. The tensor kernels are in
@@ -21,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvforge.engine.greedy_kernel import greedy_sample
 from kvforge.engine.outputs import Logprob
 from kvforge.engine.position_noise import position_seed
 from kvforge.engine.request import Request
@@ -116,15 +120,19 @@ class Sampler:
         if n == 0:
             return PendingSamplerOutput.empty(logits.device)
         raw = logits[:, : self.vocab_size]
-        work = raw.to(torch.float32, copy=True)
-        device = work.device
-        vocab = work.shape[1]
         params = [r.sampling_params for r in requests]
-
-        self._apply_logits_processors(work, requests, device, vocab)
-
         greedy_rows = [i for i, sp in enumerate(params) if sp.greedy]
         random_rows = [i for i, sp in enumerate(params) if not sp.greedy]
+        process = self.needs_logits_processing(requests)
+        if not random_rows and not process and all(sp.logprobs is None for sp in params):
+            tokens, sampled_lp = greedy_sample(raw)  # one pass over the logits on the GPU
+            return PendingSamplerOutput(tokens, [sampled_lp], params, [])
+        # A copy only when the processors write into it (temperature makes its own).
+        work = raw.to(torch.float32, copy=process)
+        device = work.device
+        vocab = work.shape[1]
+        if process:
+            self._apply_logits_processors(work, requests, device, vocab)
         if not random_rows:
             tokens = work.argmax(dim=-1)
         else:
