@@ -54,7 +54,8 @@ def run_one(args) -> dict:
         "model": args.model, "load_format": "dummy", "dtype": args.dtype, "tensor_parallel_size": tp,
         "max_num_seqs": max(args.batch, 1), "max_model_len": args.input_len + args.decode_steps + 64,
         "gpu_memory_utilization": args.gpu_memory_utilization, "enable_prefix_caching": False,
-        "distributed_executor_backend": "mp" if tp > 1 else None})
+        "distributed_executor_backend": "mp" if tp > 1 else None,
+        **({} if args.async_scheduling == "auto" else {"async_scheduling": args.async_scheduling == "true"})})
     t0 = time.perf_counter()
     engine = LLMEngine(cfg)
     build_s = time.perf_counter() - t0
@@ -112,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--async-scheduling", choices=["auto", "true", "false"], default="auto",
+                   help="scheduler.async_scheduling (auto: on for CUDA, TP > 1 included)")
     p.add_argument("--output-json")
     p.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)

@@ -50,7 +50,7 @@ class SchedulerConfig(_Section):
     async_scheduling: bool | None = Field(
         None, description="Schedule and prepare step N+1 while the device runs step N (vLLM's async "
         "scheduling); outputs are unchanged. Steps that verify speculative drafts run synchronously. "
-        "None: on for CUDA with the in-process executor.")
+        "None: on for CUDA (also with tensor/pipeline parallelism).")
     settings: dict[str, Any] = Field(default_factory=dict)
 
 

@@ -211,8 +211,9 @@ def test_moe_logits_match_hf(moe_model, layout):
 # Failure: a worker dies mid-run
 # ---------------------------------------------------------------------------------------------
 
-def test_worker_killed_mid_run_fails_fast_with_clear_error():
-    llm = LLM(model=STORIES_MODEL, **COMMON, tensor_parallel_size=2)
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_worker_killed_mid_run_fails_fast_with_clear_error(async_scheduling):
+    llm = LLM(model=STORIES_MODEL, **COMMON, tensor_parallel_size=2, async_scheduling=async_scheduling)
     engine = llm.llm_engine
     try:
         victim = engine.executor.pids[1]

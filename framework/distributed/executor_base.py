@@ -5,6 +5,11 @@ the :class:`~kvforge.interfaces.SchedulerOutput` (:func:`~kvforge.distributed.pr
 sends it to every worker, waits for all of them, and hands the output rank's logits to
 the sampler as an :class:`~kvforge.engine.model_runner.ExecuteOutput`.
 
+With async scheduling (:mod:`kvforge.engine.overlap`) the send and the wait are apart
+(:meth:`DistributedExecutor.execute_deferred`): the driver sends step N+1, finishes step
+N on the host (stop checks, detokenization, outputs) while the workers run N+1, then
+schedules N+2 and only then waits for N+1's logits. At most one call is in flight.
+
 Failure policy: the ranks of a replica run in lock-step collectives, so one failed rank
 leaves the others out of step. Any worker error, death or timeout therefore kills the
 replica's workers and marks the executor dead; that step raises :class:`WorkerError`
@@ -50,12 +55,35 @@ class _WorkerRunner:
     def allocator(self):
         return self._ex.allocator
 
-    def execute(self, so):
-        return self._ex.execute(so)
+    def execute(self, so, prev_tokens=None, prev_rows=None):
+        return self._ex.execute(so, prev_tokens, prev_rows)
+
+    def execute_deferred(self, so, prev_tokens=None, prev_rows=None) -> "PendingExecute":
+        return self._ex.execute_deferred(so, prev_tokens, prev_rows)
 
     def swap(self, pairs, to_cpu: bool) -> None:
         if pairs:
             self._ex.call_all("swap", list(pairs), to_cpu)
+
+
+class PendingExecute:
+    """A step sent to the workers whose logits have not been received.
+
+    Attributes:
+        sample_requests: the requests the step samples, in row order (known at send time).
+    """
+
+    def __init__(self, sample_requests: list, finish) -> None:
+        self.sample_requests = sample_requests
+        self._finish = finish
+        self._out = None
+
+    def wait(self):
+        """Wait for the workers -> :class:`~kvforge.engine.model_runner.ExecuteOutput`
+        (idempotent). Raises :class:`WorkerError` as :meth:`DistributedExecutor.execute`."""
+        if self._out is None:
+            self._out = self._finish()
+        return self._out
 
 
 class DistributedExecutor(Executor):
@@ -78,12 +106,21 @@ class DistributedExecutor(Executor):
         self.output_rank = (config.parallel.pipeline_parallel_size - 1) * config.parallel.tensor_parallel_size
         self.runner = _WorkerRunner(self)
         self._out_buf: torch.Tensor | None = None
+        self._in_flight: str | None = None  # method of a call sent and not yet received
 
     # -- transport (subclasses) ---------------------------------------------------------
     @abstractmethod
-    def _call_all(self, method: str, args: tuple, timeout: float) -> list[Any]:
-        """Call ``Worker.<method>(*args)`` on every rank; return the results by rank.
+    def _send_all(self, method: str, args: tuple) -> Any:
+        """Start ``Worker.<method>(*args)`` on every rank; return a handle for :meth:`_recv_all`.
+        Raises :class:`WorkerError` when a worker cannot be reached."""
+
+    @abstractmethod
+    def _recv_all(self, handle: Any, method: str, timeout: float) -> list[Any]:
+        """Wait for the call started by :meth:`_send_all`; return the results by rank.
         Raises :class:`WorkerError` (or the remote ``ValueError`` while loading)."""
+
+    def _call_all(self, method: str, args: tuple, timeout: float) -> list[Any]:
+        return self._recv_all(self._send_all(method, args), method, timeout)
 
     @abstractmethod
     def _kill_workers(self) -> None:
@@ -96,8 +133,34 @@ class DistributedExecutor(Executor):
     # -- driver API ---------------------------------------------------------------------
     def call_all(self, method: str, *args, timeout: float | None = None) -> list[Any]:
         self.check_health()
+        self._no_call_in_flight(method)
         try:
             return self._call_all(method, args, self.timeout_s if timeout is None else timeout)
+        except BaseException as e:
+            self._mark_dead(e)
+            raise
+
+    def _no_call_in_flight(self, method: str) -> None:
+        if self._in_flight is not None:
+            raise RuntimeError(f"{method!r} while a deferred {self._in_flight!r} is in flight: wait for it first")
+
+    def _send(self, method: str, *args) -> Any:
+        """Start a call whose results :meth:`_recv` collects (one at a time)."""
+        self.check_health()
+        self._no_call_in_flight(method)
+        try:
+            handle = self._send_all(method, args)
+        except BaseException as e:
+            self._mark_dead(e)
+            raise
+        self._in_flight = method
+        return handle
+
+    def _recv(self, handle: Any, method: str) -> list[Any]:
+        self._in_flight = None
+        self.check_health()
+        try:
+            return self._recv_all(handle, method, self.timeout_s)
         except BaseException as e:
             self._mark_dead(e)
             raise
@@ -126,12 +189,26 @@ class DistributedExecutor(Executor):
         buf = res[self.output_rank]
         self._out_buf = buf if isinstance(buf, torch.Tensor) else None
 
-    def execute(self, so):
-        """One step on the workers -> :class:`~kvforge.engine.model_runner.ExecuteOutput`."""
+    def execute(self, so, prev_tokens: torch.Tensor | None = None, prev_rows: dict[str, int] | None = None):
+        """One step on the workers -> :class:`~kvforge.engine.model_runner.ExecuteOutput`.
+
+        ``prev_tokens`` (int64 [N'], the previous step's sampled tokens, any device) and
+        ``prev_rows`` (request id -> row there) resolve placeholder input tokens (async
+        scheduling): reading them waits for that step's sampling on the driver's device."""
+        return self.execute_deferred(so, prev_tokens, prev_rows).wait()
+
+    def execute_deferred(self, so, prev_tokens: torch.Tensor | None = None,
+                         prev_rows: dict[str, int] | None = None) -> PendingExecute:
+        """As :meth:`execute`, but return once the step is sent: the workers run it while
+        the caller works; :meth:`PendingExecute.wait` collects the logits."""
+        host = prev_tokens.tolist() if prev_tokens is not None else None
+        msg, plan = encode_step(so, self.allocator, host, prev_rows)
+        handle = self._send("execute", msg)
+        return PendingExecute(plan.sample_requests, lambda: self._finish_execute(handle, plan))
+
+    def _finish_execute(self, handle: Any, plan):
         from kvforge.engine.model_runner import ExecuteOutput
-        self.check_health()
-        msg, plan = encode_step(so, self.allocator)
-        res = self.call_all("execute", msg)
+        res = self._recv(handle, "execute")
         n, data = res[self.output_rank]
         if data is not None:
             logits = torch.from_numpy(data if data.flags.writeable else data.copy()).to(self.device)
@@ -147,6 +224,7 @@ class DistributedExecutor(Executor):
         return ExecuteOutput(sample, plan.sample_requests, prompt)
 
     def shutdown(self) -> None:
+        self._in_flight = None  # the workers are told to leave either way
         if self.dead is None:
             self.dead = RuntimeError("executor was shut down")
             try:

@@ -162,13 +162,15 @@ class MultiprocExecutor(DistributedExecutor):
     def _share_output(self) -> bool:
         return self.device.type == "cuda"
 
-    def _call_all(self, method: str, args: tuple, timeout: float) -> list[Any]:
+    def _send_all(self, method: str, args: tuple) -> None:
         payload = pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)
         for rank, conn in enumerate(self.conns):
             try:
                 conn.send_bytes(payload)
             except (OSError, BrokenPipeError):
                 raise self._died(rank) from None
+
+    def _recv_all(self, handle: None, method: str, timeout: float) -> list[Any]:
         results: list[Any] = [None] * self.world_size
         pending = dict(enumerate(self.conns))
         by_sentinel = {p.sentinel: r for r, p in enumerate(self.procs)}

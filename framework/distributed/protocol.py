@@ -56,8 +56,18 @@ class StepPlan:
     prompt_slices: list[tuple[str, int, int, int]]  # (request_id, first position, row offset, rows)
 
 
-def encode_step(so, allocator) -> tuple[StepMessage, StepPlan]:
-    """Flatten a :class:`~kvforge.interfaces.SchedulerOutput` (driver side)."""
+def encode_step(so, allocator, prev_tokens: list[int] | None = None,
+                prev_rows: dict[str, int] | None = None) -> tuple[StepMessage, StepPlan]:
+    """Flatten a :class:`~kvforge.interfaces.SchedulerOutput` (driver side).
+
+    With async scheduling a request's last token may still be a placeholder
+    (``PLACEHOLDER_TOKEN_ID``, sampled by the previous step); it is replaced here by
+    ``prev_tokens[prev_rows[request_id]]`` (the previous step's sampled tokens, on the host),
+    so workers only ever see real token ids.
+
+    Raises:
+        RuntimeError: a placeholder without ``prev_tokens``/``prev_rows`` to resolve it.
+    """
     toks: list[int] = []
     starts, qlens, table_lens = [], [], []
     tables: list[int] = []
@@ -74,7 +84,13 @@ def encode_step(so, allocator) -> tuple[StepMessage, StepPlan]:
         if drafts:  # verification: the drafts follow the last token
             toks.extend((req.token_slice(start, req.num_tokens) + list(drafts))[:n])
         elif n == 1:
-            toks.append(req.token_id_at(start))
+            tok = req.token_id_at(start)
+            if tok < 0:  # PLACEHOLDER_TOKEN_ID: sampled by the previous step
+                if prev_tokens is None or prev_rows is None or rid not in prev_rows:
+                    raise RuntimeError(f"request {rid!r}: a placeholder input token without the previous "
+                                       "step's sampled tokens")
+                tok = prev_tokens[prev_rows[rid]]
+            toks.append(tok)
         else:
             toks.extend(req.token_slice(start, start + n))
         table = allocator.get_block_table(rid)

@@ -156,8 +156,11 @@ class RayExecutor(DistributedExecutor):
                     pending[r] = i
         return results
 
-    def _call_all(self, method: str, args: tuple, timeout: float) -> list[Any]:
-        return self._get([a.call.remote(method, args) for a in self.actors], timeout)
+    def _send_all(self, method: str, args: tuple) -> list:
+        return [a.call.remote(method, args) for a in self.actors]
+
+    def _recv_all(self, handle: list, method: str, timeout: float) -> list[Any]:
+        return self._get(handle, timeout)
 
     def _kill_workers(self) -> None:
         ray = self._ray

@@ -327,11 +327,8 @@ def build_engine_parts(config: EngineConfig, registry: Registry) -> EngineParts:
         config.scheduler.max_num_batched_tokens = max(2048, max_model_len)
 
     check_capabilities(config, registry, hf_config, dtype, device)  # before any weight is read
-    why_sync = "tensor/pipeline parallelism" if config.parallel.world_size > 1 else None
-    if config.scheduler.async_scheduling and why_sync:
-        raise ValueError(f"scheduler.async_scheduling: not supported with {why_sync}; leave it unset or false")
     if config.scheduler.async_scheduling is None:
-        config.scheduler.async_scheduling = why_sync is None and device.type == "cuda"
+        config.scheduler.async_scheduling = device.type == "cuda"
     if config.parallel.data_parallel_size > 1:
         raise ValueError("parallel.data_parallel_size > 1 runs several engines: build it with "
                          "kvforge.engine.executor.create_engine (as LLM and `kvforge serve` do)")

@@ -25,6 +25,13 @@ N+1: that one token of compute is wasted and discarded. While a live request use
 repetition/frequency/presence penalties (which read the generated ids on the host), each
 step's tokens are waited for before the next is scheduled.
 
+With tensor/pipeline parallelism the runner is the workers' proxy
+(:class:`~kvforge.distributed.executor_base.DistributedExecutor`): step 2 only *sends*
+step N+1 (its placeholders resolved on the host from step N's tokens, which the driver
+has by then); step 3 runs while the workers compute N+1; then the driver waits for N+1's
+logits and queues their sampling, before step 4 (so sampling sees the requests as at
+launch: seeded noise and ``min_tokens`` count the same tokens as in one process).
+
 With speculative decoding, steps in which the adaptive rule drafts for some request run
 synchronously (the drafter and the rejection sampler need every token on the host); the
 steps in which speculation is off (large batches, low acceptance) overlap as above. The
@@ -33,6 +40,7 @@ engine switches per step (``LLMEngine.step``), draining the in-flight step first
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from kvforge.engine.outputs import RequestOutput
 from kvforge.engine.request import PLACEHOLDER_TOKEN_ID, Request, RequestStatus, apply_stop_string, check_stop
@@ -46,7 +54,9 @@ class _Inflight:
 
     requests: list[Request]  # sampled requests, in row order
     rows: dict[str, int]  # request_id -> row in sample.token_ids
-    sample: PendingSamplerOutput
+    sample: PendingSamplerOutput | None  # None while ``pending``
+    pending: Any = None  # PendingExecute: sent to the workers, logits not yet received
+    so: SchedulerOutput | None = None  # the step (to fail its requests if its wait fails)
 
 
 class OverlapStepper:
@@ -76,6 +86,8 @@ class OverlapStepper:
         launched = self._launch(so, prev, touched)
         if prev is not None:
             self._process(prev, touched)
+        if launched is not None and launched.pending is not None:
+            launched = self._complete(launched, touched)
         if so.scheduled:
             placeholder = [PLACEHOLDER_TOKEN_ID]
             sampled = {r.request_id: placeholder for r in launched.requests} if launched else {}
@@ -105,8 +117,18 @@ class OverlapStepper:
             return None
         if prev is not None:
             self.num_overlapped_steps += 1
+        prev_tokens, prev_rows = (prev.sample.token_ids, prev.rows) if prev else (None, None)
+        deferred = getattr(e.runner, "execute_deferred", None)
+        if deferred is not None:  # workers: send now, wait at the start of the next step
+            try:
+                pend = deferred(so, prev_tokens, prev_rows)
+            except Exception as err:
+                e._fail_step(so, err, touched)
+                return None
+            reqs = pend.sample_requests
+            return _Inflight(reqs, {r.request_id: i for i, r in enumerate(reqs)}, None, pend, so)
         try:
-            ex = e.runner.execute(so, prev.sample.token_ids if prev else None, prev.rows if prev else None)
+            ex = e.runner.execute(so, prev_tokens, prev_rows)
             e._record_prompt_logprobs(ex)
             if not ex.sample_requests:
                 return None
@@ -116,6 +138,24 @@ class OverlapStepper:
             return _Inflight(ex.sample_requests, {r.request_id: i for i, r in enumerate(ex.sample_requests)}, sample)
         except Exception as err:  # fails this step's requests only, as in the synchronous loop
             e._fail_step(so, err, touched)
+            return None
+
+    def _complete(self, sent: _Inflight, touched: dict[str, None]) -> _Inflight | None:
+        """Wait for a sent step's logits and queue their sampling (before the step's
+        placeholders are added). Returns the in-flight step, or None when it samples
+        nothing or failed (then its requests end with ``finish_reason="error"``, as in a
+        failed launch)."""
+        e = self.engine
+        try:
+            ex = sent.pending.wait()
+            e._record_prompt_logprobs(ex)
+            sent.pending = None
+            if not ex.sample_requests:
+                return None
+            sent.sample = e.sampler.sample_async(ex.logits, ex.sample_requests)
+            return sent
+        except Exception as err:
+            e._fail_step(sent.so, err, touched)
             return None
 
     def _process(self, done: _Inflight, touched: dict[str, None]) -> None:
