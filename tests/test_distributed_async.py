@@ -109,3 +109,56 @@ def test_async_tp_abort_while_a_step_is_in_flight():
         _free(engine, tag)
     finally:
         engine.executor.shutdown()
+
+
+def test_async_tp_sampling_failure_fails_its_requests_and_the_engine_goes_on(monkeypatch):
+    """The driver fails to sample a step while the next one waits on the workers for its
+    tokens: the workers are told to skip it, the requests of both steps end with an error,
+    no KV block is held, and later requests run normally (the replica stays up)."""
+    from kvforge.engine.sampler import Sampler
+    engine = LLMEngine.from_kwargs(STORIES_MODEL, **COMMON, tensor_parallel_size=2, async_scheduling=True)
+    real = Sampler.sample_async
+    calls = [0]
+
+    def flaky(self, *a, **kw):
+        calls[0] += 1
+        if calls[0] == 6:
+            raise RuntimeError("injected sampler failure")
+        return real(self, *a, **kw)
+
+    try:
+        monkeypatch.setattr(Sampler, "sample_async", flaky)
+        sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+        outs = _run(engine, [(p, sp) for p in STORY_OPENINGS[:3]])
+        assert all(o.finished for o in outs.values())
+        assert all("injected sampler failure" in (o.error or "") for o in outs.values()), \
+            [o.error for o in outs.values()]
+        _free(engine, "after the failure")
+        monkeypatch.setattr(Sampler, "sample_async", real)
+        ref = _run(LLMEngine.from_kwargs(STORIES_MODEL, **COMMON, async_scheduling=False),
+                   [(p, sp) for p in STORY_OPENINGS[3:6]])
+        got = _run(engine, [(p, sp) for p in STORY_OPENINGS[3:6]])
+        _same(got, ref, "after a failed step")
+        _free(engine, "after the next requests")
+    finally:
+        engine.executor.shutdown()
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_async_tp_preemption_keeps_outputs(mode):
+    """Too few KV blocks for the batch: requests are preempted (swapped to CPU or
+    recomputed) while steps are in flight; greedy outputs still match one process."""
+    kw = dict(COMMON, num_gpu_blocks=14, **{"scheduler.settings.preemption_mode": mode})
+    if mode == "swap":
+        kw["cache.swap_space_bytes"] = 1 << 22
+    sp = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    reqs = [(p, sp) for p in STORY_OPENINGS[:6]]
+    ref = _run(LLMEngine.from_kwargs(STORIES_MODEL, **kw, async_scheduling=False), reqs)
+    engine = LLMEngine.from_kwargs(STORIES_MODEL, **kw, tensor_parallel_size=2, async_scheduling=True)
+    try:
+        got = _run(engine, reqs)
+        _same(got, ref, f"[{mode}]")
+        assert engine.scheduler.stats()["num_preemptions"] > 0, f"[{mode}]: nothing was preempted"
+        _free(engine, f"[{mode}]")
+    finally:
+        engine.executor.shutdown()

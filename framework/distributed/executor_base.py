@@ -6,9 +6,12 @@ sends it to every worker, waits for all of them, and hands the output rank's log
 the sampler as an :class:`~kvforge.engine.model_runner.ExecuteOutput`.
 
 With async scheduling (:mod:`kvforge.engine.overlap`) the send and the wait are apart
-(:meth:`DistributedExecutor.execute_deferred`): the driver sends step N+1, finishes step
-N on the host (stop checks, detokenization, outputs) while the workers run N+1, then
-schedules N+2 and only then waits for N+1's logits. At most one call is in flight.
+(:meth:`DistributedExecutor.execute_deferred`). A transport that can deliver tokens
+apart from a step (mp: ``_send_tokens``) lets the driver send step N+1 *before* it has
+step N's logits: N+1's placeholder tokens travel later (:meth:`deliver_tokens`), and the
+workers build N+1's inputs meanwhile, so they idle only while the driver receives step
+N's logits, samples and sends the tokens. Otherwise (Ray) the driver samples step N
+first and resolves N+1's placeholders itself. Steps are received in the order sent.
 
 Failure policy: the ranks of a replica run in lock-step collectives, so one failed rank
 leaves the others out of step. Any worker error, death or timeout therefore kills the
@@ -61,6 +64,15 @@ class _WorkerRunner:
     def execute_deferred(self, so, prev_tokens=None, prev_rows=None) -> "PendingExecute":
         return self._ex.execute_deferred(so, prev_tokens, prev_rows)
 
+    @property
+    def accepts_late_tokens(self) -> bool:
+        """Whether :meth:`execute_deferred` may be called before the previous step's
+        tokens exist (then :meth:`deliver_tokens` sends them)."""
+        return self._ex.accepts_late_tokens
+
+    def deliver_tokens(self, tokens) -> None:
+        self._ex.deliver_tokens(tokens)
+
     def swap(self, pairs, to_cpu: bool) -> None:
         if pairs:
             self._ex.call_all("swap", list(pairs), to_cpu)
@@ -106,7 +118,8 @@ class DistributedExecutor(Executor):
         self.output_rank = (config.parallel.pipeline_parallel_size - 1) * config.parallel.tensor_parallel_size
         self.runner = _WorkerRunner(self)
         self._out_buf: torch.Tensor | None = None
-        self._in_flight: str | None = None  # method of a call sent and not yet received
+        self._in_flight = 0  # execute calls sent and not yet received (in order)
+        self._tokens_owed = False  # the last step sent waits for the previous step's tokens
 
     # -- transport (subclasses) ---------------------------------------------------------
     @abstractmethod
@@ -130,6 +143,15 @@ class DistributedExecutor(Executor):
         """Whether workers can hand the logits over through a buffer shared once."""
         return False
 
+    def _send_tokens(self, tokens) -> None:
+        """Send a waiting step its placeholder tokens (int64 numpy, or None: skip the step).
+        Only transports with :attr:`accepts_late_tokens` implement it."""
+        raise NotImplementedError
+
+    @property
+    def accepts_late_tokens(self) -> bool:
+        return type(self)._send_tokens is not DistributedExecutor._send_tokens
+
     # -- driver API ---------------------------------------------------------------------
     def call_all(self, method: str, *args, timeout: float | None = None) -> list[Any]:
         self.check_health()
@@ -141,26 +163,43 @@ class DistributedExecutor(Executor):
             raise
 
     def _no_call_in_flight(self, method: str) -> None:
-        if self._in_flight is not None:
-            raise RuntimeError(f"{method!r} while a deferred {self._in_flight!r} is in flight: wait for it first")
+        if self._in_flight:
+            raise RuntimeError(f"{method!r} while {self._in_flight} step(s) are in flight: wait for them first")
 
-    def _send(self, method: str, *args) -> Any:
-        """Start a call whose results :meth:`_recv` collects (one at a time)."""
+    def _send_step(self, msg) -> Any:
+        """Send an ``execute`` whose results :meth:`_recv_step` collects (in send order)."""
         self.check_health()
-        self._no_call_in_flight(method)
+        if self._tokens_owed:
+            raise RuntimeError("a step was sent before the previous one got its tokens (deliver_tokens)")
         try:
-            handle = self._send_all(method, args)
+            handle = self._send_all("execute", (msg,))
         except BaseException as e:
             self._mark_dead(e)
             raise
-        self._in_flight = method
+        self._in_flight += 1
+        self._tokens_owed = len(msg.ph_pos) > 0
         return handle
 
-    def _recv(self, handle: Any, method: str) -> list[Any]:
-        self._in_flight = None
+    def _recv_step(self, handle: Any) -> list[Any]:
+        self._in_flight -= 1
         self.check_health()
         try:
-            return self._recv_all(handle, method, self.timeout_s)
+            return self._recv_all(handle, "execute", self.timeout_s)
+        except BaseException as e:
+            self._mark_dead(e)
+            raise
+
+    def deliver_tokens(self, tokens: torch.Tensor | None) -> None:
+        """Send the step in flight the previous step's sampled tokens (int64 [N], any
+        device; reading them waits for the sampling), or None when they could not be
+        sampled (the workers then skip that step). Nothing happens when no step waits."""
+        if not self._tokens_owed:
+            return
+        self._tokens_owed = False
+        if self.dead is not None:
+            return
+        try:
+            self._send_tokens(None if tokens is None else tokens.cpu().numpy())
         except BaseException as e:
             self._mark_dead(e)
             raise
@@ -203,17 +242,21 @@ class DistributedExecutor(Executor):
         the caller works; :meth:`PendingExecute.wait` collects the logits."""
         host = prev_tokens.tolist() if prev_tokens is not None else None
         msg, plan = encode_step(so, self.allocator, host, prev_rows)
-        handle = self._send("execute", msg)
+        if len(msg.ph_pos) and not self.accepts_late_tokens:
+            raise RuntimeError("this executor needs the previous step's tokens to send a step with placeholders")
+        handle = self._send_step(msg)
         return PendingExecute(plan.sample_requests, lambda: self._finish_execute(handle, plan))
 
     def _finish_execute(self, handle: Any, plan):
         from kvforge.engine.model_runner import ExecuteOutput
-        res = self._recv(handle, "execute")
-        n, data = res[self.output_rank]
+        res = self._recv_step(handle)
+        if res[self.output_rank] == "skipped":
+            raise RuntimeError("step skipped by the workers: the previous step's tokens could not be sampled")
+        n, data, slot = res[self.output_rank]
         if data is not None:
             logits = torch.from_numpy(data if data.flags.writeable else data.copy()).to(self.device)
         elif n:
-            logits = self._out_buf[:n].to(self.device, copy=True)
+            logits = self._out_buf[slot, :n].to(self.device, copy=True)
             if self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()  # read before the buffer is reused
         else:
@@ -224,7 +267,7 @@ class DistributedExecutor(Executor):
         return ExecuteOutput(sample, plan.sample_requests, prompt)
 
     def shutdown(self) -> None:
-        self._in_flight = None  # the workers are told to leave either way
+        self._in_flight, self._tokens_owed = 0, False  # the workers are told to leave either way
         if self.dead is None:
             self.dead = RuntimeError("executor was shut down")
             try:

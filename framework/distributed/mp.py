@@ -79,6 +79,14 @@ def _worker_main(rank: int, world_size: int, config: dict, max_model_len: int, d
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's business; it stops us
     from kvforge.distributed.worker import Worker
     worker = Worker(rank, world_size, config, max_model_len, device_index, init_method)
+
+    def receive_tokens():
+        """The ("tokens", array-or-None) message a step with placeholders waits for."""
+        method, args = pickle.loads(conn.recv_bytes())
+        if method != "tokens":
+            raise RuntimeError(f"expected the previous step's tokens, got a {method!r} call")
+        return args[0]
+    worker.receive_tokens = receive_tokens
     while True:
         try:
             method, args = pickle.loads(conn.recv_bytes())
@@ -161,6 +169,9 @@ class MultiprocExecutor(DistributedExecutor):
 
     def _share_output(self) -> bool:
         return self.device.type == "cuda"
+
+    def _send_tokens(self, tokens) -> None:
+        self._send_all("tokens", (tokens,))
 
     def _send_all(self, method: str, args: tuple) -> None:
         payload = pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)

@@ -35,6 +35,10 @@ class StepMessage:
         rows: int64 [R] rows of the flattened batch whose logits are returned, in order
             (first the sampling rows, then the prompt-logprob rows).
         swap_out, swap_in: (src, dst) block pairs copied before the forward.
+        ph_pos, ph_row: int64 [P] placeholders (async scheduling, tokens sent separately):
+            ``tokens[ph_pos[i]]`` is the previous step's sampled token of row ``ph_row[i]``,
+            which the driver sends as a ``("tokens", array)`` message once it has sampled
+            it (see :meth:`kvforge.distributed.worker.Worker.execute`); empty otherwise.
     """
 
     tokens: np.ndarray
@@ -45,6 +49,8 @@ class StepMessage:
     rows: np.ndarray
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
+    ph_pos: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    ph_row: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
 
 @dataclass
@@ -61,13 +67,16 @@ def encode_step(so, allocator, prev_tokens: list[int] | None = None,
     """Flatten a :class:`~kvforge.interfaces.SchedulerOutput` (driver side).
 
     With async scheduling a request's last token may still be a placeholder
-    (``PLACEHOLDER_TOKEN_ID``, sampled by the previous step); it is replaced here by
-    ``prev_tokens[prev_rows[request_id]]`` (the previous step's sampled tokens, on the host),
-    so workers only ever see real token ids.
+    (``PLACEHOLDER_TOKEN_ID``, sampled by the previous step, whose rows ``prev_rows``
+    maps). With ``prev_tokens`` (that step's sampled tokens, on the host) it is replaced
+    here; without, it is listed in ``ph_pos``/``ph_row`` for the worker to fill in from
+    the tokens the driver sends later.
 
     Raises:
-        RuntimeError: a placeholder without ``prev_tokens``/``prev_rows`` to resolve it.
+        RuntimeError: a placeholder of a request missing from ``prev_rows``.
     """
+    ph_pos: list[int] = []
+    ph_row: list[int] = []
     toks: list[int] = []
     starts, qlens, table_lens = [], [], []
     tables: list[int] = []
@@ -86,10 +95,14 @@ def encode_step(so, allocator, prev_tokens: list[int] | None = None,
         elif n == 1:
             tok = req.token_id_at(start)
             if tok < 0:  # PLACEHOLDER_TOKEN_ID: sampled by the previous step
-                if prev_tokens is None or prev_rows is None or rid not in prev_rows:
+                if prev_rows is None or rid not in prev_rows:
                     raise RuntimeError(f"request {rid!r}: a placeholder input token without the previous "
                                        "step's sampled tokens")
-                tok = prev_tokens[prev_rows[rid]]
+                if prev_tokens is not None:
+                    tok = prev_tokens[prev_rows[rid]]
+                else:
+                    ph_pos.append(offset)
+                    ph_row.append(prev_rows[rid])
             toks.append(tok)
         else:
             toks.extend(req.token_slice(start, start + n))
@@ -111,7 +124,8 @@ def encode_step(so, allocator, prev_tokens: list[int] | None = None,
                       np.asarray(qlens, dtype=np.int64), np.asarray(tables, dtype=np.int32),
                       np.asarray(table_lens, dtype=np.int64),
                       np.asarray(sample_rows + prompt_rows, dtype=np.int64),
-                      list(so.swap_out), list(so.swap_in))
+                      list(so.swap_out), list(so.swap_in), np.asarray(ph_pos, dtype=np.int64),
+                      np.asarray(ph_row, dtype=np.int64))
     return msg, StepPlan(sample_reqs, len(sample_rows), prompt_slices)
 
 
@@ -127,6 +141,7 @@ class MicroBatch:
     row_idx: torch.Tensor
     out_idx: torch.Tensor
     num_tokens: int
+    token_start: int = 0  # index of its first token in the step
 
 
 def split_requests(qlens: np.ndarray, num_parts: int) -> list[tuple[int, int]]:
@@ -168,5 +183,5 @@ def build_micro_batches(msg: StepMessage, num_parts: int, block_size: int, devic
         pos, inputs, _, (tokens, mb_rows, mb_sel) = build_attention_inputs(
             q, ctx, msg.tables[tab_off[lo]:tab_off[hi]], tl, bs, device,
             extra=(np.ascontiguousarray(msg.tokens[t0:t1]), rows[sel] - t0, sel))
-        out.append(MicroBatch(tokens, pos, inputs, mb_rows, mb_sel, t1 - t0))
+        out.append(MicroBatch(tokens, pos, inputs, mb_rows, mb_sel, t1 - t0, t0))
     return out

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import numpy as np
 import torch
 import transformers.configuration_utils  # noqa: F401 - heavy lazy imports, done once by a forkserver
 import transformers.models.auto.configuration_auto  # noqa: F401
@@ -45,6 +46,10 @@ class Worker:
         self.init_method = init_method
         self.graphs = None
         self.out_buf: torch.Tensor | None = None
+        self._slot = 0  # out_buf slot of the next step (two alternate: the driver may still read one)
+        # Set by a transport that delivers a step's placeholder tokens apart from the step
+        # (mp): returns the previous step's sampled tokens (int64 numpy) or None to skip.
+        self.receive_tokens = None
 
     # -- build --------------------------------------------------------------------------
     def load_model(self) -> dict[str, Any]:
@@ -98,7 +103,9 @@ class Worker:
         """Allocate the KV caches (``num_blocks`` + one scratch block), capture CUDA graphs.
 
         Returns: on the output rank with ``share_output``, the logits buffer the driver
-        reads (shared once; CUDA IPC on GPU); else None.
+        reads (shared once; CUDA IPC on GPU): float32 [2, max_num_seqs, V], two slots used
+        in turn, so a step can write one while the driver still copies the previous
+        step's logits out of the other (async scheduling); else None.
         """
         cfg = self.config
         bs = cfg.cache.block_size
@@ -128,7 +135,7 @@ class Worker:
             self.graphs.capture()
         if share_output and self.is_output_rank:
             rows = max(cfg.scheduler.max_num_seqs, 1)
-            self.out_buf = torch.empty(rows, self.hf_config.vocab_size, dtype=torch.float32, device=self.device)
+            self.out_buf = torch.empty(2, rows, self.hf_config.vocab_size, dtype=torch.float32, device=self.device)
             return self.out_buf
         return None
 
@@ -141,18 +148,27 @@ class Worker:
 
     @torch.inference_mode()
     def execute(self, msg: StepMessage) -> Any:
-        """Run one step. Returns, on the output rank, ``(num_rows, logits)`` with ``logits``
-        a float32 numpy array [R, V], or None when the rows were written to the shared
-        buffer; on the other ranks None."""
+        """Run one step. Returns, on the output rank, ``(num_rows, logits, slot)`` with
+        ``logits`` a float32 numpy array [R, V], or None when the rows were written to
+        ``out_buf[slot]``; on the other ranks None. A step with placeholders first builds
+        its inputs, then waits for the previous step's tokens (:attr:`receive_tokens`);
+        given None instead (the driver could not sample them) it runs nothing and returns
+        ``"skipped"`` on every rank.
+
+        Raises:
+            RuntimeError: placeholders, but this transport does not deliver tokens.
+        """
         from kvforge.interfaces import ForwardMetadata
         self.swap(msg.swap_out, to_cpu=True)
         self.swap(msg.swap_in, to_cpu=False)
         if len(msg.qlens) == 0:
-            return (0, None) if self.is_output_rank else None
+            return (0, None, 0) if self.is_output_rank else None
         st = self.state
         par = self.config.parallel
         num_mb = (par.pipeline_micro_batches or st.pp_size) if st.pp_size > 1 else 1
         mbs = build_micro_batches(msg, num_mb, self.config.cache.block_size, self.device)
+        if len(msg.ph_pos) and not self._fill_placeholders(msg, mbs):
+            return "skipped"
         n_rows = len(msg.rows)
         logits = None
         if st.pp_size == 1:
@@ -170,13 +186,30 @@ class Worker:
         if not self.is_output_rank:
             return None
         if logits is None:
-            return (0, None)
-        if self.out_buf is not None and n_rows <= self.out_buf.shape[0]:
-            self.out_buf[:n_rows].copy_(logits)
+            return (0, None, 0)
+        if self.out_buf is not None and n_rows <= self.out_buf.shape[1]:
+            slot, self._slot = self._slot, 1 - self._slot
+            self.out_buf[slot, :n_rows].copy_(logits)
             if self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()
-            return (n_rows, None)
-        return (n_rows, logits.float().cpu().numpy())
+            return (n_rows, None, slot)
+        return (n_rows, logits.float().cpu().numpy(), 0)
+
+    def _fill_placeholders(self, msg: StepMessage, mbs) -> bool:
+        """Wait for the previous step's sampled tokens and write them into the placeholder
+        input ids (on the device). False: the driver sent None (skip the step)."""
+        if self.receive_tokens is None:
+            raise RuntimeError("a step with placeholder tokens, but this transport does not deliver them")
+        prev = self.receive_tokens()
+        if prev is None:
+            return False
+        vals = torch.from_numpy(np.ascontiguousarray(prev[msg.ph_row], dtype=np.int64))
+        for mb in mbs:
+            sel = (msg.ph_pos >= mb.token_start) & (msg.ph_pos < mb.token_start + mb.num_tokens)
+            if sel.any():
+                idx = torch.from_numpy(msg.ph_pos[sel] - mb.token_start).to(self.device)
+                mb.input_ids[idx] = vals[torch.from_numpy(sel)].to(self.device)
+        return True
 
     def _pipeline(self, mbs, n_rows: int) -> torch.Tensor | None:
         """GPipe forward over the micro-batches: receive a micro-batch's activations from the

@@ -27,10 +27,12 @@ step's tokens are waited for before the next is scheduled.
 
 With tensor/pipeline parallelism the runner is the workers' proxy
 (:class:`~kvforge.distributed.executor_base.DistributedExecutor`): step 2 only *sends*
-step N+1 (its placeholders resolved on the host from step N's tokens, which the driver
-has by then); step 3 runs while the workers compute N+1; then the driver waits for N+1's
-logits and queues their sampling, before step 4 (so sampling sees the requests as at
-launch: seeded noise and ``min_tokens`` count the same tokens as in one process).
+step N+1, before step N's logits have come back; then the driver receives N's logits,
+samples them and sends the workers N's tokens for N+1's placeholders (the workers built
+N+1's inputs meanwhile), and step 3 runs while the workers compute N+1. Sampling is
+given each request's output count from launch time, so seeded noise and ``min_tokens``
+see the same positions as in one process. (With a transport that cannot send tokens
+apart from a step, Ray, N is received and sampled before N+1 is sent.)
 
 With speculative decoding, steps in which the adaptive rule drafts for some request run
 synchronously (the drafter and the rejection sampler need every token on the host); the
@@ -43,7 +45,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvforge.engine.outputs import RequestOutput
-from kvforge.engine.request import PLACEHOLDER_TOKEN_ID, Request, RequestStatus, apply_stop_string, check_stop
+from kvforge.engine.request import (
+    PLACEHOLDER_TOKEN_ID,
+    Request,
+    RequestStatus,
+    apply_stop_string,
+    check_stop,
+    drop_placeholders,
+)
 from kvforge.engine.sampler import PendingSamplerOutput
 from kvforge.interfaces import SchedulerOutput
 
@@ -57,6 +66,7 @@ class _Inflight:
     sample: PendingSamplerOutput | None  # None while ``pending``
     pending: Any = None  # PendingExecute: sent to the workers, logits not yet received
     so: SchedulerOutput | None = None  # the step (to fail its requests if its wait fails)
+    generated: list[int] | None = None  # per request, output tokens before this step's (at launch)
 
 
 class OverlapStepper:
@@ -73,8 +83,12 @@ class OverlapStepper:
         touched: dict[str, None] = {}
         prev = self.inflight
         if prev is not None and e._needs_history:
-            self._process(prev, touched)  # penalties read the real ids: no placeholder may be live
+            prev = self._complete(prev, touched)
+            if prev is not None:
+                self._process(prev, touched)  # penalties read the real ids: no placeholder may be live
             prev = self.inflight = None
+        if prev is not None and prev.pending is not None and not getattr(e.runner, "accepts_late_tokens", False):
+            prev = self.inflight = self._complete(prev, touched)  # its tokens go into the next step's message
         so = e.scheduler.schedule()
         for req in so.finished:
             touched[req.parent_id] = None
@@ -82,12 +96,17 @@ class OverlapStepper:
             for req in so.preempted:  # its drafter state restarts from scratch
                 e.spec.free(req)
         if not so.scheduled and (so.swap_out or so.swap_in):
+            if prev is not None and prev.pending is not None:  # workers take no other call meanwhile
+                prev = self.inflight = self._complete(prev, touched)
             e.runner.swap(so.swap_out, to_cpu=True)
         launched = self._launch(so, prev, touched)
+        if launched is not None and launched.pending is not None and e._needs_history:
+            # Penalties read the generated ids: sample before this step's placeholders exist.
+            launched = self._complete(launched, touched)
+        if prev is not None:
+            prev = self._complete(prev, touched)  # (workers: N's logits, sampled; tokens sent on)
         if prev is not None:
             self._process(prev, touched)
-        if launched is not None and launched.pending is not None:
-            launched = self._complete(launched, touched)
         if so.scheduled:
             placeholder = [PLACEHOLDER_TOKEN_ID]
             sampled = {r.request_id: placeholder for r in launched.requests} if launched else {}
@@ -107,7 +126,9 @@ class OverlapStepper:
         if self.inflight is None:
             return
         touched: dict[str, None] = {}
-        self._process(self.inflight, touched)
+        done = self._complete(self.inflight, touched)
+        if done is not None:
+            self._process(done, touched)
         self.inflight = None
         self.engine._emit_touched(touched, self.engine._pending)
 
@@ -117,16 +138,18 @@ class OverlapStepper:
             return None
         if prev is not None:
             self.num_overlapped_steps += 1
-        prev_tokens, prev_rows = (prev.sample.token_ids, prev.rows) if prev else (None, None)
+        prev_tokens = prev.sample.token_ids if prev is not None and prev.sample is not None else None
+        prev_rows = prev.rows if prev is not None else None
         deferred = getattr(e.runner, "execute_deferred", None)
-        if deferred is not None:  # workers: send now, wait at the start of the next step
+        if deferred is not None:  # workers: send now, receive in the next call
             try:
                 pend = deferred(so, prev_tokens, prev_rows)
             except Exception as err:
                 e._fail_step(so, err, touched)
                 return None
             reqs = pend.sample_requests
-            return _Inflight(reqs, {r.request_id: i for i, r in enumerate(reqs)}, None, pend, so)
+            return _Inflight(reqs, {r.request_id: i for i, r in enumerate(reqs)}, None, pend, so,
+                             [len(r.output_token_ids) for r in reqs])
         try:
             ex = e.runner.execute(so, prev_tokens, prev_rows)
             e._record_prompt_logprobs(ex)
@@ -141,20 +164,36 @@ class OverlapStepper:
             return None
 
     def _complete(self, sent: _Inflight, touched: dict[str, None]) -> _Inflight | None:
-        """Wait for a sent step's logits and queue their sampling (before the step's
-        placeholders are added). Returns the in-flight step, or None when it samples
-        nothing or failed (then its requests end with ``finish_reason="error"``, as in a
-        failed launch)."""
+        """Receive a sent step's logits, queue their sampling and pass the tokens to a
+        step that waits for them. Returns the step, or None when it samples nothing or
+        failed (its requests then end with ``finish_reason="error"``, their placeholders
+        dropped; a step waiting for its tokens is told to skip). No-op for a step that
+        was sampled at launch."""
+        if sent.pending is None:
+            return sent
         e = self.engine
+        deliver = getattr(e.runner, "deliver_tokens", None)
         try:
             ex = sent.pending.wait()
-            e._record_prompt_logprobs(ex)
             sent.pending = None
+            e._record_prompt_logprobs(ex)
             if not ex.sample_requests:
                 return None
-            sent.sample = e.sampler.sample_async(ex.logits, ex.sample_requests)
+            sent.sample = e.sampler.sample_async(ex.logits, ex.sample_requests, sent.generated)
+            if deliver is not None:
+                deliver(sent.sample.token_ids)
             return sent
         except Exception as err:
+            sent.pending = None
+            if deliver is not None:
+                try:
+                    deliver(None)
+                except Exception:  # noqa: BLE001 - the executor is dead: every later step fails anyway
+                    pass
+            for r in sent.requests:
+                drop_placeholders(r)
+            # Only its live requests: one that ended meanwhile may share its id with a new one.
+            sent.so.scheduled = [r for r in sent.so.scheduled if not r.is_finished]
             e._fail_step(sent.so, err, touched)
             return None
 

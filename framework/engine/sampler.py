@@ -107,13 +107,19 @@ class Sampler:
         """
         return self.sample_async(logits, requests).result()
 
-    def sample_async(self, logits: torch.Tensor, requests: list[Request]) -> "PendingSamplerOutput":
+    def sample_async(self, logits: torch.Tensor, requests: list[Request],
+                     num_generated: list[int] | None = None) -> "PendingSamplerOutput":
         """As :meth:`__call__`, but return before the results reach the host: the sampled
         tokens stay on the device (``.token_ids``, int64 ``[N]``) for the next step's inputs,
         and their copy to pinned host memory is already queued. ``.result()`` waits for it.
         Issues no host synchronization on CUDA when no request asks for penalties or
         logit_bias (those upload small index tensors) — neither does it otherwise in
-        practice, since those uploads are non-blocking."""
+        practice, since those uploads are non-blocking.
+
+        ``num_generated``: per request, how many output tokens precede the one sampled
+        now (``min_tokens``, seeded noise); default ``len(output_token_ids)``. A caller that
+        samples after the step's placeholder tokens were appended passes the counts from
+        before."""
         n = len(requests)
         if logits.dim() != 2 or logits.shape[0] != n:
             raise ValueError(f"logits must be [len(requests)={n}, V], got {tuple(logits.shape)}")
@@ -123,7 +129,9 @@ class Sampler:
         params = [r.sampling_params for r in requests]
         greedy_rows = [i for i, sp in enumerate(params) if sp.greedy]
         random_rows = [i for i, sp in enumerate(params) if not sp.greedy]
-        process = self.needs_logits_processing(requests)
+        if num_generated is None:
+            num_generated = [len(r.output_token_ids) for r in requests]
+        process = self.needs_logits_processing(requests, num_generated)
         if not random_rows and not process and all(sp.logprobs is None for sp in params):
             tokens, sampled_lp = greedy_sample(raw)  # one pass over the logits on the GPU
             return PendingSamplerOutput(tokens, [sampled_lp], params, [])
@@ -132,7 +140,7 @@ class Sampler:
         device = work.device
         vocab = work.shape[1]
         if process:
-            self._apply_logits_processors(work, requests, device, vocab)
+            self._apply_logits_processors(work, requests, device, vocab, num_generated)
         if not random_rows:
             tokens = work.argmax(dim=-1)
         else:
@@ -142,7 +150,8 @@ class Sampler:
                 tokens.index_copy_(0, g_idx, work.index_select(0, g_idx).argmax(dim=-1))
             r_idx = None if len(random_rows) == n else _long(random_rows, device)
             sub = work if r_idx is None else work.index_select(0, r_idx)
-            sampled = self._sample(sub, [requests[i] for i in random_rows], device)
+            sampled = self._sample(sub, [requests[i] for i in random_rows], device,
+                                   [num_generated[i] for i in random_rows])
             if r_idx is None:
                 tokens = sampled
             else:
@@ -153,20 +162,22 @@ class Sampler:
     # --- logits processing -------------------------------------------------------------
 
     @staticmethod
-    def needs_logits_processing(requests) -> bool:
+    def needs_logits_processing(requests, num_generated: list[int] | None = None) -> bool:
         """Whether :meth:`_apply_logits_processors` would change anything for ``requests``
         (a logit bias, an unmet min_tokens, penalties); callers that build per-position
         views for it (speculative verification, drafting) skip that work when not."""
-        for r in requests:
+        for i, r in enumerate(requests):
             sp = r.sampling_params
-            if sp.logit_bias or sp.reads_history or len(r.output_token_ids) < sp.min_tokens:
+            done = len(r.output_token_ids) if num_generated is None else num_generated[i]
+            if sp.logit_bias or sp.reads_history or done < sp.min_tokens:
                 return True
         return False
 
     @staticmethod
     def _apply_logits_processors(work: torch.Tensor, requests: list[Request], device: torch.device,
-                                 vocab: int) -> None:
-        """Steps 1-4 (bias, min_tokens, repetition, frequency/presence), in place on ``work``."""
+                                 vocab: int, num_generated: list[int] | None = None) -> None:
+        """Steps 1-4 (bias, min_tokens, repetition, frequency/presence), in place on ``work``;
+        ``num_generated`` as in :meth:`sample_async`."""
         bias_r: list[int] = []
         bias_c: list[int] = []
         bias_v: list[float] = []
@@ -182,7 +193,7 @@ class Sampler:
                         bias_r.append(i)
                         bias_c.append(tok)
                         bias_v.append(val)
-            if len(req.output_token_ids) < sp.min_tokens:
+            if (len(req.output_token_ids) if num_generated is None else num_generated[i]) < sp.min_tokens:
                 banned = set(sp.stop_token_ids)
                 if not sp.ignore_eos:
                     banned.update(req.eos_token_ids)
@@ -209,7 +220,8 @@ class Sampler:
             pres = _float([requests[i].sampling_params.presence_penalty for i in fp_rows], device)
             apply_frequency_presence_penalties(work, _long(fp_rows, device), ids, freq, pres)
 
-    def _sample(self, work: torch.Tensor, requests: list[Request], device: torch.device) -> torch.Tensor:
+    def _sample(self, work: torch.Tensor, requests: list[Request], device: torch.device,
+                num_generated: list[int]) -> torch.Tensor:
         """Step 5 for non-greedy rows: temperature, top-k/top-p/min-p, exponential race.
 
         ``work`` is float32 ``[R, V]`` (the non-greedy rows); returns int64 ``[R]``.
@@ -226,7 +238,7 @@ class Sampler:
             work = apply_top_k_top_p_min_p(work, top_k, top_p, min_p)
         probs = work.softmax(dim=-1)
         # a seeded request's noise is keyed by the position of the token being sampled
-        seeds = [position_seed(r, len(r.output_token_ids)) if r.generator is not None else None for r in requests]
+        seeds = [position_seed(r, n) if r.generator is not None else None for r, n in zip(requests, num_generated)]
         return exponential_race_sample(probs, [r.generator for r in requests], self.generator, seeds)
 
     # --- outputs -----------------------------------------------------------------------
