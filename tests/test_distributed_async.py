@@ -3,9 +3,10 @@
 The driver sends step N+1 to the workers before it finishes step N on the host
 (:mod:`kvforge.engine.overlap`, ``DistributedExecutor.execute_deferred``). Checked against
 the synchronous single-process engine on stories260K, with a batch that mixes what can
-go wrong when a step is in flight: greedy and seeded random sampling, a request that
-stops on EOS, short and long ``max_tokens``, logprobs and prompt_logprobs, a penalty
-(forces a synchronous step while it is live), chunked prefill and an abort mid-run.
+go wrong when a step is in flight: greedy, seeded random and parallel (n=3) sampling, a
+request that stops on EOS, one on a stop string after min_tokens, short and long
+``max_tokens``, logprobs and prompt_logprobs, a penalty (forces a synchronous step while
+it is live), chunked prefill, preemption, an abort mid-run and a failed sampling step.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ COMMON = dict(num_gpu_blocks=96, max_num_batched_tokens=32, dtype="float32")
 
 
 def _requests(rng: random.Random):
-    prompts = rng.sample(STORY_OPENINGS, 7)
+    prompts = rng.sample(STORY_OPENINGS, 9)
     seed = rng.randrange(1 << 30)
     params = [
         SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
@@ -31,6 +32,8 @@ def _requests(rng: random.Random):
         SamplingParams(temperature=0, max_tokens=12, logprobs=2, prompt_logprobs=1, ignore_eos=True),
         SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
         SamplingParams(temperature=0, max_tokens=25, ignore_eos=True),
+        SamplingParams(n=3, temperature=0.8, seed=seed + 1, max_tokens=20),          # parallel sampling
+        SamplingParams(temperature=0, max_tokens=30, min_tokens=8, stop=[" the"]),  # stop string
     ]
     return list(zip(prompts, params))
 
@@ -56,8 +59,8 @@ def _same(got, ref, tag: str, skip=()):
             continue
         g = got[rid]
         assert g.error is None, f"{tag} {rid}: {g.error}"
-        assert g.outputs[0].token_ids == r.outputs[0].token_ids, f"{tag} {rid}"
-        assert g.outputs[0].finish_reason == r.outputs[0].finish_reason, f"{tag} {rid}"
+        assert [o.token_ids for o in g.outputs] == [o.token_ids for o in r.outputs], f"{tag} {rid}"
+        assert [o.finish_reason for o in g.outputs] == [o.finish_reason for o in r.outputs], f"{tag} {rid}"
         if r.outputs[0].logprobs:
             for a, b in zip(g.outputs[0].logprobs, r.outputs[0].logprobs):
                 assert a.keys() == b.keys(), f"{tag} {rid}: logprob tokens differ"
