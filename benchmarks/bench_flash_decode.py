@@ -16,8 +16,9 @@ Effective bandwidth = bytes of K and V read (seq_len x Hkv x D x 2 x 2 bytes per
 median time of the attention call (the call includes the KV write of the step's token and,
 when split, fd_merge), vs the measured 4.27 TB/s: eager launches (triton.testing.do_bench)
 and replayed from a CUDA graph (do_bench_cudagraph; launch gaps removed, as in the engine's
-captured decode steps). ``splits`` is
-the plan the backend's forward uses (plan.plan_splits).
+captured decode steps); and the attention kernels alone (fd_partial + fd_merge replayed from
+a graph, without the KV write), which is what "the decode attention kernel" target names.
+``splits`` is the plan the backend's forward uses (plan.plan_splits).
 """
 from __future__ import annotations
 
@@ -68,12 +69,22 @@ def case(batch: int, ctx: int, hq=32, hkv=8, d=128, bs=16, dtype=torch.bfloat16,
     with torch.cuda.stream(torch.cuda.Stream()):
         g_ms = triton.testing.do_bench_cudagraph(lambda: be.forward(layer, q, k, v, cache, md), rep=300,
                                                  return_mode="median")
+    # The attention kernels alone (fd_partial + fd_merge), without the step's KV write.
+    splits, partition = be.plan_for(md, layer)
+    part_out, part_lse = be._ws(md.num_decode, hq, splits, d, q.device)
+    kout = torch.empty_like(q)
+
+    def kernels_only():
+        be.kernels.decode(q, cache, inputs.block_table, inputs.seq_lens, md.decode_tok, md.decode_req,
+                          md.num_decode, layer, bs, splits, partition, part_out, part_lse, kout)
+    with torch.cuda.stream(torch.cuda.Stream()):
+        k_ms = triton.testing.do_bench_cudagraph(kernels_only, rep=300, return_mode="median")
     nbytes = batch * ctx * hkv * d * 2 * cache.element_size()
-    tbps, g_tbps = (nbytes / (t * 1e-3) / 1e12 for t in (ms, g_ms))
-    splits = md_splits(be, layer, inputs)
+    tbps, g_tbps, k_tbps = (nbytes / (t * 1e-3) / 1e12 for t in (ms, g_ms, k_ms))
     print(f"flash_decode batch {batch:3d} x ctx {ctx:6d}: eager {ms * 1e3:7.1f} us {tbps:5.2f} TB/s "
           f"({tbps / PEAK_TBPS:5.1%} of {PEAK_TBPS}); CUDA graph {g_ms * 1e3:7.1f} us {g_tbps:5.2f} TB/s "
-          f"({g_tbps / PEAK_TBPS:5.1%})  splits={splits} rel_err={err:.1e}")
+          f"({g_tbps / PEAK_TBPS:5.1%}); kernels alone (graph, no KV write) {k_ms * 1e3:7.1f} us "
+          f"{k_tbps:5.2f} TB/s  splits={splits} rel_err={err:.1e}")
     if sweep:
         run_sweep(be, layer, q, k, v, cache, inputs, nbytes, knobs)
     return tbps

@@ -135,9 +135,22 @@ class FlashDecodeBackend(AttentionBackend):
             self._workspace[key] = ws
         return ws
 
+    @staticmethod
+    def _write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """K and V into the cache: triton_paged's one-launch kernel where its row width
+        (KV heads rounded up to a power of two, x head_dim) is a power of two, else the
+        two index copies of torch_ref (head_dim 96, 160, ...)."""
+        hkv, d = k.shape[1:]
+        width = (1 << (hkv - 1).bit_length()) * d
+        if k.is_cuda and width & (width - 1) == 0:
+            from kvforge_plugins.attention.triton_paged.cache_kernel import reshape_and_cache
+            reshape_and_cache(k, v, kv_cache, slot_mapping)
+        else:
+            write_kv(kv_cache, k, v, slot_mapping)
+
     def forward(self, layer: AttentionLayer, q, k, v, kv_cache, md: FlashDecodeMetadata):
         inputs = md.inputs
-        write_kv(kv_cache, k, v, inputs.slot_mapping)
+        self._write_kv(kv_cache, k, v, inputs.slot_mapping)
         out = torch.empty_like(q)
         if md.num_decode:
             splits, partition = self.plan_for(md, layer)
