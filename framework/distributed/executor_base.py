@@ -83,10 +83,12 @@ class PendingExecute:
 
     Attributes:
         sample_requests: the requests the step samples, in row order (known at send time).
+        has_prompt_logits: whether it returns prompt-logprob rows.
     """
 
-    def __init__(self, sample_requests: list, finish) -> None:
+    def __init__(self, sample_requests: list, finish, has_prompt_logits: bool = False) -> None:
         self.sample_requests = sample_requests
+        self.has_prompt_logits = has_prompt_logits
         self._finish = finish
         self._out = None
 
@@ -144,7 +146,7 @@ class DistributedExecutor(Executor):
         return False
 
     def _send_tokens(self, tokens) -> None:
-        """Send a waiting step its placeholder tokens (int64 numpy, or None: skip the step).
+        """Send a waiting step its placeholder tokens (int64 numpy [N]).
         Only transports with :attr:`accepts_late_tokens` implement it."""
         raise NotImplementedError
 
@@ -189,17 +191,16 @@ class DistributedExecutor(Executor):
             self._mark_dead(e)
             raise
 
-    def deliver_tokens(self, tokens: torch.Tensor | None) -> None:
+    def deliver_tokens(self, tokens: torch.Tensor) -> None:
         """Send the step in flight the previous step's sampled tokens (int64 [N], any
-        device; reading them waits for the sampling), or None when they could not be
-        sampled (the workers then skip that step). Nothing happens when no step waits."""
+        device; reading them waits for the sampling). Nothing happens when no step waits."""
         if not self._tokens_owed:
             return
         self._tokens_owed = False
         if self.dead is not None:
             return
         try:
-            self._send_tokens(None if tokens is None else tokens.cpu().numpy())
+            self._send_tokens(tokens.cpu().numpy())
         except BaseException as e:
             self._mark_dead(e)
             raise
@@ -245,13 +246,12 @@ class DistributedExecutor(Executor):
         if len(msg.ph_pos) and not self.accepts_late_tokens:
             raise RuntimeError("this executor needs the previous step's tokens to send a step with placeholders")
         handle = self._send_step(msg)
-        return PendingExecute(plan.sample_requests, lambda: self._finish_execute(handle, plan))
+        return PendingExecute(plan.sample_requests, lambda: self._finish_execute(handle, plan),
+                              bool(plan.prompt_slices))
 
     def _finish_execute(self, handle: Any, plan):
         from kvforge.engine.model_runner import ExecuteOutput
         res = self._recv_step(handle)
-        if res[self.output_rank] == "skipped":
-            raise RuntimeError("step skipped by the workers: the previous step's tokens could not be sampled")
         n, data, slot = res[self.output_rank]
         if data is not None:
             logits = torch.from_numpy(data if data.flags.writeable else data.copy()).to(self.device)

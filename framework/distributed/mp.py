@@ -81,7 +81,7 @@ def _worker_main(rank: int, world_size: int, config: dict, max_model_len: int, d
     worker = Worker(rank, world_size, config, max_model_len, device_index, init_method)
 
     def receive_tokens():
-        """The ("tokens", array-or-None) message a step with placeholders waits for."""
+        """The ("tokens", int64 array) message a step with placeholders waits for."""
         method, args = pickle.loads(conn.recv_bytes())
         if method != "tokens":
             raise RuntimeError(f"expected the previous step's tokens, got a {method!r} call")

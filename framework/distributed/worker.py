@@ -48,7 +48,7 @@ class Worker:
         self.out_buf: torch.Tensor | None = None
         self._slot = 0  # out_buf slot of the next step (two alternate: the driver may still read one)
         # Set by a transport that delivers a step's placeholder tokens apart from the step
-        # (mp): returns the previous step's sampled tokens (int64 numpy) or None to skip.
+        # (mp): returns the previous step's sampled tokens (int64 numpy).
         self.receive_tokens = None
 
     # -- build --------------------------------------------------------------------------
@@ -151,9 +151,7 @@ class Worker:
         """Run one step. Returns, on the output rank, ``(num_rows, logits, slot)`` with
         ``logits`` a float32 numpy array [R, V], or None when the rows were written to
         ``out_buf[slot]``; on the other ranks None. A step with placeholders first builds
-        its inputs, then waits for the previous step's tokens (:attr:`receive_tokens`);
-        given None instead (the driver could not sample them) it runs nothing and returns
-        ``"skipped"`` on every rank.
+        its inputs, then waits for the previous step's tokens (:attr:`receive_tokens`).
 
         Raises:
             RuntimeError: placeholders, but this transport does not deliver tokens.
@@ -167,8 +165,8 @@ class Worker:
         par = self.config.parallel
         num_mb = (par.pipeline_micro_batches or st.pp_size) if st.pp_size > 1 else 1
         mbs = build_micro_batches(msg, num_mb, self.config.cache.block_size, self.device)
-        if len(msg.ph_pos) and not self._fill_placeholders(msg, mbs):
-            return "skipped"
+        if len(msg.ph_pos):
+            self._fill_placeholders(msg, mbs)
         n_rows = len(msg.rows)
         logits = None
         if st.pp_size == 1:
@@ -195,21 +193,18 @@ class Worker:
             return (n_rows, None, slot)
         return (n_rows, logits.float().cpu().numpy(), 0)
 
-    def _fill_placeholders(self, msg: StepMessage, mbs) -> bool:
+    def _fill_placeholders(self, msg: StepMessage, mbs) -> None:
         """Wait for the previous step's sampled tokens and write them into the placeholder
-        input ids (on the device). False: the driver sent None (skip the step)."""
+        input ids (on the device)."""
         if self.receive_tokens is None:
             raise RuntimeError("a step with placeholder tokens, but this transport does not deliver them")
         prev = self.receive_tokens()
-        if prev is None:
-            return False
         vals = torch.from_numpy(np.ascontiguousarray(prev[msg.ph_row], dtype=np.int64))
         for mb in mbs:
             sel = (msg.ph_pos >= mb.token_start) & (msg.ph_pos < mb.token_start + mb.num_tokens)
             if sel.any():
                 idx = torch.from_numpy(msg.ph_pos[sel] - mb.token_start).to(self.device)
                 mb.input_ids[idx] = vals[torch.from_numpy(sel)].to(self.device)
-        return True
 
     def _pipeline(self, mbs, n_rows: int) -> torch.Tensor | None:
         """GPipe forward over the micro-batches: receive a micro-batch's activations from the

@@ -44,6 +44,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from kvforge.engine.outputs import RequestOutput
 from kvforge.engine.request import (
     PLACEHOLDER_TOKEN_ID,
@@ -100,11 +102,13 @@ class OverlapStepper:
                 prev = self.inflight = self._complete(prev, touched)
             e.runner.swap(so.swap_out, to_cpu=True)
         launched = self._launch(so, prev, touched)
-        if launched is not None and launched.pending is not None and e._needs_history:
-            # Penalties read the generated ids: sample before this step's placeholders exist.
-            launched = self._complete(launched, touched)
         if prev is not None:
             prev = self._complete(prev, touched)  # (workers: N's logits, sampled; tokens sent on)
+        if launched is not None and launched.pending is not None \
+                and (e._needs_history or launched.pending.has_prompt_logits):
+            # Penalties read the generated ids, prompt logprobs go out with the request's
+            # next output: receive and sample before this step's placeholders exist.
+            launched = self._complete(launched, touched)
         if prev is not None:
             self._process(prev, touched)
         if so.scheduled:
@@ -166,9 +170,13 @@ class OverlapStepper:
     def _complete(self, sent: _Inflight, touched: dict[str, None]) -> _Inflight | None:
         """Receive a sent step's logits, queue their sampling and pass the tokens to a
         step that waits for them. Returns the step, or None when it samples nothing or
-        failed (its requests then end with ``finish_reason="error"``, their placeholders
-        dropped; a step waiting for its tokens is told to skip). No-op for a step that
-        was sampled at launch."""
+        failed. No-op for a step that was sampled at launch.
+
+        On failure the step's requests end with ``finish_reason="error"`` (also one that
+        had already reached ``max_tokens`` with this step's token still pending), and a
+        step waiting for the tokens gets zeros in their place: it still runs, so the KV it
+        writes for its other requests is real (blocks it completes may enter the prefix
+        cache); what it computes for the failed requests is discarded with them."""
         if sent.pending is None:
             return sent
         e = self.engine
@@ -187,15 +195,25 @@ class OverlapStepper:
             sent.pending = None
             if deliver is not None:
                 try:
-                    deliver(None)
+                    deliver(torch.zeros(len(sent.requests), dtype=torch.int64))
                 except Exception:  # noqa: BLE001 - the executor is dead: every later step fails anyway
                     pass
-            for r in sent.requests:
-                drop_placeholders(r)
-            # Only its live requests: one that ended meanwhile may share its id with a new one.
-            sent.so.scheduled = [r for r in sent.so.scheduled if not r.is_finished]
-            e._fail_step(sent.so, err, touched)
+            self._fail_sent(sent, err, touched)
             return None
+
+    def _fail_sent(self, sent: _Inflight, err: Exception, touched: dict[str, None]) -> None:
+        e = self.engine
+        capped = [r for r in sent.requests if r.num_pending_tokens and r.is_finished]  # max_tokens at launch
+        for r in sent.requests:
+            drop_placeholders(r)
+        # Only its live requests: one that ended meanwhile may share its id with a new one.
+        sent.so.scheduled = [r for r in sent.so.scheduled if not r.is_finished]
+        e._fail_step(sent.so, err, touched)
+        for r in capped:  # finished, but not reported yet: its last token is lost
+            if e.outputs.parent_of(r.request_id) is not None:
+                r.status = RequestStatus.FINISHED_ERROR
+                r.error = f"engine error: {type(err).__name__}: {err}"
+                touched[r.parent_id] = None
 
     def _process(self, done: _Inflight, touched: dict[str, None]) -> None:
         """Patch a finished step's placeholders with its tokens and apply every stop rule."""
