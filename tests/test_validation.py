@@ -163,6 +163,7 @@ def test_prompt_token_ids_outside_vocab(llm, good):
     ("temperature", {"temperature": True}), ("stop", {"stop": [5]}), ("stop_token_ids", {"stop_token_ids": ["a"]}),
     ("stop_token_ids", {"stop_token_ids": [2.5]}), ("extra_args", {"extra_args": [1]}),
     ("logit_bias", {"logit_bias": {"abc": 1}}), ("seed", {"seed": 2 ** 70}),
+    ("logit_bias", {"logit_bias": {5: 1e308}}),  # overflows float32 logits to inf (was token 0)
 ])
 def test_bad_sampling_params(llm, good, field, kwargs):
     eng = llm.llm_engine

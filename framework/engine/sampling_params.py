@@ -9,6 +9,8 @@ from typing import Any
 _GREEDY_EPS = 1e-5
 
 
+LOGIT_BIAS_LIMIT = 1e10  # |bias| accepted by SamplingParams
+
 @dataclass
 class SamplingParams:
     """How to sample one request. Field names and meanings follow vLLM.
@@ -153,6 +155,10 @@ class SamplingParams:
             raise bad("seed", "must be an integer or None")
         if self.logit_bias and not all(math.isfinite(v) for v in self.logit_bias.values()):
             raise bad("logit_bias", "values must be finite numbers")
+        if self.logit_bias and not all(abs(v) <= LOGIT_BIAS_LIMIT for v in self.logit_bias.values()):
+            # A larger bias overflows float32 logits to inf (then NaN probabilities);
+            # OpenAI's API allows [-100, 100], and 1e10 already forces or bans a token.
+            raise bad("logit_bias", f"values must be within [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}]")
         if any(not s for s in self.stop):
             raise bad("stop", "must not contain empty strings")
         if any(t < 0 for t in self.stop_token_ids):
