@@ -7,9 +7,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 _GREEDY_EPS = 1e-5
-
-
 LOGIT_BIAS_LIMIT = 1e10  # |bias| accepted by SamplingParams
+
 
 @dataclass
 class SamplingParams:
