@@ -33,7 +33,7 @@ class SamplingParams:
         min_tokens: EOS and stop_token_ids are masked until this many tokens exist.
         logprobs: return this many top log-probabilities per generated token (plus the sampled one).
         prompt_logprobs: the same for prompt tokens.
-        logit_bias: token id -> additive bias applied to logits.
+        logit_bias: token id -> additive bias applied to logits (finite, |bias| <= 1e10).
         skip_special_tokens, spaces_between_special_tokens: detokenizer options.
 
     Raises:
