@@ -88,9 +88,12 @@ def test_dp2_on_two_ray_nodes_serves_every_request(cluster, reference):
         engine.shutdown()
 
 
-def test_tp2_ray_executor_across_two_nodes(cluster, reference):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_tp2_ray_executor_across_two_nodes(cluster, reference, async_scheduling):
+    """Async: an actor takes one call at a time, so the driver samples each step before it
+    sends the next (placeholders resolved on the driver); outputs are the same."""
     prompts, sp, ref, seed = reference
-    llm = LLM(model=STORIES_MODEL, tensor_parallel_size=2, **COMMON)
+    llm = LLM(model=STORIES_MODEL, tensor_parallel_size=2, async_scheduling=async_scheduling, **COMMON)
     engine = llm.llm_engine
     try:
         got = llm.generate(prompts[:4], sp, use_tqdm=False)
@@ -99,5 +102,7 @@ def test_tp2_ray_executor_across_two_nodes(cluster, reference):
             assert g.outputs[0].token_ids == r, f"prompt {k} (seed {seed})"
         a = engine.allocator
         assert a.num_free_blocks == a.num_blocks
+        if async_scheduling:
+            assert engine._overlap.num_overlapped_steps > 0
     finally:
         engine.executor.shutdown()
