@@ -2,7 +2,8 @@
 
 Prints the top CUDA kernels (self time, share of the profiled device time) for
   * prefill-heavy steps (``--prefill-prompts`` prompts of ``--input-len`` tokens arriving together);
-  * decode-only steps at ``--decode-batch`` running requests (CUDA-graph replays included).
+  * decode-only steps at ``--decode-batch`` running requests of ``--decode-context`` prompt
+    tokens each (CUDA-graph replays included).
 
     python benchmarks/profile_steps.py --model /tmp/l3 --load-format dummy
 """
