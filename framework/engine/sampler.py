@@ -129,8 +129,6 @@ class Sampler:
         params = [r.sampling_params for r in requests]
         greedy_rows = [i for i, sp in enumerate(params) if sp.greedy]
         random_rows = [i for i, sp in enumerate(params) if not sp.greedy]
-        if num_generated is None:
-            num_generated = [len(r.output_token_ids) for r in requests]
         process = self.needs_logits_processing(requests, num_generated)
         if not random_rows and not process and all(sp.logprobs is None for sp in params):
             tokens, sampled_lp = greedy_sample(raw)  # one pass over the logits on the GPU
@@ -151,7 +149,8 @@ class Sampler:
             r_idx = None if len(random_rows) == n else _long(random_rows, device)
             sub = work if r_idx is None else work.index_select(0, r_idx)
             sampled = self._sample(sub, [requests[i] for i in random_rows], device,
-                                   [num_generated[i] for i in random_rows])
+                                   [len(requests[i].output_token_ids) if num_generated is None else num_generated[i]
+                                    for i in random_rows])
             if r_idx is None:
                 tokens = sampled
             else:

@@ -150,14 +150,10 @@ class SamplingParams:
             raise bad("logprobs", "must be >= 0")
         if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
             raise bad("prompt_logprobs", "must be >= 0")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            raise bad("seed", "must be an integer or None")
-        if self.logit_bias and not all(math.isfinite(v) for v in self.logit_bias.values()):
-            raise bad("logit_bias", "values must be finite numbers")
+        # A larger bias overflows float32 logits to inf (then NaN probabilities); OpenAI's API
+        # allows [-100, 100], and 1e10 already forces or bans a token.
         if self.logit_bias and not all(abs(v) <= LOGIT_BIAS_LIMIT for v in self.logit_bias.values()):
-            # A larger bias overflows float32 logits to inf (then NaN probabilities);
-            # OpenAI's API allows [-100, 100], and 1e10 already forces or bans a token.
-            raise bad("logit_bias", f"values must be within [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}]")
+            raise bad("logit_bias", f"values must be finite and within [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}]")
         if any(not s for s in self.stop):
             raise bad("stop", "must not contain empty strings")
         if any(t < 0 for t in self.stop_token_ids):

@@ -116,7 +116,7 @@ def sampling_params(req: _SamplingFields, max_tokens: int, logprobs: int | None,
         if value is not None:
             kw[name] = value
     if req.kvforge is not None:
-        kw["extra_args"] = {"kvforge": req.kvforge}
+        kw["extra_args"] = {EXTRA_ARGS_KEY: req.kvforge}
     if req.min_tokens > max_tokens:
         raise OpenAIError(f"min_tokens: must be <= max_tokens ({max_tokens}), got {req.min_tokens}", 400)
     try:

@@ -17,7 +17,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from pydantic import BaseModel, ConfigDict
 
 from kvforge import hookimpl
 from kvforge.interfaces import AttentionBackend, AttentionInputs, AttentionLayer, AttentionRequirements
@@ -46,19 +45,11 @@ class FlashDecodeMetadata:
     plans: dict = field(default_factory=dict)
 
 
-class FlashDecodeSettings(BaseModel):
-    """``attention.settings`` for flash_decode: none yet (the split plan is measured, not
-    configured); a key given here is refused by name rather than ignored."""
-
-    model_config = ConfigDict(extra="forbid")
-
-
 class FlashDecodeBackend(AttentionBackend):
     name = "flash_decode"
 
-    def __init__(self, settings: FlashDecodeSettings | None = None) -> None:
+    def __init__(self, settings=None) -> None:  # takes no settings (the registry refuses any)
         from kvforge_plugins.attention.flash_decode.jit import Kernels
-        self.settings = settings or FlashDecodeSettings()
         self.kernels = Kernels()
         self._ref = TorchRefBackend()
         self._workspace: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -186,5 +177,5 @@ class FlashDecodeBackend(AttentionBackend):
 
 @hookimpl
 def kvforge_register_attention_backends(register) -> None:
-    register("flash_decode", FlashDecodeBackend, settings_model=FlashDecodeSettings, priority=5, dtypes=("float16", "bfloat16", "float32"),
+    register("flash_decode", FlashDecodeBackend, priority=5, dtypes=("float16", "bfloat16", "float32"),
              block_sizes=(8, 16, 32), devices=("cuda",), cuda_graphs=True)
