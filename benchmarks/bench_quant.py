@@ -2,14 +2,17 @@
 
     python benchmarks/bench_quant.py                      # correctness, then the GEMM table + targets
     python benchmarks/bench_quant.py --write-choices      # also store the faster FP8/INT8 GEMM per shape
-    python benchmarks/bench_quant.py --tune               # also sweep W4A16 launch configs, store the best
+    python benchmarks/bench_quant.py --tune               # also sweep W4A16 (pairs) launch configs, store the best
+    python benchmarks/bench_quant.py --tune-ckpt          # the same for the checkpoint-layout W4A16 kernel
     python benchmarks/bench_quant.py --e2e                # also Llama-3-8B-shape decode at batch 1 per format
 
 Shapes: Llama-3-8B GEMMs, (K, N) in {4096, 14336}^2 and M tokens in {1, 16, 64, 256, 512, 2048}.
 Per shape it times ``y = x @ W^T`` for:
 
 * ``bf16``: ``torch.nn.functional.linear`` (cuBLAS), the baseline;
-* ``w4a16``: the Triton W4A16 GEMM on an AutoAWQ-layout weight (group 128, zero points);
+* ``w4a16``: the Triton W4A16 GEMM on the pairs layout (``kernels/w4_pairs.py``: what the
+  awq/gptq plugins repack 4-bit weights into; group 128, zero points);
+* ``w4a16-ckpt``: the Triton W4A16 GEMM on the AutoAWQ packing itself (``kernels/wna16.py``);
 * ``fp8-triton`` / ``fp8-torch``: dynamic per-token FP8 activation quantization (Triton)
   + the Triton FP8 GEMM / ``torch._scaled_mm`` (row-wise scales), per-channel weights;
 * ``int8-triton`` / ``int8-torch``: the same with INT8 and the Triton kernel / ``torch._int_mm``.
@@ -51,6 +54,7 @@ GROUP = 128
 def make_operands(k: int, n: int, device="cuda") -> dict:
     """Random operands of every format for one (K, N) weight."""
     from kvforge_plugins.quant.common import pack_rows
+    from kvforge_plugins.quant.kernels.w4_pairs import pack_pairs
     from kvforge_plugins.quant.w8a8 import quantize_weight
     g = torch.Generator(device=device).manual_seed(0)
     w = torch.randn(n, k, device=device, generator=g) * 0.02
@@ -60,6 +64,8 @@ def make_operands(k: int, n: int, device="cuda") -> dict:
     ops["awq_qweight"] = pack_rows(q[:, cols].t().contiguous(), 4).t().contiguous()  # [K, N/8]
     ops["awq_scales"] = (torch.rand(k // GROUP, n, device=device, generator=g) * 0.004 + 0.001).half()
     ops["awq_zeros"] = torch.randint(0, 16, (k // GROUP, n), device=device, generator=g).to(torch.uint8)
+    # the layout the awq/gptq plugins repack 4-bit weights into at load time (kernels/w4_pairs.py)
+    ops["pairs_words"] = pack_pairs(q, GROUP)
     ops["fp8_w"], ops["fp8_s"] = quantize_weight(w, torch.float8_e4m3fn, True)
     ops["int8_w"], ops["int8_s"] = quantize_weight(w, torch.int8, True)
     return ops
@@ -73,10 +79,15 @@ def weight_bytes(k: int, n: int) -> dict[str, int]:
 def methods(ops: dict, kind_filter=None) -> dict:
     """name -> fn(x) for one weight."""
     from kvforge_plugins.quant.kernels.scaled_mm import quantize_act, scaled_mm_torch, scaled_mm_triton
+    from kvforge_plugins.quant.kernels.w4_pairs import pairs_gemm
     from kvforge_plugins.quant.kernels.wna16 import wna16_gemm
     n = ops["w_bf16"].shape[0]
 
     def w4(x, config=None):
+        return pairs_gemm(x, ops["pairs_words"], ops["awq_scales"], ops["awq_zeros"], group_size=GROUP, tile_k=GROUP,
+                          n=n, config=config)
+
+    def w4_ckpt(x, config=None):
         return wna16_gemm(x, ops["awq_qweight"], ops["awq_scales"], ops["awq_zeros"], bits=4, group_size=GROUP,
                           pack_k=False, awq_order=True, n=n, config=config)
 
@@ -89,7 +100,7 @@ def methods(ops: dict, kind_filter=None) -> dict:
             return f(qa, sa, ops[f"{wkey}_w"], ops[f"{wkey}_s"], x.dtype)
         return fn
 
-    return {"bf16": lambda x: F.linear(x, ops["w_bf16"]), "w4a16": w4,
+    return {"bf16": lambda x: F.linear(x, ops["w_bf16"]), "w4a16": w4, "w4a16-ckpt": w4_ckpt,
             "fp8-triton": w8a8(torch.float8_e4m3fn, "fp8", "triton"), "fp8-torch": w8a8(torch.float8_e4m3fn, "fp8", "torch"),
             "int8-triton": w8a8(torch.int8, "int8", "triton"), "int8-torch": w8a8(torch.int8, "int8", "torch"),
             "fp8-torch-fast": w8a8(torch.float8_e4m3fn, "fp8", "torch-fast")}
@@ -153,7 +164,7 @@ def check_correctness(shapes, ms) -> bool:
 def gemm_table(shapes, ms, cudagraph: bool) -> list[dict]:
     rows = []
     hdr = f"{'K':>6} {'N':>6} {'M':>5} | " + " | ".join(f"{n:>20s}" for n in
-                                                       ("bf16", "w4a16", "fp8-triton", "fp8-torch", "int8-triton",
+                                                       ("bf16", "w4a16", "w4a16-ckpt", "fp8-triton", "fp8-torch", "int8-triton",
                                                         "int8-torch", "fp8-torch-fast"))
     print("\n== GEMM time: us  TFLOP/s  speedup vs bf16 ==")
     print(hdr)
@@ -243,17 +254,35 @@ def wna16_candidates(m: int) -> list[dict]:
             + ([joined(bm, 256, 64, 8, max_split=1) for bm in (64, 128)] if m <= 256 else []))
 
 
-def tune_wna16(shapes, ms, cudagraph: bool) -> None:
-    """Time ``wna16_candidates`` per shape and M (AutoAWQ layout, bf16); store the fastest
-    (merged with the defaults it ran with) in the choices table, kind "wna16"."""
+def pairs_candidates(m: int) -> list[dict]:
+    """Pairs-layout W4A16 configs worth timing at M tokens (keys: ``w4_pairs.CONFIGS``)."""
+    if m <= 16:
+        return [dict(BLOCK_N=bn, num_warps=w, num_stages=st, waves=wv, max_split=32)
+                for bn, w in ((64, 4), (128, 4), (128, 8), (256, 8)) for st in (2, 3, 4) for wv in (2, 8)]
+    if m < 65:
+        return [dict(BLOCK_N=bn, num_warps=w, num_stages=st, scale_a=sa, waves=wv, max_split=32)
+                for bn, w in ((128, 8), (128, 4), (256, 8)) for st in (3, 4) for sa in (True, False) for wv in (2, 4)]
+    return [dict(BLOCK_N=bn, num_warps=w) for bn, w in ((64, 4), (128, 4), (256, 8))]
+
+
+def tune_wna16(shapes, ms, cudagraph: bool, layout: str = "pairs") -> None:
+    """Time the candidates per shape and M (bf16) for the pairs layout (``pairs_candidates``,
+    table kind "w4_pairs") or the AutoAWQ packing (``wna16_candidates``, kind "wna16"); store
+    the fastest (merged with the defaults it ran with) in the choices table."""
+    from kvforge_plugins.quant.kernels import w4_pairs, wna16
     from kvforge_plugins.quant.kernels.choices import key, write_table
-    from kvforge_plugins.quant.kernels.wna16 import CONFIGS, DEFAULTS, TABLE_SCHEMA, bucket
+    if layout == "pairs":
+        kind, name, cands, schema = "w4_pairs", "w4a16", pairs_candidates, w4_pairs.TABLE_SCHEMA
+        CONFIGS, DEFAULTS, bucket = w4_pairs.CONFIGS, {}, w4_pairs.bucket
+    else:
+        kind, name, cands, schema = "wna16", "w4a16-ckpt", wna16_candidates, wna16.TABLE_SCHEMA
+        CONFIGS, DEFAULTS, bucket = wna16.CONFIGS, wna16.DEFAULTS, wna16.bucket
     gpu = torch.cuda.get_device_name()
-    best_all: dict = {gpu: {"wna16": {}}}
-    print("\n== W4A16 tuning ==")
+    best_all: dict = {gpu: {kind: {}}}
+    print(f"\n== W4A16 tuning ({layout}) ==")
     for k, n in shapes:
         ops = make_operands(k, n)
-        w4 = methods(ops)["w4a16"]
+        w4 = methods(ops)[name]
         from kvforge_plugins.quant.kernels.wna16 import dequantize_wna16
         w_ref = dequantize_wna16(ops["awq_qweight"], ops["awq_scales"], ops["awq_zeros"], bits=4, group_size=GROUP,
                                  pack_k=False, awq_order=True, dtype=torch.float32)
@@ -263,7 +292,7 @@ def tune_wna16(shapes, ms, cudagraph: bool) -> None:
             base = {**DEFAULTS, **CONFIGS[bucket(m)]}
             default_t = bench(lambda v: w4(v), x, cudagraph)
             best = (default_t, None)
-            for cand in wna16_candidates(m):
+            for cand in cands(m):
                 cfg = {**base, **cand}
                 try:  # a config that runs but computes garbage must not win
                     rel = ((w4(x, cfg).float() - ref).abs().max() / ref.abs().max()).item()
@@ -279,7 +308,7 @@ def tune_wna16(shapes, ms, cudagraph: bool) -> None:
                   f"{best[0] * 1e6:7.1f} us {best[1] and {kk: v for kk, v in best[1].items() if base.get(kk) != v}}",
                   flush=True)
             if best[1] is not None:
-                best_all[gpu]["wna16"][key(m, n, k)] = {**best[1], "schema": TABLE_SCHEMA}
+                best_all[gpu][kind][key(m, n, k)] = {**best[1], "schema": schema}
         del ops, w_ref
         torch.cuda.empty_cache()
     print(f"wrote W4A16 configs to {write_table(best_all)}")
@@ -299,12 +328,8 @@ def e2e_one(fmt: str, input_len: int, output_len: int) -> dict:
     from kvforge import LLM, SamplingParams
     opts = E2E_FORMATS[fmt]
     with tempfile.TemporaryDirectory() as tmp:
-        d = make_dummy_model(tmp, dtype="bfloat16" if fmt != "awq-int4" else "float16")
-        if opts.get("awq"):
-            cfg = json.loads((d / "config.json").read_text())
-            cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": GROUP, "zero_point": True,
-                                          "version": "gemm"}
-            (d / "config.json").write_text(json.dumps(cfg))
+        d = make_dummy_model(tmp, dtype="bfloat16" if fmt != "awq-int4" else "float16",
+                             awq_group=GROUP if opts.get("awq") else None)
         kw = {"quantization": opts["quantization"]} if "quantization" in opts else {}
         llm = LLM(model=str(d), load_format="dummy", max_model_len=1024, gpu_memory_utilization=0.85, **kw)
         model = llm.llm_engine.runner.model
@@ -325,10 +350,10 @@ def e2e_one(fmt: str, input_len: int, output_len: int) -> dict:
     return {"format": fmt, "tpot_s": (full - pre) / (output_len - 1), "weight_bytes": wbytes}
 
 
-def e2e(input_len: int, output_len: int) -> None:
+def e2e(input_len: int, output_len: int, formats=tuple(E2E_FORMATS)) -> None:
     print("\n== end to end: Llama-3-8B shape, dummy weights, batch 1 decode ==")
     res = {}
-    for fmt in E2E_FORMATS:
+    for fmt in formats:
         proc = subprocess.run([sys.executable, __file__, "--e2e-one", fmt, "--input-len", str(input_len),
                                "--output-len", str(output_len)], capture_output=True, text=True)
         line = [ln for ln in proc.stdout.splitlines() if ln.startswith("E2E ")]
@@ -352,8 +377,10 @@ def main(argv=None) -> int:
     p.add_argument("--shapes", default=",".join(f"{k}x{n}" for k, n in SHAPES), help="KxN list")
     p.add_argument("--no-cudagraph", action="store_true", help="time plain launches (launch overhead included)")
     p.add_argument("--write-choices", action="store_true", help="store the faster W8A8 GEMM per shape")
-    p.add_argument("--tune", action="store_true", help="sweep W4A16 configs and store the best per shape")
+    p.add_argument("--tune", action="store_true", help="sweep W4A16 (pairs layout) configs, store the best per shape")
+    p.add_argument("--tune-ckpt", action="store_true", help="the same for the checkpoint-layout W4A16 kernel")
     p.add_argument("--e2e", action="store_true", help="end-to-end batch-1 decode per format (Llama-3-8B shape)")
+    p.add_argument("--e2e-formats", default=",".join(E2E_FORMATS), help="formats for --e2e (comma separated)")
     p.add_argument("--input-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--json", help="write the GEMM rows here")
@@ -379,7 +406,9 @@ def main(argv=None) -> int:
         print(f"  K={k:<6d} N={n:<6d} " + "  ".join(f"{f} {b / 2 ** 20:7.1f} MiB ({wb['bf16'] / b:.2f}x smaller)"
                                                   for f, b in wb.items()))
     if a.tune:
-        tune_wna16(shapes, ms, not a.no_cudagraph)
+        tune_wna16(shapes, ms, not a.no_cudagraph, "pairs")
+    if a.tune_ckpt:
+        tune_wna16(shapes, ms, not a.no_cudagraph, "ckpt")
     rows = gemm_table(shapes, ms, not a.no_cudagraph)
     targets(rows)
     if a.write_choices:
@@ -387,7 +416,7 @@ def main(argv=None) -> int:
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))
     if a.e2e:
-        e2e(a.input_len, a.output_len)
+        e2e(a.input_len, a.output_len, a.e2e_formats.split(","))
     return 0
 
 

@@ -41,8 +41,10 @@ def llama_config(shape: dict) -> dict:
 
 
 def make_dummy_model(out_dir: str | Path, tiny: bool = False, tokenizer_dir: str | Path = DEFAULT_TOKENIZER,
-                     dtype: str | None = None) -> Path:
+                     dtype: str | None = None, awq_group: int | None = None) -> Path:
     """Write the directory (created if needed; existing files are overwritten). Returns its path.
+    ``awq_group``: declare an AutoAWQ GEMM int4 checkpoint with this group size
+    (``quantization_config``; with ``load_format=dummy`` the packed tensors get random values).
 
     Raises:
         FileNotFoundError: ``tokenizer_dir`` has none of the tokenizer files.
@@ -52,7 +54,11 @@ def make_dummy_model(out_dir: str | Path, tiny: bool = False, tokenizer_dir: str
     shape = dict(TINY if tiny else LLAMA3_8B)
     if dtype:
         shape["torch_dtype"] = dtype
-    (out / "config.json").write_text(json.dumps(llama_config(shape), indent=2) + "\n")
+    cfg = llama_config(shape)
+    if awq_group:
+        cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": awq_group, "zero_point": True,
+                                      "version": "gemm"}
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}, indent=2) + "\n")
     copied = 0
     for name in TOKENIZER_FILES:
@@ -70,10 +76,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("out_dir", help="directory to write")
     p.add_argument("--tiny", action="store_true", help="tiny shape (2 layers, hidden 64, vocab 1024, fp32) for CPU")
     p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), help="override torch_dtype")
+    p.add_argument("--awq-group", type=int, help="declare an AutoAWQ int4 checkpoint with this group size")
     p.add_argument("--tokenizer-dir", default=DEFAULT_TOKENIZER, help=f"copy the tokenizer from here "
                    f"(default: {DEFAULT_TOKENIZER})")
     args = p.parse_args(argv)
-    out = make_dummy_model(args.out_dir, args.tiny, args.tokenizer_dir, args.dtype)
+    out = make_dummy_model(args.out_dir, args.tiny, args.tokenizer_dir, args.dtype, args.awq_group)
     print(f"wrote {out} ({'tiny' if args.tiny else 'Llama-3-8B'} shape; use --load-format dummy)")
     return 0
 

@@ -45,8 +45,10 @@ def main() -> None:
     p.add_argument("--decode-batch", type=int, default=1)
     p.add_argument("--decode-context", type=int, default=32, help="prompt tokens of each decode-phase request")
     p.add_argument("--rows", type=int, default=18)
+    p.add_argument("--quantization", help="quantization method (e.g. fp8; awq/gptq come from the checkpoint)")
     a = p.parse_args()
-    engine = LLMEngine.from_kwargs(a.model, load_format=a.load_format)
+    kw = {"quantization": a.quantization} if a.quantization else {}
+    engine = LLMEngine.from_kwargs(a.model, load_format=a.load_format, **kw)
     sp = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     for i in range(a.prefill_prompts):
         engine.add_request(f"p{i}", {"prompt_token_ids": [(7 * i + j) % 1000 + 5 for j in range(a.input_len)]}, sp)

@@ -202,6 +202,20 @@ def test_gpu_wna16(layout, m, dtype):
     assert err <= (4e-3 if dtype == torch.float16 else 1.6e-2), f"{err} (KVFORGE_TEST_SEED={wna16_cases.SEED})"
 
 
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 16, 64, 300])
+@pytest.mark.parametrize("layout", ["awq", "gptq"])
+@pytest.mark.parametrize("config", [None, dict(scale_a=True), dict(scale_a=False, BLOCK_N=256, num_stages=2)],
+                         ids=["default", "scale_a", "tacc_bn256"])
+def test_gpu_w4_pairs(layout, m, dtype, config):
+    """The pairs-layout kernel (inline-asm dequantization; the interpreter runs its bit-exact
+    emulation) at a Llama-like size, each bucket's default and both scale placements."""
+    err = wna16_cases.run_pairs_case("cuda", m, 1024, 2048, 128, layout, dtype, None if m > 64 else config,
+                                     wna16_cases.SEED)
+    assert err <= (4e-3 if dtype == torch.float16 else 1.6e-2), f"{err} (KVFORGE_TEST_SEED={wna16_cases.SEED})"
+
+
 #: every kernel path explicitly: name -> (M, config)
 GPU_WNA16_PATHS = {
     "cudacore": (1, dict(dot=False)), "cudacore_noprefetch_split": (1, dict(dot=False, prefetch=False, split_k=3)),
@@ -274,3 +288,22 @@ if __name__ == "__main__" and "--interpret" in sys.argv:
     assert os.environ.get("TRITON_INTERPRET") == "1"
     sys.path.insert(0, str(HERE))
     print("RESULTS " + json.dumps(_run_all_in_interpreter()), flush=True)
+
+
+def test_pairs_layout_hand_example():
+    """pack_pairs against a word worked by hand (tile_k 32: KP = 8; nibble P + 4h of word j =
+    row P*8 + 2j + h): column 0 holds q[k] = k % 16, so word 0 is, from nibble 0 up,
+    q[0], q[8], q[16], q[24], q[1], q[9], q[17], q[25] = 0, 8, 0, 8, 1, 9, 1, 9."""
+    from kvforge_plugins.quant.kernels.w4_pairs import pack_pairs, unpack_pairs
+    q = (torch.arange(64) % 16).view(64, 1).repeat(1, 3).to(torch.int32)
+    q[:, 1] = 15 - q[:, 1]
+    w = pack_pairs(q, 32)
+
+    def word(nibbles):  # as int32 (two's complement)
+        v = sum(x << (4 * i) for i, x in enumerate(nibbles))
+        return v - 2 ** 32 if v >= 2 ** 31 else v
+    assert w.shape == (8, 3) and int(w[0, 0]) == word([0, 8, 0, 8, 1, 9, 1, 9])
+    # word 1 of tile 0: rows 2, 10, 18, 26, 3, 11, 19, 27 -> 2, 10, 2, 10, 3, 11, 3, 11
+    assert int(w[1, 0]) == word([2, 10, 2, 10, 3, 11, 3, 11])
+    assert int(w[0, 1]) == word([15, 7, 15, 7, 14, 6, 14, 6])
+    assert torch.equal(unpack_pairs(w, 32), q)

@@ -159,6 +159,61 @@ def _order_check(name: str):
     return (lambda d: bound / run_case(d, m, k, n, bits, group, layout, dtype, config, _seed(name), swap)), 0.02
 
 
+def run_pairs_case(device, m, k, n, group, layout, dtype, config, seed, swap_fields=None) -> float:
+    """rel error of ``pairs_gemm`` (``config``) on a checkpoint-packed weight repacked as the
+    awq/gptq plugins do, vs the fp32 reference dequantized from the checkpoint packing (not
+    from the pairs layout: a repacking bug shows). ``swap_fields``: exchange two nibble
+    positions of every repacked word (the error then measures the check's power)."""
+    from kvforge_plugins.quant.common import unpack_cols, unpack_rows
+    from kvforge_plugins.quant.kernels.w4_pairs import pack_pairs, pairs_gemm, pairs_tile_k
+    from kvforge_plugins.quant.kernels.wna16 import dequantize_wna16
+    gen = torch.Generator().manual_seed(seed)
+    group = k if group == -1 else group
+    qw, s, z, kw = make_weight(k, n, 4, group, layout, gen)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    ref = x.float() @ dequantize_wna16(qw, s, z, dtype=torch.float32, **kw)
+    q = unpack_cols(qw, 4, awq_order=True) if layout == "awq" else unpack_rows(qw, 4)
+    tk = pairs_tile_k(k, group)
+    words = pack_pairs(q, tk)
+    if swap_fields is not None:
+        i, j = swap_fields
+        fi, fj = (words >> (4 * i)) & 15, (words >> (4 * j)) & 15
+        words = (words & ~((15 << (4 * i)) | (15 << (4 * j)))) | (fi << (4 * j)) | (fj << (4 * i))
+    words, s, z, x = (t.to(device) for t in (words, s, z, x))
+    with nan_poisoned_empty():
+        y = pairs_gemm(x, words, s, z, group_size=group, tile_k=tk, n=n, config=config)
+    assert y.dtype == dtype and y.shape == (m, n), (y.dtype, y.shape)
+    return _rel(y, ref)
+
+
+#: name -> (m, k, n, group, layout, dtype, config, bound) for ``run_pairs_case`` (fp16 only on
+#: the CPU: the interpreter's bf16 tl.dot is wrong; bf16 runs on the GPU). N is not a multiple
+#: of the tiles unless noted.
+PAIRS_CASES = {
+    "awq_m1_g128": (1, 256, 200, 128, "awq", F16, None, 2e-3),
+    "gptq_m16_g64": (16, 192, 136, 64, "gptq", F16, None, 2e-3),  # tile_k 64
+    "gptq_m5_perchannel": (5, 256, 64, -1, "gptq", F16, None, 2e-3),
+    "awq_m40_scale_a": (40, 256, 72, 128, "awq", F16, None, 2e-3),  # decode64 bucket: scale in the operand
+    "awq_m40_tacc": (40, 256, 72, 128, "awq", F16, dict(scale_a=False, BLOCK_N=64), 2e-3),
+    "gptq_m3_serial3": (3, 384, 200, 128, "gptq", F16, dict(split_k=3, BLOCK_N=64), 2e-3),
+    "awq_m70_prefill": (70, 256, 200, 128, "awq", F16, None, 2e-3),  # dequantize + matmul
+}
+PAIRS_ORDER_CASES = {"pairs_order_h": ("awq_m1_g128", (0, 4)), "pairs_order_p": ("gptq_m16_g64", (1, 2))}
+
+
+def _pairs_check(name: str):
+    m, k, n, group, layout, dtype, config, bound = PAIRS_CASES[name]
+    return (lambda d: run_pairs_case(d, m, k, n, group, layout, dtype, config, _seed(name))), bound
+
+
+def _pairs_order_check(name: str):
+    case, swap = PAIRS_ORDER_CASES[name]
+    m, k, n, group, layout, dtype, config, bound = PAIRS_CASES[case]
+    return (lambda d: bound / run_pairs_case(d, m, k, n, group, layout, dtype, config, _seed(name), swap)), 0.02
+
+
 #: name -> (callable(device) -> error, bound), for test_quant_kernels.CPU_CHECKS
 CPU_CHECKS = {f"wna16_{name}": _check(name) for name in CASES}
 CPU_CHECKS.update({f"wna16_{name}": _order_check(name) for name in ORDER_CASES})
+CPU_CHECKS.update({f"w4pairs_{name}": _pairs_check(name) for name in PAIRS_CASES})
+CPU_CHECKS.update({f"w4{name}": _pairs_order_check(name) for name in PAIRS_ORDER_CASES})

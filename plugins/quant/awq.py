@@ -26,16 +26,16 @@ import torch
 from kvforge import hookimpl
 from kvforge.interfaces import LinearMethod, QuantizationConfig
 
-from .common import QuantSettings, decide_per_shard, matches_any
+from .common import WeightOnlySettings, decide_per_shard, matches_any
 from .unquantized import UnquantizedLinearMethod
 from .weight_only import WNA16LinearMethod
 
 KVFORGE_HOOK_API = "1"
 
 
-class AWQSettings(QuantSettings):
+class AWQSettings(WeightOnlySettings):
     """``backend``: ``auto`` (Triton W4A16 on CUDA, dequantize+matmul elsewhere), ``triton``,
-    ``reference``."""
+    ``reference``; ``int4_layout``: see :class:`WeightOnlySettings`."""
 
 
 class AWQConfig(QuantizationConfig):
@@ -43,8 +43,10 @@ class AWQConfig(QuantizationConfig):
 
     name = "awq"
     #: quantization_configs the conformance suite (kvforge.testing.quantizer) runs.
-    conformance_quant_configs = [{"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True,
-                                  "version": "gemm"}]
+    #: Group 64: fp16/bf16 layers take the pairs layout on the Triton path; group 32 keeps the
+    #: checkpoint's packing.
+    conformance_quant_configs = [{"quant_method": "awq", "bits": 4, "group_size": gs, "zero_point": True,
+                                  "version": "gemm"} for gs in (32, 64)]
 
     def __init__(self, hf_quant_config: dict | None = None, settings: AWQSettings | None = None) -> None:
         cfg = hf_quant_config or {}
@@ -70,7 +72,8 @@ class AWQConfig(QuantizationConfig):
             raise ValueError(f"awq: group_size {self.group_size} is not supported (needs a positive group size)")
         self.skip = list(cfg.get("modules_to_not_convert") or [])
         self._method = WNA16LinearMethod("awq", 4, self.group_size, 0, self.settings.backend,
-                                         "list it in quantization_config.modules_to_not_convert")
+                                         "list it in quantization_config.modules_to_not_convert",
+                                         int4_layout=self.settings.int4_layout)
         self._dense = UnquantizedLinearMethod()
 
     def get_linear_method(self, prefix: str) -> LinearMethod:

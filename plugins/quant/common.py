@@ -32,6 +32,21 @@ class QuantSettings(BaseModel):
     backend: Backend = "auto"
 
 
+Int4Layout = Literal["auto", "pairs", "checkpoint"]
+
+
+class WeightOnlySettings(QuantSettings):
+    """Settings of the weight-only int4/int8 quantizers (``awq``, ``gptq``).
+
+    ``int4_layout`` (Triton path, 4-bit weights): ``auto``/``pairs`` repack the weight at
+    load time into the layout of ``kernels/w4_pairs.py`` (fp16/bf16 models, groups of a
+    multiple of 64; else ``auto`` keeps the checkpoint's packing and ``pairs`` refuses the
+    layer); ``checkpoint`` keeps the checkpoint's packing (the ``wna16`` kernels), for A/B runs.
+    """
+
+    int4_layout: Int4Layout = "auto"
+
+
 def shard_names(prefix: str, num_shards: int | None = None) -> list[str]:
     """HF module names of the shards of kvforge linear ``prefix``.
 

@@ -38,7 +38,7 @@ import torch
 from kvforge import hookimpl
 from kvforge.interfaces import LinearMethod, QuantizationConfig
 
-from .common import QuantSettings, decide_per_shard
+from .common import WeightOnlySettings, decide_per_shard
 from .unquantized import UnquantizedLinearMethod
 from .weight_only import WNA16LinearMethod
 
@@ -46,8 +46,9 @@ KVFORGE_HOOK_API = "1"
 _OVERRIDABLE = ("bits", "group_size", "desc_act", "sym")
 
 
-class GPTQSettings(QuantSettings):
-    """``backend``: ``auto`` (Triton on CUDA, dequantize+matmul elsewhere), ``triton``, ``reference``."""
+class GPTQSettings(WeightOnlySettings):
+    """``backend``: ``auto`` (Triton on CUDA, dequantize+matmul elsewhere), ``triton``, ``reference``;
+    ``int4_layout``: see :class:`WeightOnlySettings`."""
 
 
 def _check_params(p: dict, where: str) -> None:
@@ -126,7 +127,8 @@ class GPTQConfig(QuantizationConfig):
         if key not in self._methods:
             self._methods[key] = WNA16LinearMethod(
                 "gptq", params["bits"], params["group_size"], self.zero_offset, self.settings.backend,
-                "exclude it with a quantization_config.dynamic '-:<regex>' entry", desc_act=params["desc_act"])
+                "exclude it with a quantization_config.dynamic '-:<regex>' entry", desc_act=params["desc_act"],
+                int4_layout=self.settings.int4_layout)
         return self._methods[key]
 
     def validate(self, dtype: torch.dtype, device: torch.device) -> list[str]:

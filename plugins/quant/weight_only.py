@@ -17,8 +17,9 @@ g_idx         --                          int32 [K]: group of input row k (act-o
 Shards of a fused layer (q|k|v, gate|up) are concatenated along N. After loading, zero
 points are unpacked to ``wzeros`` uint8 [G, N] (true zero points) and, on the GPU
 kernel path, act-order rows are permuted so groups are contiguous (``perm`` [K]; the
-activation is gathered with it). Dequantized weight: ``W^T[k, n] = (q[k, n] -
-wzeros[g(k), n]) * scales[g(k), n]``.
+activation is gathered with it), and 4-bit weights are repacked into the pairs layout
+(``kernels/w4_pairs.py``; ``layer.wna16_tile_k`` set) unless ``int4_layout`` says otherwise.
+Dequantized weight: ``W^T[k, n] = (q[k, n] - wzeros[g(k), n]) * scales[g(k), n]``.
 """
 from __future__ import annotations
 
@@ -30,6 +31,8 @@ from kvforge.interfaces import LinearMethod
 
 from .common import FLOAT_DTYPES, add_param, pack_rows, unpack_cols, unpack_rows
 from .kernels import HAS_TRITON
+from .kernels.w4_pairs import DTYPES as PAIRS_DTYPES
+from .kernels.w4_pairs import dequantize_pairs, pack_pairs, pairs_gemm, pairs_tile_k
 from .kernels.wna16 import dequantize_wna16, wna16_gemm
 
 log = logging.getLogger("kvforge.quant")
@@ -47,10 +50,11 @@ class WNA16LinearMethod(LinearMethod):
         skip_hint: how this format's config keeps a layer unquantized (for error messages).
         desc_act: GPTQ act-order; when False ``g_idx`` is trivial and ignored (as vLLM does).
         symmetric: compressed-tensors only: no zero-point tensor (zero point 2**(bits-1)).
+        int4_layout: ``auto``, ``pairs`` or ``checkpoint`` (``common.WeightOnlySettings``).
     """
 
     def __init__(self, fmt: str, bits: int, group_size: int, zero_offset: int, backend: str,
-                 skip_hint: str, desc_act: bool = False, symmetric: bool = False) -> None:
+                 skip_hint: str, desc_act: bool = False, symmetric: bool = False, int4_layout: str = "auto") -> None:
         assert fmt in ("awq", "gptq", "ct")
         self.fmt, self.bits, self.group_size, self.zero_offset = fmt, bits, group_size, zero_offset
         self.desc_act = desc_act
@@ -58,6 +62,7 @@ class WNA16LinearMethod(LinearMethod):
         self.backend = backend
         self.pf = 32 // bits
         self.skip_hint = skip_hint
+        self.int4_layout = int4_layout
 
     # -- loading ---------------------------------------------------------------------------
     def create_weights(self, layer, input_size, output_sizes, params_dtype):
@@ -76,6 +81,7 @@ class WNA16LinearMethod(LinearMethod):
                              f"A real checkpoint keeps such layers unquantized ({self.skip_hint})")
         groups = -(-k // gs)
         layer.wna16_k, layer.wna16_n, layer.wna16_group = k, n, gs
+        layer.wna16_dtype = params_dtype
         packed_n = [o // pf for o in output_sizes]
         ints = (torch.int32,)
         if self.fmt == "ct":
@@ -150,8 +156,13 @@ class WNA16LinearMethod(LinearMethod):
         device = layer.qweight.device
         layer.wna16_kernel = HAS_TRITON and (self.backend == "triton" or
                                              (self.backend == "auto" and device.type == "cuda"))
-        if self.fmt != "gptq":
-            return
+        layer.wna16_tile_k = None  # set when the weight is repacked into the pairs layout
+        if self.fmt == "gptq":
+            self._act_order(layer, k, gs, device)
+        if layer.wna16_kernel:
+            self._maybe_pairs(layer)
+
+    def _act_order(self, layer, k, gs, device):
         g = layer.g_idx.data.long()
         del layer.g_idx
         if not self.desc_act:
@@ -178,6 +189,22 @@ class WNA16LinearMethod(LinearMethod):
         layer.perm = perm
         layer.g_idx_ref = None
 
+    def _maybe_pairs(self, layer):
+        """Repack a 4-bit weight into the pairs layout (``kernels/w4_pairs.py``) when it applies."""
+        k, gs = layer.wna16_k, layer.wna16_group
+        tk = pairs_tile_k(k, gs)
+        why = ("the weights are not 4-bit" if self.bits != 4 else
+               f"the model dtype {layer.wna16_dtype} is not float16/bfloat16" if layer.wna16_dtype not in PAIRS_DTYPES
+               else f"group_size {gs} / in features {k} are not multiples of 64" if tk is None else None)
+        if self.int4_layout == "checkpoint" or (why and self.int4_layout == "auto"):
+            return
+        if why:
+            raise ValueError(f"{layer.prefix}: int4_layout 'pairs' does not apply: {why} "
+                             "(use int4_layout 'auto' or 'checkpoint')")
+        q = unpack_cols(layer.qweight.data, 4, awq_order=True) if self.fmt == "awq" else unpack_rows(layer.qweight.data, 4)
+        layer.qweight = torch.nn.Parameter(pack_pairs(q, tk), requires_grad=False)
+        layer.wna16_tile_k = tk
+
     # -- conformance protocol (kvforge.testing.quantizer) -----------------------------------
     def make_test_weights(self, input_size, output_sizes, params_dtype, generator):
         from .conformance import wna16_test_weights
@@ -190,6 +217,9 @@ class WNA16LinearMethod(LinearMethod):
     # -- compute ---------------------------------------------------------------------------
     def dequantized(self, layer, dtype: torch.dtype) -> torch.Tensor:
         """W^T [K, N] in ``dtype`` (reference path)."""
+        if layer.wna16_tile_k:
+            return dequantize_pairs(layer.qweight, layer.scales, layer.wzeros, group_size=layer.wna16_group,
+                                    tile_k=layer.wna16_tile_k, dtype=dtype)
         return dequantize_wna16(layer.qweight, layer.scales, layer.wzeros, bits=self.bits,
                                 group_size=layer.wna16_group, pack_k=self.fmt != "awq",
                                 awq_order=self.fmt == "awq", dtype=dtype, g_idx=layer.g_idx_ref)
@@ -200,7 +230,13 @@ class WNA16LinearMethod(LinearMethod):
         if layer.wna16_kernel:
             if layer.perm is not None:
                 x2 = x2.index_select(1, layer.perm)
-            y = wna16_gemm(x2, layer.qweight, layer.scales, layer.wzeros, bits=self.bits,
+            if layer.wna16_tile_k and x2.dtype in PAIRS_DTYPES:
+                y = pairs_gemm(x2, layer.qweight, layer.scales, layer.wzeros, group_size=layer.wna16_group,
+                               tile_k=layer.wna16_tile_k, n=layer.wna16_n)
+            elif layer.wna16_tile_k:
+                y = x2 @ self.dequantized(layer, x2.dtype)
+            else:
+                y = wna16_gemm(x2, layer.qweight, layer.scales, layer.wzeros, bits=self.bits,
                            group_size=layer.wna16_group, pack_k=self.fmt != "awq", awq_order=self.fmt == "awq",
                            n=layer.wna16_n)
         else:

@@ -149,7 +149,8 @@ def wna16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     assert (k if pack_k else n) % pf == 0, "the packed dimension must be a multiple of 32 // bits"
     cfg = _config(m, n, k, x, pack_k, config)
     bn = cfg["BLOCK_N"]
-    fused, dequant = kernels()
+    ks = kernels()
+    fused, dequant = ks["_fused_kernel"], ks["_dequant_kernel"]
     if cfg["path"] == "dequant":
         bk = cfg["BLOCK_K"]
         assert (bk if pack_k else bn) % pf == 0, f"the packed tile side must be a multiple of {pf}"

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import os
 
-from . import wna16_tiles
+from . import w4_pairs_kernels, wna16_tiles
 # the kernels call these by name; kernels() rebinds them to their jitted versions
 from .wna16_tiles import (_awq_dot_tile, _awq_gemv_tile, _awq_joined_tile, _gemv_load, _gptq_dot_tile,  # noqa: F401
-                          _gptq_gemv_tile, _gptq_joined_tile, _join_tree, _zs, _qf)
+                          _gptq_gemv_tile, _gptq_joined_tile, _join_tree, _store_tile, _zs, _qf)
 
 try:
     import triton.language as tl
@@ -197,23 +197,7 @@ def _fused_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, magic, out_ptr, ws_ptr, cnt_ptr, 
                         FP32_DOT)
     offs_m = pid_m * ROWS + tl.arange(0, ROWS)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
-    if SPLIT_K == 1:
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-    elif SERIAL:
-        ws_tile = ws_ptr + offs_m[:, None] * N + offs_n[None, :]  # ws [SPLIT_K, M, N] fp32 (< 2**31 elements)
-        tl.store(ws_tile + pid_k * M * N, acc, mask=mask)
-        tl.debug_barrier()  # every thread's partial is written before the (releasing) count
-        if tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel") == SPLIT_K - 1:
-            # last arrival: all partials are complete; summed in split order (deterministic)
-            acc = tl.load(ws_tile, mask=mask, other=0.0, cache_modifier=".cg")
-            for s in range(1, SPLIT_K):
-                acc += tl.load(ws_tile + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
-            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-            tl.atomic_xchg(cnt_ptr + pid, 0)  # ready for the next launch (and CUDA graph replay)
-    else:
-        tl.atomic_add(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    _store_tile(acc, out_ptr, ws_ptr, cnt_ptr, pid, pid_k, offs_m, offs_n, M, N, stride_om, SPLIT_K, SERIAL)
 
 
 def _dequant_kernel(qw_ptr, s_ptr, z_ptr, magic, w_ptr, N, NW, K, BITS: tl.constexpr, PACK_K: tl.constexpr,
@@ -277,11 +261,13 @@ def _dequant_kernel(qw_ptr, s_ptr, z_ptr, magic, w_ptr, N, NW, K, BITS: tl.const
 _HELPERS = ("_awq_main", "_gptq_main", "_joined_main")
 _RAW = {name: globals()[name] for name in _HELPERS + ("_fused_kernel", "_dequant_kernel")}
 _RAW_TILES = {name: getattr(wna16_tiles, name) for name in wna16_tiles.HELPERS}
-_JITTED: dict[bool, tuple[dict, dict]] = {}
+_RAW_PAIRS = {name: getattr(w4_pairs_kernels, name) for name in ("_pairs", "_pairs_kernel", "_pairs_dequant_kernel")}
+_JITTED: dict[bool, tuple[dict, dict, dict]] = {}
 
 
-def kernels():
-    """``(fused, dequant)`` jitted in the current ``TRITON_INTERPRET`` mode.
+def kernels() -> dict:
+    """Every weight-only kernel by name (``_fused_kernel``, ``_dequant_kernel``,
+    ``_pairs_kernel``, ``_pairs_dequant_kernel``), jitted in the current ``TRITON_INTERPRET`` mode.
 
     Kernels resolve the helpers they call through their module's globals when they compile,
     so those names are pointed at the helpers jitted in the same mode (rebinding is cheap)."""
@@ -289,12 +275,14 @@ def kernels():
     got = _JITTED.get(interp)
     if got is None:
         import triton
-        got = _JITTED[interp] = ({name: triton.jit(fn) for name, fn in _RAW.items()},
-                                 {name: triton.jit(fn) for name, fn in _RAW_TILES.items()})
-    here, tiles = got
-    g, gt = globals(), vars(wna16_tiles)
+        got = _JITTED[interp] = tuple({name: triton.jit(fn) for name, fn in raw.items()}
+                                      for raw in (_RAW, _RAW_TILES, _RAW_PAIRS))
+    here, tiles, pairs = got
+    g, gt, gp = globals(), vars(wna16_tiles), vars(w4_pairs_kernels)
     for name, fn in tiles.items():  # the tiles call each other (in wna16_tiles) and are called from here
         gt[name] = g[name] = fn
+    gp["_store_tile"] = tiles["_store_tile"]
+    gp["_pairs"] = pairs["_pairs"]
     for name in _HELPERS:
         g[name] = here[name]
-    return here["_fused_kernel"], here["_dequant_kernel"]
+    return {**here, **pairs}

@@ -337,5 +337,30 @@ def _gptq_dot_tile(acc, x_ptr, qw_ptr, s_ptr, z_ptr, M, N, K, stride_xm, t, offs
     return acc
 
 
+def _store_tile(acc, out_ptr, ws_ptr, cnt_ptr, pid, pid_k, offs_m, offs_n, M, N, stride_om, SPLIT_K: tl.constexpr,
+                SERIAL: tl.constexpr):
+    """fp32 ``acc`` [len(offs_m), len(offs_n)] of program ``pid`` -> ``out`` (masked to M x N).
+    Split-K, SERIAL: the partial goes to ``ws`` [SPLIT_K, M, N] fp32; the last program of the
+    tile to arrive (a counter in ``cnt`` that it resets) sums them in split order
+    (deterministic) and stores: one launch. Else atomic adds into ``out`` (zeroed by the caller)."""
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+    if SPLIT_K == 1:
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    elif SERIAL:
+        ws_tile = ws_ptr + offs_m[:, None] * N + offs_n[None, :]  # ws [SPLIT_K, M, N] fp32 (< 2**31 elements)
+        tl.store(ws_tile + pid_k * M * N, acc, mask=mask)
+        tl.debug_barrier()  # every thread's partial is written before the (releasing) count
+        if tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel") == SPLIT_K - 1:
+            # last arrival: all partials are complete; summed in split order (deterministic)
+            acc = tl.load(ws_tile, mask=mask, other=0.0, cache_modifier=".cg")
+            for s in range(1, SPLIT_K):
+                acc += tl.load(ws_tile + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(cnt_ptr + pid, 0)  # ready for the next launch (and CUDA graph replay)
+    else:
+        tl.atomic_add(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
 HELPERS = ("_qf", "_zs", "_row_scales", "_group_tile", "_join_tree", "_dot", "_gemv_load", "_awq_gemv_tile", "_gptq_gemv_tile",
-           "_awq_dot_tile", "_awq_joined_tile", "_gptq_joined_tile", "_gptq_dot_tile")
+           "_awq_dot_tile", "_awq_joined_tile", "_gptq_joined_tile", "_gptq_dot_tile", "_store_tile")
