@@ -1,7 +1,10 @@
 """GPU kernels of the quantization plugins (Triton), each with a torch reference.
 
-Kernels are decorated lazily (:func:`lazy_jit`) so a process can switch
-``TRITON_INTERPRET=1`` on before first use and run them on CPU tensors in tests.
+Kernels are decorated lazily (:func:`lazy_jit`): Triton picks interpreter or compiler
+when ``triton.jit`` runs, so the mode is the one ``TRITON_INTERPRET`` has at first launch.
+Triton 3.9 fixes the mode of its own library functions (``tl.cdiv``...) when it is
+imported, so tests that interpret set ``TRITON_INTERPRET=1`` before importing Triton (they
+run in a subprocess).
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ class lazy_jit:
     """``triton.jit`` applied on first launch, once per ``TRITON_INTERPRET`` setting.
 
     Triton decides between compiling and interpreting when ``triton.jit`` runs; deferring
-    it lets tests enable the interpreter after this module was imported.
+    it keys the jitted kernel by the mode in force at launch (see the module docstring).
     """
 
     def __init__(self, fn: Callable) -> None:
