@@ -169,20 +169,13 @@ def test_awq_g64_fp16_checkpoint_layout_keeps_packing(gen):
     _check_output(layer, w_ref, gen, torch.float16, where)
 
 
-def test_pairs_refuses_float32_layer(gen):
-    """``pairs`` on a float32 layer: ValueError naming the layer and int4_layout."""
-    prefix = "model.layers.3.mlp.down_proj"
-    layer, _, _ = _awq_layer(torch.float32, 64, "pairs", gen, prefix=prefix)
-    with pytest.raises(ValueError) as e:
-        layer.method.process_weights_after_loading(layer)
-    msg = str(e.value)
-    assert prefix in msg and "int4_layout" in msg, msg
-
-
-def test_pairs_refuses_group_32(gen):
-    """``pairs`` with group 32 (tiles of 64 do not fit in a group): ValueError naming the layer."""
-    prefix = "model.layers.1.self_attn.o_proj"
-    layer, _, _ = _awq_layer(torch.float16, 32, "pairs", gen, prefix=prefix)
+@pytest.mark.parametrize("dtype, group, prefix", [(torch.float32, 64, "model.layers.3.mlp.down_proj"),
+                                                   (torch.float16, 32, "model.layers.1.self_attn.o_proj")],
+                         ids=["float32", "group32"])
+def test_pairs_refuses_what_it_cannot_hold(gen, dtype, group, prefix):
+    """``pairs`` on a float32 layer, or with group 32 (tiles of 64 do not fit in a group):
+    ValueError naming the layer and int4_layout."""
+    layer, _, _ = _awq_layer(dtype, group, "pairs", gen, prefix=prefix)
     with pytest.raises(ValueError) as e:
         layer.method.process_weights_after_loading(layer)
     msg = str(e.value)
