@@ -252,3 +252,13 @@ def test_int4_layout_validation(cls):
     with pytest.raises(ValidationError) as e:
         cls(int4_layout="bogus")
     assert "int4_layout" in str(e.value), str(e.value)
+
+
+def test_repack_of_a_wide_layer_in_column_chunks(gen):
+    """A layer wider than the repack's 4096-column chunks (N = 4104: two chunks, the last
+    one 8 columns): the pairs words read back exactly the checkpoint's weight (no kernel
+    runs: ``dequantized`` unpacks the pairs layout in torch)."""
+    layer, w_ref, _ = _awq_layer(torch.float16, 64, "auto", gen, k=128, n=4104)
+    layer.method.process_weights_after_loading(layer)
+    assert layer.wna16_tile_k == 64 and tuple(layer.qweight.shape) == (16, 4104)
+    assert torch.equal(layer.method.dequantized(layer, torch.float32), w_ref)

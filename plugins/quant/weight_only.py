@@ -201,8 +201,14 @@ class WNA16LinearMethod(LinearMethod):
         if why:
             raise ValueError(f"{layer.prefix}: int4_layout 'pairs' does not apply: {why} "
                              "(use int4_layout 'auto' or 'checkpoint')")
-        q = unpack_cols(layer.qweight.data, 4, awq_order=True) if self.fmt == "awq" else unpack_rows(layer.qweight.data, 4)
-        layer.qweight = torch.nn.Parameter(pack_pairs(q, tk), requires_grad=False)
+        qw, parts = layer.qweight.data, []
+        for c0 in range(0, layer.wna16_n, 4096):  # column chunks: the unpacked ints take 4-8 bytes per weight
+            if self.fmt == "awq":
+                q = unpack_cols(qw[:, c0 // 8:(c0 + 4096) // 8], 4, awq_order=True)
+            else:
+                q = unpack_rows(qw[:, c0:c0 + 4096], 4)
+            parts.append(pack_pairs(q, tk))
+        layer.qweight = torch.nn.Parameter(torch.cat(parts, dim=1), requires_grad=False)
         layer.wna16_tile_k = tk
 
     # -- conformance protocol (kvforge.testing.quantizer) -----------------------------------
@@ -237,8 +243,8 @@ class WNA16LinearMethod(LinearMethod):
                 y = x2 @ self.dequantized(layer, x2.dtype)
             else:
                 y = wna16_gemm(x2, layer.qweight, layer.scales, layer.wzeros, bits=self.bits,
-                           group_size=layer.wna16_group, pack_k=self.fmt != "awq", awq_order=self.fmt == "awq",
-                           n=layer.wna16_n)
+                               group_size=layer.wna16_group, pack_k=self.fmt != "awq", awq_order=self.fmt == "awq",
+                               n=layer.wna16_n)
         else:
             y = x2 @ self.dequantized(layer, x.dtype)
         if bias is not None:
