@@ -218,102 +218,6 @@ def write_choices(rows: list[dict]) -> None:
     print(f"\nwrote W8A8 choices to {write_table(entries)}")
 
 
-def wna16_candidates(m: int) -> list[dict]:
-    """W4A16 configs worth timing at M tokens (keys: ``wna16.DEFAULTS``; merged over the M
-    bucket's defaults), ~10-15 per M: each compiles once per shape, and the compiles dominate."""
-    def cc(bn, bk, w, **kw):  # CUDA cores (M = 1): [BLOCK_K, BLOCK_N] tiles, a word row per warp and step
-        return dict(path="fused", dot=False, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, **kw)
-
-    def swap(bm, bn, bk, w, **kw):  # per-field MMAs, weight as the M side (wgmma A from registers)
-        return dict(path="fused", dot=True, swap_ab=True, joined=False, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                    num_warps=w, **kw)
-
-    def joined(bm, bn, bk, w, **kw):  # one MMA per tile on the re-joined weight tile
-        return dict(path="fused", dot=True, joined=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, **kw)
-
-    def dq(bn, bk, w):  # dequantize to a temporary, then cuBLAS
-        return dict(path="dequant", BLOCK_N=bn, BLOCK_K=bk, num_warps=w)
-    if m == 1:
-        return ([cc(bn, bk, w, prefetch=p) for bn, bk, w in ((256, 128, 8), (256, 128, 4), (256, 64, 4),
-                                                             (512, 128, 8), (512, 64, 4)) for p in (True, False)]
-                + [cc(256, 128, 8, waves=wv, max_split=32) for wv in (1, 4)]
-                + [cc(256, 128, 8, reduce="atomic"), swap(16, 512, 64, 4)])
-    if m <= 16:
-        return ([swap(16, bn, bk, w, num_stages=st) for bn, bk, w in ((512, 64, 4), (512, 128, 4), (1024, 64, 8))
-                 for st in (2, 3, 4)]
-                + [swap(16, 512, 64, 4, waves=wv) for wv in (1, 4)] + [swap(16, 512, 64, 4, reduce="atomic")]
-                + [dict(path="fused", dot=True, swap_ab=False, BLOCK_M=16, BLOCK_N=256, BLOCK_K=128, num_warps=4),
-                   joined(16, 256, 64, 4)])
-    if m <= 64:
-        return ([joined(64, bn, bk, w, max_split=4) for bn, bk, w in ((128, 128, 4), (128, 64, 4), (256, 64, 4),
-                                                                      (256, 64, 8))]
-                + [joined(64, 128, 128, 4, max_split=ms) for ms in (1, 2, 8)]
-                + [joined(64, 128, 128, 4, max_split=8, reduce="atomic")]
-                + [swap(bm, 512, 64, 4, max_split=4) for bm in (32, 64)] + [dq(256, 64, 4)])
-    return ([dq(bn, bk, w) for bn, bk, w in ((256, 64, 4), (256, 32, 4), (128, 64, 4), (256, 64, 8), (512, 32, 8))]
-            + ([joined(bm, 256, 64, 8, max_split=1) for bm in (64, 128)] if m <= 256 else []))
-
-
-def pairs_candidates(m: int) -> list[dict]:
-    """Pairs-layout W4A16 configs worth timing at M tokens (keys: ``w4_pairs.CONFIGS``)."""
-    if m <= 16:
-        return [dict(BLOCK_N=bn, num_warps=w, num_stages=st, waves=wv, max_split=32)
-                for bn, w in ((64, 4), (128, 4), (128, 8), (256, 8)) for st in (2, 3, 4) for wv in (2, 8)]
-    if m < 65:
-        return [dict(BLOCK_N=bn, num_warps=w, num_stages=st, scale_a=sa, waves=wv, max_split=32)
-                for bn, w in ((128, 8), (128, 4), (256, 8)) for st in (3, 4) for sa in (True, False) for wv in (2, 4)]
-    return [dict(BLOCK_N=bn, num_warps=w) for bn, w in ((64, 4), (128, 4), (256, 8))]
-
-
-def tune_wna16(shapes, ms, cudagraph: bool, layout: str = "pairs") -> None:
-    """Time the candidates per shape and M (bf16) for the pairs layout (``pairs_candidates``,
-    table kind "w4_pairs") or the AutoAWQ packing (``wna16_candidates``, kind "wna16"); store
-    the fastest (merged with the defaults it ran with) in the choices table."""
-    from kvforge_plugins.quant.kernels import w4_pairs, wna16
-    from kvforge_plugins.quant.kernels.choices import key, write_table
-    if layout == "pairs":
-        kind, name, cands, schema = "w4_pairs", "w4a16", pairs_candidates, w4_pairs.TABLE_SCHEMA
-        CONFIGS, DEFAULTS, bucket = w4_pairs.CONFIGS, {}, w4_pairs.bucket
-    else:
-        kind, name, cands, schema = "wna16", "w4a16-ckpt", wna16_candidates, wna16.TABLE_SCHEMA
-        CONFIGS, DEFAULTS, bucket = wna16.CONFIGS, wna16.DEFAULTS, wna16.bucket
-    gpu = torch.cuda.get_device_name()
-    best_all: dict = {gpu: {kind: {}}}
-    print(f"\n== W4A16 tuning ({layout}) ==")
-    for k, n in shapes:
-        ops = make_operands(k, n)
-        w4 = methods(ops)[name]
-        from kvforge_plugins.quant.kernels.wna16 import dequantize_wna16
-        w_ref = dequantize_wna16(ops["awq_qweight"], ops["awq_scales"], ops["awq_zeros"], bits=4, group_size=GROUP,
-                                 pack_k=False, awq_order=True, dtype=torch.float32)
-        for m in ms:
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            ref = x.float() @ w_ref
-            base = {**DEFAULTS, **CONFIGS[bucket(m)]}
-            default_t = bench(lambda v: w4(v), x, cudagraph)
-            best = (default_t, None)
-            for cand in cands(m):
-                cfg = {**base, **cand}
-                try:  # a config that runs but computes garbage must not win
-                    rel = ((w4(x, cfg).float() - ref).abs().max() / ref.abs().max()).item()
-                    assert rel < 2e-2, f"wrong result: rel {rel:.2e}"
-                    tm = bench(lambda v, c=cfg: w4(v, c), x, cudagraph, rep=20)
-                except Exception as e:  # e.g. out of shared memory on this GPU
-                    print(f"    skipped {cand}: {type(e).__name__}: {str(e)[:100]}")
-                    continue
-                print(f"    M={m:<5d} {tm * 1e6:7.1f} us {cand}", flush=True)
-                if tm < best[0]:
-                    best = (tm, cfg)
-            print(f"  K={k:<6d} N={n:<6d} M={m:<5d} default {default_t * 1e6:7.1f} us ({bucket(m)}) -> best "
-                  f"{best[0] * 1e6:7.1f} us {best[1] and {kk: v for kk, v in best[1].items() if base.get(kk) != v}}",
-                  flush=True)
-            if best[1] is not None:
-                best_all[gpu][kind][key(m, n, k)] = {**best[1], "schema": schema}
-        del ops, w_ref
-        torch.cuda.empty_cache()
-    print(f"wrote W4A16 configs to {write_table(best_all)}")
-
-
 # ---------------------------------------------------------------------------------------------
 # end to end
 # ---------------------------------------------------------------------------------------------
@@ -405,6 +309,8 @@ def main(argv=None) -> int:
         wb = weight_bytes(k, n)
         print(f"  K={k:<6d} N={n:<6d} " + "  ".join(f"{f} {b / 2 ** 20:7.1f} MiB ({wb['bf16'] / b:.2f}x smaller)"
                                                   for f, b in wb.items()))
+    if a.tune or a.tune_ckpt:
+        from quant_tuning import tune_wna16  # noqa: E402 (benchmarks/ is on sys.path when run as a script)
     if a.tune:
         tune_wna16(shapes, ms, not a.no_cudagraph, "pairs")
     if a.tune_ckpt:
