@@ -25,8 +25,9 @@ them. This layout does that for Triton:
   (``group % tile_k == 0``).
 
 Measured on the H200 (BENCHMARKS.md): 1.78-1.82x bf16 cuBLAS at 14336 x 14336, M <= 16
-(~1.75 TB/s of packed weight), 1.05x at M = 64. Not issue-bound: each tile's four MMAs take
-their x slice through shared memory behind a CTA barrier, a latency chain per tile.
+(~1.75 TB/s of packed weight), 1.05x at M = 64. Not issue-bound: per nibble pair the
+compiled loop stores the x slice to shared memory, fences, syncs the CTA, runs the MMAs and
+waits for them: four serialized round trips per tile (~1 us per tile measured).
 
 Shapes: x [M, K] fp16/bf16 -> [M, N] in x.dtype (fp32 accumulation); scales [G, N] float,
 zeros [G, N] uint8 (true zero points), G = K / group_size. ``tile_k`` 128 or 64
