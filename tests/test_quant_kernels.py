@@ -206,11 +206,12 @@ def test_gpu_wna16(layout, m, dtype):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("m", [1, 16, 64, 300])
 @pytest.mark.parametrize("layout", ["awq", "gptq"])
-@pytest.mark.parametrize("config", [None, dict(scale_a=True), dict(scale_a=False, BLOCK_N=256, num_stages=2)],
-                         ids=["default", "scale_a", "tacc_bn256"])
+@pytest.mark.parametrize("config", [None, dict(scale_a=True), dict(scale_a=False, BLOCK_N=256, num_stages=2),
+                                    dict(unroll=3)], ids=["default", "scale_a", "tacc_bn256", "unroll3"])
 def test_gpu_w4_pairs(layout, m, dtype, config):
     """The pairs-layout kernel (inline-asm dequantization; the interpreter runs its bit-exact
-    emulation) at a Llama-like size, each bucket's default and both scale placements."""
+    emulation) at a Llama-like size, each bucket's default, both scale placements and the
+    unrolled kernel (8 K tiles in splits of 3: the last split is short)."""
     err = wna16_cases.run_pairs_case("cuda", m, 1024, 2048, 128, layout, dtype, None if m > 64 else config,
                                      wna16_cases.SEED)
     assert err <= (4e-3 if dtype == torch.float16 else 1.6e-2), f"{err} (KVFORGE_TEST_SEED={wna16_cases.SEED})"

@@ -197,6 +197,9 @@ PAIRS_CASES = {
     "awq_m40_tacc": (40, 256, 72, 128, "awq", F16, dict(scale_a=False, BLOCK_N=64), 2e-3),
     "gptq_m3_serial3": (3, 384, 200, 128, "gptq", F16, dict(split_k=3, BLOCK_N=64), 2e-3),
     "awq_m70_prefill": (70, 256, 200, 128, "awq", F16, None, 2e-3),  # dequantize + matmul
+    # the unrolled kernel: 5 tiles in splits of 2 (the last split one tile: its second loads zeros)
+    "gptq_m3_unroll2_partial": (3, 640, 72, 128, "gptq", F16, dict(unroll=2, BLOCK_N=64), 2e-3),
+    "awq_m16_unroll3_scale_a": (16, 384, 136, 128, "awq", F16, dict(unroll=3, scale_a=True), 2e-3),
 }
 PAIRS_ORDER_CASES = {"pairs_order_h": ("awq_m1_g128", (0, 4)), "pairs_order_p": ("gptq_m16_g64", (1, 2))}
 

@@ -49,7 +49,8 @@ from .wna16_kernels import kernels
 
 #: Launch config per bucket (``BLOCK_M`` x ``BLOCK_N`` output tile; split-K fills
 #: ``waves`` x SMs programs, at most ``max_split`` splits; ``scale_a``: the group scale in the
-#: MMA operand instead of a second accumulator). Chosen by a sweep on the H200 (BENCHMARKS.md);
+#: MMA operand instead of a second accumulator; ``unroll``: T > 0 runs the unrolled kernel with
+#: T tiles per split, not yet timed). Chosen by a sweep on the H200 (BENCHMARKS.md);
 #: ``benchmarks/bench_quant.py --tune`` stores per-shape winners in the choices table
 #: (``choices.py``, kind "w4_pairs"), which override these.
 CONFIGS = {
@@ -131,11 +132,15 @@ def pairs_gemm(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros
     bm = cfg["BLOCK_M"]
     tiles = -(-m // bm) * -(-n // bn)
     k_tiles = k // tile_k
+    unroll = int(cfg.get("unroll") or 0)
     split = cfg.get("split_k")
-    if not split:
-        sms = _num_sms(x.device.index or 0) if x.is_cuda else 4
-        split = max(1, min(cfg["max_split"], k_tiles, cfg["waves"] * sms // tiles))
-    per_split = -(-k_tiles // split)
+    if unroll:  # a fixed number of tiles per split (a constant of the unrolled kernel)
+        per_split = min(unroll, k_tiles)
+    else:
+        if not split:
+            sms = _num_sms(x.device.index or 0) if x.is_cuda else 4
+            split = max(1, min(cfg["max_split"], k_tiles, cfg["waves"] * sms // tiles))
+        per_split = -(-k_tiles // split)
     split = -(-k_tiles // per_split)  # no empty splits
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     ws = cnt = out
@@ -143,10 +148,13 @@ def pairs_gemm(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros
         assert split * m * n < 2 ** 31
         ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
         cnt = arrival_counters(tiles, x.device)
-    interp = os.environ.get("TRITON_INTERPRET", "0") == "1"
-    ks["_pairs_kernel"][(tiles, split)](
-        x, words, scales, zeros, out, ws, cnt, m, n, k, x.stride(0), out.stride(0), per_split, GROUP=group_size,
-        TILE_K=tile_k, BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=split, SERIAL=split > 1,
-        IS_BF16=x.dtype == torch.bfloat16, USE_ASM=not interp, SCALE_A=bool(cfg["scale_a"]), num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"])
+    common = dict(GROUP=group_size, TILE_K=tile_k, BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=split, SERIAL=split > 1,
+                  IS_BF16=x.dtype == torch.bfloat16, USE_ASM=os.environ.get("TRITON_INTERPRET", "0") != "1",
+                  SCALE_A=bool(cfg["scale_a"]), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if unroll:
+        ks["_pairs_unrolled_kernel"][(tiles, split)](
+            x, words, scales, zeros, out, ws, cnt, m, n, k, x.stride(0), out.stride(0), TILES=per_split, **common)
+    else:
+        ks["_pairs_kernel"][(tiles, split)](
+            x, words, scales, zeros, out, ws, cnt, m, n, k, x.stride(0), out.stride(0), per_split, **common)
     return out

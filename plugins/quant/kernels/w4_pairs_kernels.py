@@ -116,3 +116,56 @@ def _pairs_dequant_kernel(qw_ptr, s_ptr, z_ptr, w_ptr, N, GROUP: tl.constexpr, T
         row = pid_k * TILE_K + (pos % 4) * KP + 2 * offs_j + pos // 4
         q = ((w >> (4 * pos)) & 15).to(tl.float32)
         tl.store(w_ptr + row[:, None] * N + offs_n[None, :], ((q - z) * s).to(w_ptr.dtype.element_ty), mask=mask)
+
+
+def _pairs_unrolled_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, stride_om,
+                           GROUP: tl.constexpr, TILE_K: tl.constexpr, TILES: tl.constexpr, BLOCK_M: tl.constexpr,
+                           BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, SERIAL: tl.constexpr,
+                           IS_BF16: tl.constexpr, USE_ASM: tl.constexpr, SCALE_A: tl.constexpr):
+    """:func:`_pairs_kernel` with TILES K tiles per split, unrolled (config ``unroll``): all
+    of the split's words and x slices are loaded, and the x slices staged for the MMAs,
+    before the first MMA, so the MMAs run without the per-pair stage / barrier / load round
+    trips of the loop (sm90 SASS: 1-2 CTA barriers per tile instead of 9). Tiles past K (a
+    last, shorter split) load zeros. Not yet timed on a GPU (BENCHMARKS.md)."""
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    num_m = tl.cdiv(M, BLOCK_M)
+    pid_m = pid % num_m
+    pid_n = pid // num_m
+    BKW: tl.constexpr = TILE_K // 8
+    KP: tl.constexpr = TILE_K // 4
+    BIAS: tl.constexpr = 128.0 if IS_BF16 else 1024.0
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < M
+    w_ptrs = qw_ptr + tl.arange(0, BKW)[None, :] * N + offs_n[:, None]
+    x_ptrs = x_ptr + offs_m[None, :] * stride_xm + tl.arange(0, KP)[:, None]
+    t0 = pid_k * TILES
+    xs = ()
+    ws = ()
+    for i in tl.static_range(TILES):
+        # a tile of this split that exists (as vectors: the interpreter takes no scalar masks)
+        live_n = mask_n & (offs_n * 0 + (t0 + i) * TILE_K < K)
+        live_m = mask_m & (offs_m * 0 + (t0 + i) * TILE_K < K)
+        ws = ws + (tl.load(w_ptrs + (t0 + i) * BKW * N, mask=live_n[:, None], other=0),)
+        for p in tl.static_range(4):
+            xs = xs + (tl.load(x_ptrs + ((t0 + i) * TILE_K + p * KP), mask=live_m[None, :], other=0.0),)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for i in tl.static_range(TILES):
+        g_off = ((t0 + i) * TILE_K // GROUP) * N
+        live_n = mask_n & (offs_n * 0 + (t0 + i) * TILE_K < K)
+        s = tl.load(s_ptr + g_off + offs_n, mask=live_n, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + g_off + offs_n, mask=live_n, other=0).to(tl.float32)
+        zb = (z + BIAS).to(x_ptr.dtype.element_ty)[:, None]
+        if SCALE_A:
+            sb = s.to(x_ptr.dtype.element_ty)[:, None]
+            for p in tl.static_range(4):
+                acc = tl.dot((_pairs(ws[i], p, BLOCK_N, KP, IS_BF16, USE_ASM) - zb) * sb, xs[4 * i + p], acc)
+        else:
+            tacc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            for p in tl.static_range(4):
+                tacc = tl.dot(_pairs(ws[i], p, BLOCK_N, KP, IS_BF16, USE_ASM) - zb, xs[4 * i + p], tacc)
+            acc += s[:, None] * tacc
+    _store_tile(tl.trans(acc), out_ptr, ws_ptr, cnt_ptr, pid, pid_k, offs_m, offs_n, M, N, stride_om, SPLIT_K,
+                SERIAL)
