@@ -46,13 +46,19 @@ def wna16_candidates(m: int) -> list[dict]:
 
 
 def pairs_candidates(m: int) -> list[dict]:
-    """Pairs-layout W4A16 configs worth timing at M tokens (keys: ``w4_pairs.CONFIGS``)."""
+    """Pairs-layout W4A16 configs worth timing at M tokens (keys: ``w4_pairs.CONFIGS``);
+    ``unroll`` ones run the unrolled kernel (tiles per split fixed; larger than the shape's
+    tile count means one split)."""
     if m <= 16:
-        return [dict(BLOCK_N=bn, num_warps=w, num_stages=st, waves=wv, max_split=32)
-                for bn, w in ((64, 4), (128, 4), (128, 8), (256, 8)) for st in (2, 3, 4) for wv in (2, 8)]
+        return ([dict(BLOCK_N=bn, num_warps=w, num_stages=st, waves=wv, max_split=32)
+                 for bn, w in ((64, 4), (128, 4), (128, 8), (256, 8)) for st in (2, 3, 4) for wv in (2, 8)]
+                + [dict(unroll=t, BLOCK_N=bn, num_warps=w, num_stages=1)
+                   for t in (2, 4, 7, 14) for bn, w in ((64, 4), (128, 8), (256, 8))])
     if m < 65:
-        return [dict(BLOCK_N=bn, num_warps=w, num_stages=st, scale_a=sa, waves=wv, max_split=32)
-                for bn, w in ((128, 8), (128, 4), (256, 8)) for st in (3, 4) for sa in (True, False) for wv in (2, 4)]
+        return ([dict(BLOCK_N=bn, num_warps=w, num_stages=st, scale_a=sa, waves=wv, max_split=32)
+                 for bn, w in ((128, 8), (128, 4), (256, 8)) for st in (3, 4) for sa in (True, False) for wv in (2, 4)]
+                + [dict(unroll=t, BLOCK_N=bn, num_warps=8, num_stages=1, scale_a=sa)
+                   for t in (2, 4, 7) for bn in (128, 256) for sa in (True, False)])
     return [dict(BLOCK_N=bn, num_warps=w) for bn, w in ((64, 4), (128, 4), (256, 8))]
 
 
