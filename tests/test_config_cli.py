@@ -205,6 +205,11 @@ def test_generate_bad_flag_value_names_field(capsys):
     rc = cli_main(["generate", "--model", STORIES_MODEL, "--set", "foo", "Once"])
     err = capsys.readouterr().err
     assert rc == 2 and "kvforge: error: --set expects KEY=VALUE" in err, err
+    # engine-config errors read as one line per field, not a pydantic dump
+    rc = cli_main(["generate", "--model", STORIES_MODEL, "--dtype", "float8", "Once"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("kvforge: error: invalid config: model.dtype: ") and err.count("\n") == 1, err
+    assert "errors.pydantic.dev" not in err, err
 
 
 def test_generate_fails_when_a_request_ends_in_error(capsys):

@@ -99,11 +99,11 @@ def _random_quant(k: int, n: int, group: int, gen: torch.Generator, zlo: int = 0
 
 
 def _awq_layer(dtype, group: int, layout: str, gen, k: int = 128, n: int = 64,
-               prefix: str = "model.layers.0.self_attn.o_proj"):
+               prefix: str = "model.layers.0.self_attn.o_proj", backend: str = "triton"):
     """An ``awq`` FusedLinear (one projection) loaded from random AutoAWQ tensors; returns
     (layer, W_ref^T fp32 [K, N], the checkpoint qweight)."""
     qc = AWQConfig({"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm"},
-                   AWQSettings(backend="triton", int4_layout=layout))
+                   AWQSettings(backend=backend, int4_layout=layout))
     q, z, s, w_ref = _random_quant(k, n, group, gen)
     qweight, qzeros = _pack_n(q, awq=True), _pack_n(z, awq=True)
     # the hand packing agrees with the kernels' own reader of the AutoAWQ format
@@ -169,13 +169,14 @@ def test_awq_g64_fp16_checkpoint_layout_keeps_packing(gen):
     _check_output(layer, w_ref, gen, torch.float16, where)
 
 
+@pytest.mark.parametrize("backend", ["triton", "reference"])
 @pytest.mark.parametrize("dtype, group, prefix", [(torch.float32, 64, "model.layers.3.mlp.down_proj"),
                                                    (torch.float16, 32, "model.layers.1.self_attn.o_proj")],
                          ids=["float32", "group32"])
-def test_pairs_refuses_what_it_cannot_hold(gen, dtype, group, prefix):
+def test_pairs_refuses_what_it_cannot_hold(gen, dtype, group, prefix, backend):
     """``pairs`` on a float32 layer, or with group 32 (tiles of 64 do not fit in a group):
-    ValueError naming the layer and int4_layout."""
-    layer, _, _ = _awq_layer(dtype, group, "pairs", gen, prefix=prefix)
+    ValueError naming the layer and int4_layout, on the reference backend too."""
+    layer, _, _ = _awq_layer(dtype, group, "pairs", gen, prefix=prefix, backend=backend)
     with pytest.raises(ValueError) as e:
         layer.method.process_weights_after_loading(layer)
     msg = str(e.value)

@@ -58,6 +58,8 @@ BAD = [
     (C, {"prompt": ""}, "prompt"), (C, {"prompt": ["hi", ""]}, "prompt[1]"),
     (C, {"prompt": "hi", "kvforge": {"drafter": "bogus"}}, "kvforge.drafter"),
     (C, {"prompt": "hi", "kvforge": {"nope": 1}}, "kvforge"), (C, {"prompt": "hi", "kvforge": 5}, "kvforge"),
+    (C, {"prompt": "hi", "model": 5}, "model"), (H, {"messages": U, "model": ["a"]}, "model"),
+    (C, '{"prompt": "hi", "temperature": NaN}', "temperature"), (C, '{"prompt": "hi", "top_p": Infinity}', "top_p"),
     (C, {"prompt": "hi", "logprobs": True}, "logprobs"),
 ]
 
@@ -99,6 +101,25 @@ def test_bad_requests_name_the_field(server):
     assert results and all(code == 200 for code, _ in results), results[:3]
     assert len({text for _, text in results}) == 1          # greedy answers stayed correct
     server.wait_idle()
+
+
+def test_limits_come_from_the_engine_and_floats_must_be_finite(server):
+    """logprobs / top_logprobs are capped by the engine's model.max_logprobs (20 here), not by a
+    constant of the schema, and the chat error names top_logprobs; NaN / inf / 1e400 are
+    refused as not finite (not as out of range)."""
+    with server.client() as c:
+        for path, body, field in ((C, {"prompt": "hi", "max_tokens": 1, "logprobs": 25}, "logprobs"),
+                                  (H, {"messages": U, "max_tokens": 1, "logprobs": True, "top_logprobs": 25},
+                                   "top_logprobs")):
+            r = c.post(path, json=body)
+            err = r.json()["error"]
+            assert r.status_code == 400 and err["message"].startswith(f"{field}: 25 exceeds max_logprobs (20)"), err
+        for raw in ('{"prompt": "hi", "temperature": NaN}', '{"prompt": "hi", "temperature": 1e400}'):
+            r = c.post(C, content=raw, headers={"Content-Type": "application/json"})
+            err = r.json()["error"]
+            assert r.status_code == 400 and err["param"] == "temperature" and "finite" in err["message"], err
+        r = c.post(C, json={"prompt": "hi", "max_tokens": 1, "logprobs": 20})
+        assert r.status_code == 200, r.text
 
 
 def _slow_down(server, monkeypatch, delay: float = 0.01) -> None:

@@ -117,6 +117,11 @@ def test_empty_text_prompt(llm, good):
     _check_isolated(llm, good, lambda: eng.add_request("bad", "", _sp()), "prompt")
 
 
+@pytest.mark.parametrize("prompts", [None, 123, b"Once"], ids=["none", "int", "bytes"])
+def test_generate_names_a_prompts_argument_of_the_wrong_type(llm, good, prompts):
+    _check_isolated(llm, good, lambda: llm.generate(prompts, _sp(), use_tqdm=False), "prompts")
+
+
 def test_prompt_plus_max_tokens_exceeds_max_model_len(llm, good):
     rng = fresh_rng("too-long")
     eng = llm.llm_engine

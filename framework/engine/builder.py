@@ -41,6 +41,24 @@ class EngineParts:
     attn_capabilities: dict = field(default_factory=dict)  # the attention plugin's declared capabilities
 
 
+
+def load_hf_config(path: str):
+    """The Hugging Face config of the checkpoint folder ``path`` (``model.model``).
+
+    Raises:
+        ValueError: naming ``model.model`` when ``path`` is not a folder or holds no readable config.json.
+    """
+    import os
+
+    from transformers import AutoConfig
+    if not os.path.isdir(path):
+        raise ValueError(f"model.model: {path!r} is not a directory (a Hugging Face-layout "
+                         "checkpoint folder with config.json is expected)")
+    try:
+        return AutoConfig.from_pretrained(path, local_files_only=True)
+    except Exception as e:
+        raise ValueError(f"model.model: cannot read a Hugging Face config from {path!r}: {e}") from None
+
 def _kv_block_bytes(hf_config, head_dim: int, num_kv_heads: int, block_size: int, dtype: torch.dtype) -> int:
     elem = torch.empty((), dtype=dtype).element_size()
     return 2 * hf_config.num_hidden_layers * block_size * num_kv_heads * head_dim * elem
@@ -281,8 +299,6 @@ def build_engine_parts(config: EngineConfig, registry: Registry) -> EngineParts:
         ValueError: unknown plugin names (listing the registered ones), bad plugin
             settings, an unsupported model, or a backend that cannot run here.
     """
-    from transformers import AutoConfig
-
     # Names and settings first: a typo fails before any weight is read.
     sched_spec = registry.get("scheduler", config.scheduler.name)
     alloc_spec = registry.get("kv_allocator", config.cache.allocator)
@@ -303,14 +319,7 @@ def build_engine_parts(config: EngineConfig, registry: Registry) -> EngineParts:
         raise ValueError("speculative.num_speculative_tokens: must be >= 1 when a drafter is configured "
                          "(speculative.method or request_choices.drafters)")
 
-    import os
-    if not os.path.isdir(config.model.model):
-        raise ValueError(f"model.model: {config.model.model!r} is not a directory (a Hugging Face-layout "
-                         "checkpoint folder with config.json is expected)")
-    try:
-        hf_config = AutoConfig.from_pretrained(config.model.model, local_files_only=True)
-    except Exception as e:
-        raise ValueError(f"model: cannot read a Hugging Face config from {config.model.model!r}: {e}") from None
+    hf_config = load_hf_config(config.model.model)
     arch = (getattr(hf_config, "architectures", None) or ["?"])[0]
     try:
         model_spec = registry.get("model", arch)

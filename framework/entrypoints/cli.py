@@ -7,6 +7,8 @@ import json
 import sys
 from typing import Any
 
+from pydantic import ValidationError
+
 from kvforge.config import FLAT_FIELDS, EngineConfig
 
 
@@ -86,15 +88,14 @@ def cmd_plugins(args: argparse.Namespace) -> int:
 def _explain(args: argparse.Namespace, reg) -> None:
     """Show why each attention backend is or is not eligible for ``auto`` on this machine."""
     import torch
-    from transformers import AutoConfig
 
-    from kvforge.engine.builder import resolve_device, resolve_dtype
+    from kvforge.engine.builder import load_hf_config, resolve_device, resolve_dtype
     from kvforge.interfaces import AttentionRequirements
     if not args.model:
         print("\n(--explain needs --model to know head sizes and dtype)")
         return
     cfg = EngineConfig.from_sources(args.config, {"model": args.model})
-    hf = AutoConfig.from_pretrained(args.model, local_files_only=True)
+    hf = load_hf_config(args.model)
     dev = resolve_device(cfg.model.device)
     dtype = resolve_dtype(cfg.model.dtype, hf)
     nh = hf.num_attention_heads
@@ -173,6 +174,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
+    except ValidationError as e:  # one line per field, as the other input errors read
+        msgs = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" if err["loc"] else err["msg"]
+                         for err in e.errors())
+        print(f"kvforge: error: invalid config: {msgs}", file=sys.stderr)
+        return 2
     except (ValueError, RuntimeError, OSError) as e:
         print(f"kvforge: error: {e}", file=sys.stderr)
         return 2

@@ -38,10 +38,12 @@ Int4Layout = Literal["auto", "pairs", "checkpoint"]
 class WeightOnlySettings(QuantSettings):
     """Settings of the weight-only int4/int8 quantizers (``awq``, ``gptq``).
 
-    ``int4_layout`` (Triton path, 4-bit weights): ``auto``/``pairs`` repack the weight at
-    load time into the layout of ``kernels/w4_pairs.py`` (fp16/bf16 models, groups of a
-    multiple of 64; else ``auto`` keeps the checkpoint's packing and ``pairs`` refuses the
-    layer); ``checkpoint`` keeps the checkpoint's packing (the ``wna16`` kernels), for A/B runs.
+    ``int4_layout``: ``auto``/``pairs`` repack 4-bit weights at load time into the layout of
+    ``kernels/w4_pairs.py`` on the Triton path (the reference path dequantizes the checkpoint's
+    packing and repacks nothing). The layout needs fp16/bf16 models and groups of a multiple
+    of 64: where it cannot apply, ``auto`` keeps the checkpoint's packing and ``pairs``
+    refuses the layer, on every backend. ``checkpoint`` keeps the checkpoint's packing (the
+    ``wna16`` kernels), for A/B runs.
     """
 
     int4_layout: Int4Layout = "auto"

@@ -159,8 +159,12 @@ class WNA16LinearMethod(LinearMethod):
         layer.wna16_tile_k = None  # set when the weight is repacked into the pairs layout
         if self.fmt == "gptq":
             self._act_order(layer, k, gs, device)
-        if layer.wna16_kernel:
-            self._maybe_pairs(layer)
+        why = self._pairs_blocker(layer)
+        if why and self.int4_layout == "pairs":  # on every backend: the setting asks for a layout it cannot have
+            raise ValueError(f"{layer.prefix}: int4_layout 'pairs' does not apply: {why} "
+                             "(use int4_layout 'auto' or 'checkpoint')")
+        if layer.wna16_kernel and not why and self.int4_layout != "checkpoint":
+            self._repack_pairs(layer)
 
     def _act_order(self, layer, k, gs, device):
         g = layer.g_idx.data.long()
@@ -189,18 +193,20 @@ class WNA16LinearMethod(LinearMethod):
         layer.perm = perm
         layer.g_idx_ref = None
 
-    def _maybe_pairs(self, layer):
-        """Repack a 4-bit weight into the pairs layout (``kernels/w4_pairs.py``) when it applies."""
+    def _pairs_blocker(self, layer) -> "str | None":
+        """Why the pairs layout cannot hold this layer's weight, or None if it can."""
         k, gs = layer.wna16_k, layer.wna16_group
-        tk = pairs_tile_k(k, gs)
-        why = ("the weights are not 4-bit" if self.bits != 4 else
-               f"the model dtype {layer.wna16_dtype} is not float16/bfloat16" if layer.wna16_dtype not in PAIRS_DTYPES
-               else f"group_size {gs} / in features {k} are not multiples of 64" if tk is None else None)
-        if self.int4_layout == "checkpoint" or (why and self.int4_layout == "auto"):
-            return
-        if why:
-            raise ValueError(f"{layer.prefix}: int4_layout 'pairs' does not apply: {why} "
-                             "(use int4_layout 'auto' or 'checkpoint')")
+        if self.bits != 4:
+            return "the weights are not 4-bit"
+        if layer.wna16_dtype not in PAIRS_DTYPES:
+            return f"the model dtype {layer.wna16_dtype} is not float16/bfloat16"
+        if pairs_tile_k(k, gs) is None:
+            return f"group_size {gs} / in features {k} are not multiples of 64"
+        return None
+
+    def _repack_pairs(self, layer):
+        """Repack the 4-bit weight into the pairs layout (``kernels/w4_pairs.py``)."""
+        tk = pairs_tile_k(layer.wna16_k, layer.wna16_group)
         qw, parts = layer.qweight.data, []
         for c0 in range(0, layer.wna16_n, 4096):  # column chunks: the unpacked ints take 4-8 bytes per weight
             if self.fmt == "awq":

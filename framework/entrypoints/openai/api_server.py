@@ -54,7 +54,7 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str] | None = Non
     ctx = ServerContext(engine=engine, tokenizer=load_tokenizer(cfg.tokenizer or cfg.model),
                         served_model_names=names, max_model_len=core.max_model_len,
                         vocab_size=core.vocab_size, chat_template=chat_template, model_path=cfg.model,
-                        api_key=api_key)
+                        api_key=api_key, max_logprobs=cfg.max_logprobs)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):

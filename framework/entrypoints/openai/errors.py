@@ -19,7 +19,7 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_f
           405: "invalid_request_error", 413: "invalid_request_error", 500: "server_error",
           503: "service_unavailable"}
 _TYPE_TAGS = frozenset({"function-after", "function-before", "function-wrap", "function-plain", "str", "int",
-                        "float", "bool", "list", "dict", "none", "model", "literal"})
+                        "float", "bool", "list", "dict", "none", "literal"})
 _PARAM_PREFIX = re.compile(r"^([A-Za-z_][\w.\[\]-]*):\s")
 
 

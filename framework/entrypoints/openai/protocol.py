@@ -13,15 +13,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-#: Most log-probabilities a request may ask for per token (vLLM's default ``max_logprobs``).
-MAX_LOGPROBS = 20
 #: Most completions per prompt (OpenAI's limit for ``n``).
 MAX_N = 128
 _SEED_MAX = 2**63 - 1 - MAX_N
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True, protected_namespaces=())
+    # allow_inf_nan=False: NaN / inf / 1e400 are refused as "finite number", before range checks
+    model_config = ConfigDict(extra="ignore", strict=True, protected_namespaces=(), allow_inf_nan=False)
 
 
 class StreamOptions(_Strict):
@@ -109,7 +108,7 @@ class CompletionRequest(_SamplingFields):
     prompt: Any
     max_tokens: int | None = Field(16, ge=1)
     echo: bool = False
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: int | None = Field(None, ge=0)  # cap: the engine's model.max_logprobs
     best_of: int | None = Field(None, ge=1, le=MAX_N)
     suffix: str | None = None
     add_special_tokens: bool = True
@@ -181,7 +180,7 @@ class ChatCompletionRequest(_SamplingFields):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = Field(None, ge=0)  # cap: the engine's model.max_logprobs
     echo: bool = False
     add_generation_prompt: bool = True
     continue_final_message: bool = False

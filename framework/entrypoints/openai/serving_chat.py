@@ -81,6 +81,9 @@ async def create_chat_completion(ctx: sc.ServerContext, req: ChatCompletionReque
     explicit_field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = sc.resolve_max_tokens(ctx, len(ids), req.max_output_tokens, True, "messages", explicit_field)
     num_lps = (req.top_logprobs or 0) if req.logprobs else None
+    if num_lps and num_lps > ctx.max_logprobs:  # named as the request names it (the engine says "logprobs")
+        raise OpenAIError(f"top_logprobs: {num_lps} exceeds max_logprobs ({ctx.max_logprobs}); "
+                          "start the server with a larger --max-logprobs", 400, param="top_logprobs")
     params = sc.sampling_params(req, max_tokens, num_lps)
     streams = await sc.add_all(ctx, [(rid, sc.engine_prompt(ids, prompt, req.cache_salt), params)], req.priority)
     echo = ""

@@ -37,6 +37,7 @@ class ServerContext:
         max_model_len: prompt + output token limit (tokens).
         chat_template: ``--chat-template`` text, overriding the tokenizer's.
         model_path: checkpoint directory.
+        max_logprobs: the engine's ``model.max_logprobs`` (most log-probabilities per token).
     """
 
     engine: AsyncLLMEngine
@@ -47,6 +48,7 @@ class ServerContext:
     chat_template: str | None = None
     model_path: str = ""
     api_key: str | None = None
+    max_logprobs: int = 20
     executor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, "kvforge-tokenize"))
 
     @property
