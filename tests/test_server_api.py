@@ -124,6 +124,38 @@ def test_logprobs_completion_chat_and_echo(server):
     assert all(isinstance(t.bytes, list) for t in content)
 
 
+def test_prompt_logprobs_extension(server):
+    """vLLM's ``prompt_logprobs``: per prompt token None (the first) or {token id: {logprob,
+    rank, decoded_token}} with the token itself and the top-k; equal to the offline LLM's; with
+    echo + logprobs both trimmed to their own k; refused with stream."""
+    ref_llm = reference_llm()
+    ref = ref_llm.generate("Once upon a time", SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=3),
+                           use_tqdm=False)[0]
+    with server.client() as c:
+        r = c.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 2,
+                                            "temperature": 0, "prompt_logprobs": 3, "echo": True, "logprobs": 1})
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        plp = choice["prompt_logprobs"]
+        assert len(plp) == len(ref.prompt_token_ids) and plp[0] is None
+        for tid, got, want in zip(ref.prompt_token_ids[1:], plp[1:], ref.prompt_logprobs[1:]):
+            assert str(tid) in got and 3 <= len(got) <= 4, got          # the token + the top 3
+            assert {int(t) for t in got} == set(want), (got, want)
+            for t, e in got.items():
+                assert abs(e["logprob"] - want[int(t)].logprob) < 1e-4 and e["rank"] == want[int(t)].rank
+        echo_tops = choice["logprobs"]["top_logprobs"][1:len(ref.prompt_token_ids)]
+        assert all(1 <= len(t) <= 2 for t in echo_tops), echo_tops    # echo keeps its own k = 1
+        r = c.post("/v1/chat/completions", json={"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}],
+                                                 "max_tokens": 2, "prompt_logprobs": 1})
+        body = r.json()
+        assert r.status_code == 200 and body["prompt_logprobs"][0] is None, r.text
+        assert len(body["prompt_logprobs"]) == body["usage"]["prompt_tokens"]
+        r = c.post("/v1/completions", json={"prompt": "hi", "prompt_logprobs": 1, "stream": True})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs", r.text
+        r = c.post("/v1/completions", json={"prompt": "hi", "prompt_logprobs": 25})
+        assert r.status_code == 400 and "prompt_logprobs: 25 exceeds max_logprobs" in r.json()["error"]["message"]
+
+
 def test_logprobs_minus_inf_are_valid_json(server, monkeypatch):
     runner = server.engine.engine.runner
     orig = runner.execute

@@ -22,9 +22,13 @@ def load_tokenizer(path: str, **kwargs: Any) -> "PreTrainedTokenizerBase":
 
     kwargs.setdefault("local_files_only", True)
     try:
-        return AutoTokenizer.from_pretrained(path, **kwargs)
+        tok = AutoTokenizer.from_pretrained(path, **kwargs)
     except Exception as exc:  # noqa: BLE001 - any failure becomes one clear error
         raise ValueError(f"could not load a tokenizer from {path!r}: {type(exc).__name__}: {exc}") from exc
+    # The engine checks prompt lengths against max_model_len itself (a clear error per
+    # request); the tokenizer's own limit only warned "sequence length is longer than ...".
+    tok.model_max_length = int(1e30)
+    return tok
 
 
 def _as_id_set(value: Any) -> set[int]:

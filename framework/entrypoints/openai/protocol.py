@@ -48,6 +48,7 @@ class _SamplingFields(_Strict):
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(None, gt=0.0)
     min_tokens: int = Field(0, ge=0)
+    prompt_logprobs: int | None = Field(None, ge=0)  # top log-probabilities per prompt token (cap: max_logprobs)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
@@ -98,6 +99,8 @@ class _SamplingFields(_Strict):
     def _check_stream_options(self) -> "_SamplingFields":
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only allowed when stream is true")
+        if self.prompt_logprobs is not None and self.stream:  # as vLLM: returned with the full response only
+            raise ValueError("prompt_logprobs: not available when stream is true")
         return self
 
 

@@ -84,7 +84,7 @@ async def create_chat_completion(ctx: sc.ServerContext, req: ChatCompletionReque
     if num_lps and num_lps > ctx.max_logprobs:  # named as the request names it (the engine says "logprobs")
         raise OpenAIError(f"top_logprobs: {num_lps} exceeds max_logprobs ({ctx.max_logprobs}); "
                           "start the server with a larger --max-logprobs", 400, param="top_logprobs")
-    params = sc.sampling_params(req, max_tokens, num_lps)
+    params = sc.sampling_params(req, max_tokens, num_lps, req.prompt_logprobs)
     streams = await sc.add_all(ctx, [(rid, sc.engine_prompt(ids, prompt, req.cache_salt), params)], req.priority)
     echo = ""
     if req.echo and req.messages[-1].role == "assistant":
@@ -107,6 +107,9 @@ async def create_chat_completion(ctx: sc.ServerContext, req: ChatCompletionReque
     body = {"id": rid, "object": "chat.completion", "created": sc.now(), "model": ctx.model_name,
             "system_fingerprint": None, "choices": choices,
             "usage": sc.usage(len(ids), sum(len(c.token_ids) for c in out.outputs))}
+    if req.prompt_logprobs is not None:  # vLLM: on the response, for the rendered prompt
+        body["prompt_logprobs"] = sc.prompt_logprobs_json(ctx.tokenizer, out.prompt_logprobs, out.prompt_token_ids,
+                                                          req.prompt_logprobs)
     return JSONResponse(body, headers=headers)
 
 

@@ -352,6 +352,23 @@ def clamp(lp: float) -> float:
     return lp if lp == lp and lp > LOGPROB_FLOOR else LOGPROB_FLOOR
 
 
+def prompt_logprobs_json(tokenizer: Any, entries: list[dict[int, Logprob] | None] | None,
+                         prompt_ids: list[int], top: int) -> list[dict[str, dict] | None]:
+    """vLLM's ``prompt_logprobs`` response field: per prompt token, None (the first) or
+    ``{token_id: {"logprob", "rank", "decoded_token"}}`` holding the token itself and the
+    ``top`` most likely ones (``entries`` may hold more, e.g. for ``echo`` logprobs)."""
+    out: list[dict[str, dict] | None] = []
+    for i, tid in enumerate(prompt_ids):
+        entry = entries[i] if entries is not None and i < len(entries) else None
+        if not entry:
+            out.append(None)
+            continue
+        out.append({str(t): {"logprob": clamp(e.logprob), "rank": e.rank,
+                             "decoded_token": token_text(tokenizer, t, e)}
+                    for t, e in entry.items() if t == tid or (e.rank is not None and e.rank <= top)})
+    return out
+
+
 def token_text(tokenizer: Any, token_id: int, lp: Logprob | None = None) -> str:
     if lp is not None and lp.decoded_token is not None:
         return lp.decoded_token

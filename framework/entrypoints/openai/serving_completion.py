@@ -71,8 +71,8 @@ async def create_completion(ctx: sc.ServerContext, req: CompletionRequest, raw: 
     for i, (text, ids) in enumerate(prompts):
         field = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
         max_tokens = sc.resolve_max_tokens(ctx, len(ids), req.max_tokens, explicit, field, "max_tokens")
-        prompt_lps = req.logprobs if (req.echo and req.logprobs is not None) else None
-        params = sc.sampling_params(req, max_tokens, req.logprobs, prompt_lps)
+        asked = [v for v in (req.logprobs if req.echo else None, req.prompt_logprobs) if v is not None]
+        params = sc.sampling_params(req, max_tokens, req.logprobs, max(asked) if asked else None)
         sub = rid if len(prompts) == 1 else f"{rid}-{i}"
         items.append((sub, sc.engine_prompt(ids, text, req.cache_salt), params))
     streams = await sc.add_all(ctx, items, req.priority)
@@ -93,10 +93,14 @@ def _prompt_text(ctx: sc.ServerContext, out: RequestOutput) -> str:
     return ctx.tokenizer.decode(out.prompt_token_ids)
 
 
-def _echo_logprobs(ctx: sc.ServerContext, out: RequestOutput) -> tuple[list[int], list]:
-    entries = list(out.prompt_logprobs or [None] * len(out.prompt_token_ids))
-    entries += [None] * (len(out.prompt_token_ids) - len(entries))
-    return list(out.prompt_token_ids), entries[:len(out.prompt_token_ids)]
+def _echo_logprobs(ctx: sc.ServerContext, out: RequestOutput, top: int) -> tuple[list[int], list]:
+    """Prompt ids and their entries trimmed to the token itself + the ``top`` most likely
+    (the request may also have asked for more ``prompt_logprobs``)."""
+    ids = list(out.prompt_token_ids)
+    entries = list(out.prompt_logprobs or [None] * len(ids))
+    entries += [None] * (len(ids) - len(entries))
+    return ids, [None if not e else {t: lp for t, lp in e.items() if t == tid or (lp.rank or top + 1) <= top}
+                 for tid, e in zip(ids, entries)]
 
 
 def _full_response(ctx: sc.ServerContext, req: CompletionRequest, rid: str,
@@ -110,12 +114,16 @@ def _full_response(ctx: sc.ServerContext, req: CompletionRequest, rid: str,
             completion_tokens += len(c.token_ids)
             logprobs = None
             if req.logprobs is not None:
-                ids, entries = (_echo_logprobs(ctx, out) if req.echo else ([], []))
+                ids, entries = (_echo_logprobs(ctx, out, req.logprobs) if req.echo else ([], []))
                 ids = ids + list(c.token_ids)
                 entries = entries + list(c.logprobs or [])
                 logprobs = _logprobs_obj(ctx, ids, entries, 0)
-            choices.append({"index": pi * req.n + c.index, "text": prefix + c.text, "logprobs": logprobs,
-                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+            choice = {"index": pi * req.n + c.index, "text": prefix + c.text, "logprobs": logprobs,
+                      "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+            if req.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = sc.prompt_logprobs_json(ctx.tokenizer, out.prompt_logprobs,
+                                                                    out.prompt_token_ids, req.prompt_logprobs)
+            choices.append(choice)
     return {"id": rid, "object": "text_completion", "created": sc.now(), "model": ctx.model_name,
             "system_fingerprint": None, "choices": choices,
             "usage": sc.usage(prompt_tokens, completion_tokens)}
@@ -156,7 +164,7 @@ async def _stream(ctx: sc.ServerContext, req: CompletionRequest, rid: str, promp
                     echoed[pi][c.index] = True
                     prefix = _prompt_text(ctx, out)
                     if req.logprobs is not None:
-                        lp_ids, lp_entries = _echo_logprobs(ctx, out)
+                        lp_ids, lp_entries = _echo_logprobs(ctx, out, req.logprobs)
                 if not (text or prefix or new_ids or fin):
                     continue
                 logprobs = None
