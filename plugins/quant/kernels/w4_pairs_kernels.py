@@ -43,6 +43,21 @@ def _pairs(w, P: tl.constexpr, BLOCK_N: tl.constexpr, KP: tl.constexpr, IS_BF16:
     return r
 
 
+def _program_tile(x_ptr, qw_ptr, M, N, stride_xm, TILE_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr):
+    """This program's (pid, split, rows + mask, columns + mask) and the pointers of K tile 0:
+    words [BLOCK_N, TILE_K/8] (transposed: the weight is the MMA's M side) and x slice 0
+    [TILE_K/4, BLOCK_M]. Grid (M tiles * N tiles, splits), M tile fastest."""
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    num_m = tl.cdiv(M, BLOCK_M)
+    offs_n = (pid // num_m) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = (pid % num_m) * BLOCK_M + tl.arange(0, BLOCK_M)
+    w_ptrs = qw_ptr + tl.arange(0, TILE_K // 8)[None, :] * N + offs_n[:, None]
+    x_ptrs = x_ptr + offs_m[None, :] * stride_xm + tl.arange(0, TILE_K // 4)[:, None]
+    return pid, pid_k, offs_m, offs_m < M, offs_n, offs_n < N, w_ptrs, x_ptrs
+
+
 def _pairs_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, stride_om,
                   tiles_per_split, GROUP: tl.constexpr, TILE_K: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, SERIAL: tl.constexpr, IS_BF16: tl.constexpr,
@@ -57,22 +72,11 @@ def _pairs_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K
     weight would be; no second accumulator, fewer registers at larger BLOCK_M). Grid and
     split-K reduction as the fused weight-only kernel.
     """
-    pid = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    num_m = tl.cdiv(M, BLOCK_M)
-    pid_m = pid % num_m
-    pid_n = pid // num_m
+    pid, pid_k, offs_m, mask_m, offs_n, mask_n, w_ptrs, x_ptrs = _program_tile(x_ptr, qw_ptr, M, N, stride_xm, TILE_K,
+                                                                                BLOCK_M, BLOCK_N)
     BKW: tl.constexpr = TILE_K // 8
     KP: tl.constexpr = TILE_K // 4
     BIAS: tl.constexpr = 128.0 if IS_BF16 else 1024.0
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    mask_m = offs_m < M
-    offs_j = tl.arange(0, BKW)
-    offs_c = tl.arange(0, KP)
-    w_ptrs = qw_ptr + offs_j[None, :] * N + offs_n[:, None]
-    x_ptrs = x_ptr + offs_m[None, :] * stride_xm + offs_c[:, None]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     t_first = pid_k * tiles_per_split
     n_t = tl.minimum(tiles_per_split, K // TILE_K - t_first)
@@ -127,20 +131,11 @@ def _pairs_unrolled_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr
     before the first MMA, so the MMAs run without the per-pair stage / barrier / load round
     trips of the loop (sm90 SASS: 1-2 CTA barriers per tile instead of 9). Tiles past K (a
     last, shorter split) load zeros. Not yet timed on a GPU (BENCHMARKS.md)."""
-    pid = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    num_m = tl.cdiv(M, BLOCK_M)
-    pid_m = pid % num_m
-    pid_n = pid // num_m
+    pid, pid_k, offs_m, mask_m, offs_n, mask_n, w_ptrs, x_ptrs = _program_tile(x_ptr, qw_ptr, M, N, stride_xm, TILE_K,
+                                                                                BLOCK_M, BLOCK_N)
     BKW: tl.constexpr = TILE_K // 8
     KP: tl.constexpr = TILE_K // 4
     BIAS: tl.constexpr = 128.0 if IS_BF16 else 1024.0
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    mask_m = offs_m < M
-    w_ptrs = qw_ptr + tl.arange(0, BKW)[None, :] * N + offs_n[:, None]
-    x_ptrs = x_ptr + offs_m[None, :] * stride_xm + tl.arange(0, KP)[:, None]
     t0 = pid_k * TILES
     xs = ()
     ws = ()

@@ -261,7 +261,7 @@ def _dequant_kernel(qw_ptr, s_ptr, z_ptr, magic, w_ptr, N, NW, K, BITS: tl.const
 _HELPERS = ("_awq_main", "_gptq_main", "_joined_main")
 _RAW = {name: globals()[name] for name in _HELPERS + ("_fused_kernel", "_dequant_kernel")}
 _RAW_TILES = {name: getattr(wna16_tiles, name) for name in wna16_tiles.HELPERS}
-_RAW_PAIRS = {name: getattr(w4_pairs_kernels, name) for name in ("_pairs", "_pairs_kernel", "_pairs_unrolled_kernel", "_pairs_dequant_kernel")}
+_RAW_PAIRS = {name: getattr(w4_pairs_kernels, name) for name in ("_pairs", "_program_tile", "_pairs_kernel", "_pairs_unrolled_kernel", "_pairs_dequant_kernel")}
 _JITTED: dict[bool, tuple[dict, dict, dict]] = {}
 
 
@@ -282,7 +282,8 @@ def kernels() -> dict:
     for name, fn in tiles.items():  # the tiles call each other (in wna16_tiles) and are called from here
         gt[name] = g[name] = fn
     gp["_store_tile"] = tiles["_store_tile"]
-    gp["_pairs"] = pairs["_pairs"]
+    for name in ("_pairs", "_program_tile"):  # called from the pairs kernels
+        gp[name] = pairs[name]
     for name in _HELPERS:
         g[name] = here[name]
     return {**here, **pairs}
