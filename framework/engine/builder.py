@@ -41,7 +41,6 @@ class EngineParts:
     attn_capabilities: dict = field(default_factory=dict)  # the attention plugin's declared capabilities
 
 
-
 def load_hf_config(path: str):
     """The Hugging Face config of the checkpoint folder ``path`` (``model.model``).
 
@@ -58,6 +57,7 @@ def load_hf_config(path: str):
         return AutoConfig.from_pretrained(path, local_files_only=True)
     except Exception as e:
         raise ValueError(f"model.model: cannot read a Hugging Face config from {path!r}: {e}") from None
+
 
 def _kv_block_bytes(hf_config, head_dim: int, num_kv_heads: int, block_size: int, dtype: torch.dtype) -> int:
     elem = torch.empty((), dtype=dtype).element_size()
