@@ -76,7 +76,7 @@ def weight_bytes(k: int, n: int) -> dict[str, int]:
     return {"bf16": 2 * k * n, "w4a16": k * n // 2 + g * n * 2 + g * n, "fp8": k * n + 4 * n, "int8": k * n + 4 * n}
 
 
-def methods(ops: dict, kind_filter=None) -> dict:
+def methods(ops: dict) -> dict:
     """name -> fn(x) for one weight."""
     from kvforge_plugins.quant.kernels.scaled_mm import quantize_act, scaled_mm_torch, scaled_mm_triton
     from kvforge_plugins.quant.kernels.w4_pairs import pairs_gemm

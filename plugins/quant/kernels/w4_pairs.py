@@ -44,7 +44,7 @@ from kvforge.layers.arrival_counters import arrival_counters
 
 from ..common import pack_rows, unpack_rows
 from .choices import lookup
-from .wna16 import PREFILL_MIN_M, _num_sms
+from .wna16 import PREFILL_MIN_M, _num_sms, dequantize_groups
 from .wna16_kernels import kernels
 
 #: Launch config per bucket (``BLOCK_M`` x ``BLOCK_N`` output tile; split-K fills
@@ -92,9 +92,7 @@ def unpack_pairs(words: torch.Tensor, tile_k: int) -> torch.Tensor:
 def dequantize_pairs(words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, *, group_size: int,
                      tile_k: int, dtype: torch.dtype) -> torch.Tensor:
     """Reference: W^T [K, N] = (q - z) * s in ``dtype`` (computed in fp32)."""
-    q = unpack_pairs(words, tile_k)
-    g = torch.arange(q.shape[0], device=q.device) // group_size
-    return ((q.float() - zeros.float()[g]) * scales.float()[g]).to(dtype)
+    return dequantize_groups(unpack_pairs(words, tile_k), scales, zeros, group_size, dtype)
 
 
 def bucket(m: int) -> str:

@@ -231,7 +231,12 @@ def dequantize_wna16(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.T
     """
     from ..common import unpack_cols, unpack_rows
     q = unpack_rows(qweight, bits) if pack_k else unpack_cols(qweight, bits, awq_order)
-    k = q.shape[0]
-    g = g_idx.long() if g_idx is not None else torch.arange(k, device=q.device) // group_size
-    w = (q.float() - zeros.float()[g]) * scales.float()[g]
-    return w.to(dtype)
+    return dequantize_groups(q, scales, zeros, group_size, dtype, g_idx)
+
+
+def dequantize_groups(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+                      dtype: torch.dtype, g_idx: "torch.Tensor | None" = None) -> torch.Tensor:
+    """Unpacked ints ``q`` [K, N] -> ``(q - zeros[g]) * scales[g]`` [K, N] in ``dtype`` (fp32
+    math); row k uses group ``g_idx[k]`` if given, else ``k // group_size``."""
+    g = g_idx.long() if g_idx is not None else torch.arange(q.shape[0], device=q.device) // group_size
+    return ((q.float() - zeros.float()[g]) * scales.float()[g]).to(dtype)
