@@ -129,7 +129,7 @@ def _pairs_unrolled_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr
     """:func:`_pairs_kernel` with TILES K tiles per split, unrolled (config ``unroll``): all
     of the split's words and x slices are loaded, and the x slices staged for the MMAs,
     before the first MMA, so the MMAs run without the per-pair stage / barrier / load round
-    trips of the loop (sm90 SASS: 1-2 CTA barriers per tile instead of 9). Tiles past K (a
+    trips of the loop (sm90 SASS: 2 CTA barriers per tile among the MMAs instead of 9). Tiles past K (a
     last, shorter split) load zeros. Not yet timed on a GPU (BENCHMARKS.md)."""
     pid, pid_k, offs_m, mask_m, offs_n, mask_n, w_ptrs, x_ptrs = _program_tile(x_ptr, qw_ptr, M, N, stride_xm, TILE_K,
                                                                                 BLOCK_M, BLOCK_N)
