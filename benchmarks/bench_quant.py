@@ -4,6 +4,7 @@
     python benchmarks/bench_quant.py --write-choices      # also store the faster FP8/INT8 GEMM per shape
     python benchmarks/bench_quant.py --tune               # also sweep W4A16 (pairs) launch configs, store the best
     python benchmarks/bench_quant.py --tune-ckpt          # the same for the checkpoint-layout W4A16 kernel
+    python benchmarks/bench_quant.py --tune-mma           # the same for the mma-layout kernel (CUDA C++)
     python benchmarks/bench_quant.py --e2e                # also Llama-3-8B-shape decode at batch 1 per format
 
 Shapes: Llama-3-8B GEMMs, (K, N) in {4096, 14336}^2 and M tokens in {1, 16, 64, 256, 512, 2048}.
@@ -12,6 +13,8 @@ Per shape it times ``y = x @ W^T`` for:
 * ``bf16``: ``torch.nn.functional.linear`` (cuBLAS), the baseline;
 * ``w4a16``: the Triton W4A16 GEMM on the pairs layout (``kernels/w4_pairs.py``: what the
   awq/gptq plugins repack 4-bit weights into; group 128, zero points);
+* ``w4a16-mma``: the CUDA C++ W4A16 GEMM (mma.sync) on the mma layout (``kernels/w4_mma.py``,
+  ``int4_layout: mma``);
 * ``w4a16-ckpt``: the Triton W4A16 GEMM on the AutoAWQ packing itself (``kernels/wna16.py``);
 * ``fp8-triton`` / ``fp8-torch``: dynamic per-token FP8 activation quantization (Triton)
   + the Triton FP8 GEMM / ``torch._scaled_mm`` (row-wise scales), per-channel weights;
@@ -54,6 +57,7 @@ GROUP = 128
 def make_operands(k: int, n: int, device="cuda") -> dict:
     """Random operands of every format for one (K, N) weight."""
     from kvforge_plugins.quant.common import pack_rows
+    from kvforge_plugins.quant.kernels.w4_mma import pack_mma, pack_mma_groups
     from kvforge_plugins.quant.kernels.w4_pairs import pack_pairs
     from kvforge_plugins.quant.w8a8 import quantize_weight
     g = torch.Generator(device=device).manual_seed(0)
@@ -66,6 +70,9 @@ def make_operands(k: int, n: int, device="cuda") -> dict:
     ops["awq_zeros"] = torch.randint(0, 16, (k // GROUP, n), device=device, generator=g).to(torch.uint8)
     # the layout the awq/gptq plugins repack 4-bit weights into at load time (kernels/w4_pairs.py)
     ops["pairs_words"] = pack_pairs(q, GROUP)
+    # the mma layout (kernels/w4_mma.py, int4_layout: mma), made for bf16 activations
+    ops["mma_words"] = pack_mma(q)
+    ops["mma_scales"], ops["mma_zeros"] = pack_mma_groups(ops["awq_scales"].float(), ops["awq_zeros"], torch.bfloat16)
     ops["fp8_w"], ops["fp8_s"] = quantize_weight(w, torch.float8_e4m3fn, True)
     ops["int8_w"], ops["int8_s"] = quantize_weight(w, torch.int8, True)
     return ops
@@ -79,6 +86,7 @@ def weight_bytes(k: int, n: int) -> dict[str, int]:
 def methods(ops: dict) -> dict:
     """name -> fn(x) for one weight."""
     from kvforge_plugins.quant.kernels.scaled_mm import quantize_act, scaled_mm_torch, scaled_mm_triton
+    from kvforge_plugins.quant.kernels.w4_mma import mma_gemm
     from kvforge_plugins.quant.kernels.w4_pairs import pairs_gemm
     from kvforge_plugins.quant.kernels.wna16 import wna16_gemm
     n = ops["w_bf16"].shape[0]
@@ -86,6 +94,9 @@ def methods(ops: dict) -> dict:
     def w4(x, config=None):
         return pairs_gemm(x, ops["pairs_words"], ops["awq_scales"], ops["awq_zeros"], group_size=GROUP, tile_k=GROUP,
                           n=n, config=config)
+
+    def w4_mma(x, config=None):
+        return mma_gemm(x, ops["mma_words"], ops["mma_scales"], ops["mma_zeros"], group_size=GROUP, n=n, config=config)
 
     def w4_ckpt(x, config=None):
         return wna16_gemm(x, ops["awq_qweight"], ops["awq_scales"], ops["awq_zeros"], bits=4, group_size=GROUP,
@@ -100,7 +111,7 @@ def methods(ops: dict) -> dict:
             return f(qa, sa, ops[f"{wkey}_w"], ops[f"{wkey}_s"], x.dtype)
         return fn
 
-    return {"bf16": lambda x: F.linear(x, ops["w_bf16"]), "w4a16": w4, "w4a16-ckpt": w4_ckpt,
+    return {"bf16": lambda x: F.linear(x, ops["w_bf16"]), "w4a16": w4, "w4a16-mma": w4_mma, "w4a16-ckpt": w4_ckpt,
             "fp8-triton": w8a8(torch.float8_e4m3fn, "fp8", "triton"), "fp8-torch": w8a8(torch.float8_e4m3fn, "fp8", "torch"),
             "int8-triton": w8a8(torch.int8, "int8", "triton"), "int8-torch": w8a8(torch.int8, "int8", "torch"),
             "fp8-torch-fast": w8a8(torch.float8_e4m3fn, "fp8", "torch-fast")}
@@ -163,14 +174,12 @@ def check_correctness(shapes, ms) -> bool:
 
 def gemm_table(shapes, ms, cudagraph: bool) -> list[dict]:
     rows = []
-    hdr = f"{'K':>6} {'N':>6} {'M':>5} | " + " | ".join(f"{n:>20s}" for n in
-                                                       ("bf16", "w4a16", "w4a16-ckpt", "fp8-triton", "fp8-torch", "int8-triton",
-                                                        "int8-torch", "fp8-torch-fast"))
     print("\n== GEMM time: us  TFLOP/s  speedup vs bf16 ==")
-    print(hdr)
-    for k, n in shapes:
+    for i, (k, n) in enumerate(shapes):
         ops = make_operands(k, n)
         fns = methods(ops)
+        if i == 0:
+            print(f"{'K':>6} {'N':>6} {'M':>5} | " + " | ".join(f"{nm:>20s}" for nm in fns))
         for m in ms:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             t = {}
@@ -193,11 +202,12 @@ def targets(rows: list[dict]) -> None:
     for r in rows:
         t = r["seconds"]
         tag = f"K={r['K']:<6d} N={r['N']:<6d} M={r['M']:<5d}"
-        s4 = t["bf16"] / t["w4a16"]
+        s4 = t["bf16"] / min(t["w4a16"], t["w4a16-mma"])
+        per = f"(pairs {t['bf16'] / t['w4a16']:.2f}x, mma {t['bf16'] / t['w4a16-mma']:.2f}x)"
         if r["M"] <= 16:
-            print(f"  W4A16 >= 3.0x   {tag} {s4:5.2f}x  {'PASS' if s4 >= 3.0 else 'FAIL'}")
+            print(f"  W4A16 >= 3.0x   {tag} {s4:5.2f}x  {'PASS' if s4 >= 3.0 else 'FAIL'} {per}")
         if r["M"] == 64:
-            print(f"  W4A16 >= 1.5x   {tag} {s4:5.2f}x  {'PASS' if s4 >= 1.5 else 'FAIL'}")
+            print(f"  W4A16 >= 1.5x   {tag} {s4:5.2f}x  {'PASS' if s4 >= 1.5 else 'FAIL'} {per}")
         if r["M"] >= 512:
             best = min(t["fp8-triton"], t["fp8-torch"] if t["fp8-torch"] == t["fp8-torch"] else float("inf"))
             s8 = t["bf16"] / best
@@ -222,7 +232,8 @@ def write_choices(rows: list[dict]) -> None:
 # end to end
 # ---------------------------------------------------------------------------------------------
 
-E2E_FORMATS = {"bf16": {}, "awq-int4": {"awq": True}, "fp8": {"quantization": "fp8"}, "int8": {"quantization": "int8"}}
+E2E_FORMATS = {"bf16": {}, "awq-int4": {"awq": True}, "awq-int4-mma": {"awq": True, "int4_layout": "mma"},
+               "fp8": {"quantization": "fp8"}, "int8": {"quantization": "int8"}}
 
 
 def e2e_one(fmt: str, input_len: int, output_len: int) -> dict:
@@ -232,9 +243,11 @@ def e2e_one(fmt: str, input_len: int, output_len: int) -> dict:
     from kvforge import LLM, SamplingParams
     opts = E2E_FORMATS[fmt]
     with tempfile.TemporaryDirectory() as tmp:
-        d = make_dummy_model(tmp, dtype="bfloat16" if fmt != "awq-int4" else "float16",
+        d = make_dummy_model(tmp, dtype="float16" if opts.get("awq") else "bfloat16",
                              awq_group=GROUP if opts.get("awq") else None)
         kw = {"quantization": opts["quantization"]} if "quantization" in opts else {}
+        if "int4_layout" in opts:
+            kw["quantization.settings.int4_layout"] = opts["int4_layout"]
         llm = LLM(model=str(d), load_format="dummy", max_model_len=1024, gpu_memory_utilization=0.85, **kw)
         model = llm.llm_engine.runner.model
         wbytes = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
@@ -268,11 +281,12 @@ def e2e(input_len: int, output_len: int, formats=tuple(E2E_FORMATS)) -> None:
         r = res[fmt]
         base = res.get("bf16")
         sp = f"{base['tpot_s'] / r['tpot_s']:.2f}x" if base else "-"
-        print(f"  {fmt:9s} TPOT {r['tpot_s'] * 1e3:7.2f} ms  ({1 / r['tpot_s']:6.1f} tok/s)  speedup {sp:>6s}  "
+        print(f"  {fmt:12s} TPOT {r['tpot_s'] * 1e3:7.2f} ms  ({1 / r['tpot_s']:6.1f} tok/s)  speedup {sp:>6s}  "
               f"weights {r['weight_bytes'] / 2 ** 30:6.2f} GiB", flush=True)
-    if "bf16" in res and "awq-int4" in res:
-        s = res["bf16"]["tpot_s"] / res["awq-int4"]["tpot_s"]
-        print(f"  target int4 decode >= 2.0x bf16 at batch 1: {s:.2f}x  {'PASS' if s >= 2.0 else 'FAIL'}")
+    for fmt in ("awq-int4", "awq-int4-mma"):
+        if "bf16" in res and fmt in res:
+            s = res["bf16"]["tpot_s"] / res[fmt]["tpot_s"]
+            print(f"  target int4 decode >= 2.0x bf16 at batch 1 ({fmt}): {s:.2f}x  {'PASS' if s >= 2.0 else 'FAIL'}")
 
 
 def main(argv=None) -> int:
@@ -283,6 +297,7 @@ def main(argv=None) -> int:
     p.add_argument("--write-choices", action="store_true", help="store the faster W8A8 GEMM per shape")
     p.add_argument("--tune", action="store_true", help="sweep W4A16 (pairs layout) configs, store the best per shape")
     p.add_argument("--tune-ckpt", action="store_true", help="the same for the checkpoint-layout W4A16 kernel")
+    p.add_argument("--tune-mma", action="store_true", help="the same for the mma-layout W4A16 kernel (CUDA C++)")
     p.add_argument("--e2e", action="store_true", help="end-to-end batch-1 decode per format (Llama-3-8B shape)")
     p.add_argument("--e2e-formats", default=",".join(E2E_FORMATS), help="formats for --e2e (comma separated)")
     p.add_argument("--input-len", type=int, default=32)
@@ -309,8 +324,10 @@ def main(argv=None) -> int:
         wb = weight_bytes(k, n)
         print(f"  K={k:<6d} N={n:<6d} " + "  ".join(f"{f} {b / 2 ** 20:7.1f} MiB ({wb['bf16'] / b:.2f}x smaller)"
                                                   for f, b in wb.items()))
-    if a.tune or a.tune_ckpt:
+    if a.tune or a.tune_ckpt or a.tune_mma:
         from quant_tuning import tune_wna16  # noqa: E402 (benchmarks/ is on sys.path when run as a script)
+    if a.tune_mma:
+        tune_wna16(shapes, ms, not a.no_cudagraph, "mma")
     if a.tune:
         tune_wna16(shapes, ms, not a.no_cudagraph, "pairs")
     if a.tune_ckpt:

@@ -62,15 +62,30 @@ def pairs_candidates(m: int) -> list[dict]:
     return [dict(BLOCK_N=bn, num_warps=w) for bn, w in ((64, 4), (128, 4), (256, 8))]
 
 
+def mma_candidates(m: int) -> list[dict]:
+    """mma-layout W4A16 configs worth timing at M tokens (keys: ``w4_mma.CONFIGS``); each
+    distinct set of compile-time constants is one NVRTC compile."""
+    if m <= 16:
+        return ([dict(TW=tw, WARPS=wa, S=st, waves=wv) for tw, wa, st, wv in (
+            (4, 4, 1, 4), (4, 4, 1, 2), (4, 4, 2, 4), (2, 8, 1, 4), (2, 8, 1, 2), (2, 8, 2, 4), (2, 8, 3, 4),
+            (1, 8, 1, 2), (1, 8, 3, 2), (4, 2, 1, 4))] + [dict(TW=4, WARPS=4, S=1, waves=4, MINB=4)])
+    return [dict(TW=tw, WARPS=wa, S=st, XS=xs, SCALE_A=True, waves=wv) for tw, wa, st, xs, wv in (
+        (1, 4, 1, 0, 2), (1, 4, 2, 0, 2), (1, 8, 1, 1, 2), (1, 8, 2, 0, 2), (2, 4, 1, 0, 2), (1, 4, 1, 1, 4),
+        (1, 4, 1, 0, 1), (2, 8, 1, 1, 2))]
+
+
 def tune_wna16(shapes, ms, cudagraph: bool, layout: str = "pairs") -> None:
     """Time the candidates per shape and M (bf16) for the pairs layout (``pairs_candidates``,
     table kind "w4_pairs") or the AutoAWQ packing (``wna16_candidates``, kind "wna16"); store
     the fastest (merged with the defaults it ran with) in the choices table."""
-    from kvforge_plugins.quant.kernels import w4_pairs, wna16
+    from kvforge_plugins.quant.kernels import w4_mma, w4_pairs, wna16
     from kvforge_plugins.quant.kernels.choices import key, write_table
     if layout == "pairs":
         kind, name, cands, schema = "w4_pairs", "w4a16", pairs_candidates, w4_pairs.TABLE_SCHEMA
         CONFIGS, DEFAULTS, bucket = w4_pairs.CONFIGS, {}, w4_pairs.bucket
+    elif layout == "mma":
+        kind, name, cands, schema = "w4_mma", "w4a16-mma", mma_candidates, w4_mma.TABLE_SCHEMA
+        CONFIGS, DEFAULTS, bucket = w4_mma.CONFIGS, {}, w4_mma.bucket
     else:
         kind, name, cands, schema = "wna16", "w4a16-ckpt", wna16_candidates, wna16.TABLE_SCHEMA
         CONFIGS, DEFAULTS, bucket = wna16.CONFIGS, wna16.DEFAULTS, wna16.bucket

@@ -32,7 +32,7 @@ class QuantSettings(BaseModel):
     backend: Backend = "auto"
 
 
-Int4Layout = Literal["auto", "pairs", "checkpoint"]
+Int4Layout = Literal["auto", "mma", "pairs", "checkpoint"]
 
 
 class WeightOnlySettings(QuantSettings):
@@ -42,8 +42,10 @@ class WeightOnlySettings(QuantSettings):
     ``kernels/w4_pairs.py`` on the Triton path (the reference path dequantizes the checkpoint's
     packing and repacks nothing). The layout needs fp16/bf16 models and groups of a multiple
     of 64: where it cannot apply, ``auto`` keeps the checkpoint's packing and ``pairs``
-    refuses the layer, on every backend. ``checkpoint`` keeps the checkpoint's packing (the
-    ``wna16`` kernels), for A/B runs.
+    refuses the layer, on every backend. ``mma`` repacks into the layout of
+    ``kernels/w4_mma.py`` instead (a CUDA C++ kernel on ``mma.sync``, needs CuPy and an sm80+
+    GPU; K and N multiples of 64, groups of a multiple of 64); it too refuses a layer it
+    cannot hold. ``checkpoint`` keeps the checkpoint's packing (the ``wna16`` kernels), for A/B runs.
     """
 
     int4_layout: Int4Layout = "auto"

@@ -18,7 +18,9 @@ Shards of a fused layer (q|k|v, gate|up) are concatenated along N. After loading
 points are unpacked to ``wzeros`` uint8 [G, N] (true zero points) and, on the GPU
 kernel path, act-order rows are permuted so groups are contiguous (``perm`` [K]; the
 activation is gathered with it), and 4-bit weights are repacked into the pairs layout
-(``kernels/w4_pairs.py``; ``layer.wna16_tile_k`` set) unless ``int4_layout`` says otherwise.
+(``kernels/w4_pairs.py``; ``layer.wna16_tile_k`` set) or, with ``int4_layout: mma``, the mma
+layout (``kernels/w4_mma.py``; ``mma_scales`` replaces ``scales``, ``wzeros`` holds ``BIAS + z``
+in the model dtype); ``layer.wna16_layout`` names the layout.
 Dequantized weight: ``W^T[k, n] = (q[k, n] - wzeros[g(k), n]) * scales[g(k), n]``.
 """
 from __future__ import annotations
@@ -31,6 +33,7 @@ from kvforge.interfaces import LinearMethod
 
 from .common import FLOAT_DTYPES, add_param, pack_rows, unpack_cols, unpack_rows
 from .kernels import HAS_TRITON
+from .kernels import w4_mma
 from .kernels.w4_pairs import DTYPES as PAIRS_DTYPES
 from .kernels.w4_pairs import dequantize_pairs, pack_pairs, pairs_gemm, pairs_tile_k
 from .kernels.wna16 import dequantize_wna16, wna16_gemm
@@ -50,7 +53,7 @@ class WNA16LinearMethod(LinearMethod):
         skip_hint: how this format's config keeps a layer unquantized (for error messages).
         desc_act: GPTQ act-order; when False ``g_idx`` is trivial and ignored (as vLLM does).
         symmetric: compressed-tensors only: no zero-point tensor (zero point 2**(bits-1)).
-        int4_layout: ``auto``, ``pairs`` or ``checkpoint`` (``common.WeightOnlySettings``).
+        int4_layout: ``auto``, ``mma``, ``pairs`` or ``checkpoint`` (``common.WeightOnlySettings``).
     """
 
     def __init__(self, fmt: str, bits: int, group_size: int, zero_offset: int, backend: str,
@@ -157,13 +160,19 @@ class WNA16LinearMethod(LinearMethod):
         layer.wna16_kernel = HAS_TRITON and (self.backend == "triton" or
                                              (self.backend == "auto" and device.type == "cuda"))
         layer.wna16_tile_k = None  # set when the weight is repacked into the pairs layout
+        layer.wna16_layout = "checkpoint"
         if self.fmt == "gptq":
             self._act_order(layer, k, gs, device)
-        why = self._pairs_blocker(layer)
-        if why and self.int4_layout == "pairs":  # on every backend: the setting asks for a layout it cannot have
-            raise ValueError(f"{layer.prefix}: int4_layout 'pairs' does not apply: {why} "
+        want = self.int4_layout
+        why = self._pairs_blocker(layer) if want != "mma" else self._mma_blocker(layer)
+        if why and want in ("pairs", "mma"):  # on every backend: the setting asks for a layout it cannot have
+            raise ValueError(f"{layer.prefix}: int4_layout '{want}' does not apply: {why} "
                              "(use int4_layout 'auto' or 'checkpoint')")
-        if layer.wna16_kernel and not why and self.int4_layout != "checkpoint":
+        if not layer.wna16_kernel or why or want == "checkpoint":
+            return
+        if want == "mma":
+            self._repack_mma(layer)
+        else:
             self._repack_pairs(layer)
 
     def _act_order(self, layer, k, gs, device):
@@ -204,18 +213,43 @@ class WNA16LinearMethod(LinearMethod):
             return f"group_size {gs} / in features {k} are not multiples of 64"
         return None
 
+    def _mma_blocker(self, layer) -> "str | None":
+        """Why the mma layout cannot hold this layer's weight here, or None if it can."""
+        if self.bits != 4:
+            return "the weights are not 4-bit"
+        why = w4_mma.mma_blocker(layer.wna16_k, layer.wna16_n, layer.wna16_group, layer.wna16_dtype)
+        if why or not layer.wna16_kernel:  # the reference path repacks nothing: the runtime does not matter
+            return why
+        return w4_mma.runtime_blocker(layer.qweight.device)
+
+    def _unpacked_columns(self, layer, c0: int, c1: int) -> torch.Tensor:
+        """The 4-bit ints of output columns [c0, c1) as [K, c1 - c0] (act-order applied)."""
+        qw = layer.qweight.data
+        if self.fmt == "awq":
+            return unpack_cols(qw[:, c0 // 8:c1 // 8], 4, awq_order=True)
+        return unpack_rows(qw[:, c0:c1], 4)
+
+    def _repack_mma(self, layer):
+        """Repack the 4-bit weight, scales and zero points into the mma layout (``kernels/w4_mma.py``)."""
+        n = layer.wna16_n
+        # column chunks: the unpacked ints take 4-8 bytes per weight
+        parts = [w4_mma.pack_mma(self._unpacked_columns(layer, c0, min(c0 + 4096, n))) for c0 in range(0, n, 4096)]
+        layer.qweight = torch.nn.Parameter(torch.cat(parts, dim=0), requires_grad=False)
+        sc, zb = w4_mma.pack_mma_groups(layer.scales.data, layer.wzeros, layer.wna16_dtype)
+        del layer.scales
+        layer.register_buffer("mma_scales", sc, persistent=False)
+        layer.register_buffer("wzeros", zb, persistent=False)
+        layer.wna16_layout = "mma"
+
     def _repack_pairs(self, layer):
         """Repack the 4-bit weight into the pairs layout (``kernels/w4_pairs.py``)."""
         tk = pairs_tile_k(layer.wna16_k, layer.wna16_group)
-        qw, parts = layer.qweight.data, []
-        for c0 in range(0, layer.wna16_n, 4096):  # column chunks: the unpacked ints take 4-8 bytes per weight
-            if self.fmt == "awq":
-                q = unpack_cols(qw[:, c0 // 8:(c0 + 4096) // 8], 4, awq_order=True)
-            else:
-                q = unpack_rows(qw[:, c0:c0 + 4096], 4)
-            parts.append(pack_pairs(q, tk))
+        n = layer.wna16_n
+        # column chunks: the unpacked ints take 4-8 bytes per weight
+        parts = [pack_pairs(self._unpacked_columns(layer, c0, min(c0 + 4096, n)), tk) for c0 in range(0, n, 4096)]
         layer.qweight = torch.nn.Parameter(torch.cat(parts, dim=1), requires_grad=False)
         layer.wna16_tile_k = tk
+        layer.wna16_layout = "pairs"
 
     # -- conformance protocol (kvforge.testing.quantizer) -----------------------------------
     def make_test_weights(self, input_size, output_sizes, params_dtype, generator):
@@ -229,6 +263,9 @@ class WNA16LinearMethod(LinearMethod):
     # -- compute ---------------------------------------------------------------------------
     def dequantized(self, layer, dtype: torch.dtype) -> torch.Tensor:
         """W^T [K, N] in ``dtype`` (reference path)."""
+        if layer.wna16_layout == "mma":
+            return w4_mma.dequantize_mma(layer.qweight, layer.mma_scales, layer.wzeros, group_size=layer.wna16_group,
+                                         dtype=dtype)
         if layer.wna16_tile_k:
             return dequantize_pairs(layer.qweight, layer.scales, layer.wzeros, group_size=layer.wna16_group,
                                     tile_k=layer.wna16_tile_k, dtype=dtype)
@@ -242,7 +279,12 @@ class WNA16LinearMethod(LinearMethod):
         if layer.wna16_kernel:
             if layer.perm is not None:
                 x2 = x2.index_select(1, layer.perm)
-            if layer.wna16_tile_k and x2.dtype in PAIRS_DTYPES:
+            if layer.wna16_layout == "mma" and x2.dtype == layer.wzeros.dtype:
+                y = w4_mma.mma_gemm(x2, layer.qweight, layer.mma_scales, layer.wzeros, group_size=layer.wna16_group,
+                                    n=layer.wna16_n)
+            elif layer.wna16_layout == "mma":
+                y = x2 @ self.dequantized(layer, x2.dtype)
+            elif layer.wna16_tile_k and x2.dtype in PAIRS_DTYPES:
                 y = pairs_gemm(x2, layer.qweight, layer.scales, layer.wzeros, group_size=layer.wna16_group,
                                tile_k=layer.wna16_tile_k, n=layer.wna16_n)
             elif layer.wna16_tile_k:

@@ -1,0 +1,183 @@
+"""Int4 weight-only GEMM on the "mma" layout: ``y = x @ dequant(W)`` by a CUDA C++ kernel
+(``w4_mma.cu``, compiled at run time by NVRTC through CuPy) on ``mma.sync`` tensor-core
+instructions, with the weight repacked once at load time into per-thread MMA fragments.
+
+Why a CUDA kernel beside the Triton ones. On Hopper, Triton lowers the decode GEMM to wgmma,
+whose activation operand must sit in shared memory: each K step stores it, fences, syncs the
+CTA and waits for the MMA, and that chain held the Triton "pairs" kernel at ~1.75 TB/s of
+packed weight (BENCHMARKS.md). ``mma.sync`` takes both operands from registers, so a warp
+streams its weights and activations with 16-byte loads and never waits for another warp. The
+per-thread weight layout dequantized by LOP3 is Marlin's idea (Frantar et al., 2024,
+"MARLIN: Mixed-Precision Auto-Regressive Parallel Inference on Large Language Models"); the
+layout and kernel here are derived from the PTX ISA's m16n8k16 fragment layouts.
+
+Layout (``pack_mma``): ``words`` int32 [N/64, K*8]. Row ``nb`` holds the 64-row block ``nb``
+of W^T (rows n of the output), as K/64 chunks of 512 words ordered [tile T (16 rows)][lane
+(32)][MMA i (4)]. With lane = 4g + t, rows n0 = 64nb + 16T + g, n1 = n0 + 8 and
+p = 64c + 16t + 4i, the word's nibbles are (bit: value) 0: q[p, n0], 16: q[p+1, n0],
+4: q[p, n1], 20: q[p+1, n1], 8: q[p+2, n0], 24: q[p+3, n0], 12: q[p+2, n1], 28: q[p+3, n1], so
+``(w >> 4j) & 0x000f000f | BIAS`` is register j of the MMA's A fragment as two 16-bit floats
+``BIAS + q`` (bf16 128 / fp16 1024, exact). The kernel applies the same K permutation to x.
+``scales`` fp32 [G, N/64, 8, 8] and ``zeros`` [G, N/64, 8, 8] in the model dtype holding
+``BIAS + z``: entry [grp, nb, g, 2T + r] is row 64nb + 16T + 8r + g (``pack_mma_groups``).
+
+Shapes: x [M, K] fp16/bf16 -> [M, N] in x.dtype (fp32 accumulation); K, N multiples of 64,
+group_size a multiple of 64 dividing K. M <= 64: the fused kernel (split K, deterministic
+serial reduction); larger M: a dequantize kernel writes W^T, cuBLAS multiplies.
+"""
+from __future__ import annotations
+
+import torch
+
+from kvforge.layers.arrival_counters import arrival_counters
+
+from ..common import pack_rows, unpack_rows
+from .choices import lookup
+from .wna16 import _num_sms, dequantize_groups
+
+DTYPES = (torch.float16, torch.bfloat16)
+#: Above this M the dequantize + cuBLAS path runs (the fused kernel keeps 8 * NB tokens per warp).
+MAX_FUSED_M = 64
+#: Launch config per M bucket (the compile-time constants of ``w4_mma.cu``): NB token blocks of
+#: 8, TW 16-row tiles per warp, WARPS per CTA, S register stages, XS (x slice in shared memory;
+#: dropped where it does not fit), SCALE_A (group scale in the operand instead of a second
+#: accumulator), MINB; ``waves``: split K until about waves x SMs CTAs. Tuned entries (choices
+#: table kind "w4_mma", ``bench_quant.py --tune``) override these.
+CONFIGS = {
+    8: dict(NB=1, TW=4, WARPS=4, S=1, XS=0, SCALE_A=False, MINB=1, waves=4),
+    16: dict(NB=2, TW=2, WARPS=8, S=1, XS=0, SCALE_A=False, MINB=1, waves=4),
+    32: dict(NB=4, TW=1, WARPS=8, S=1, XS=0, SCALE_A=True, MINB=1, waves=2),
+    64: dict(NB=8, TW=1, WARPS=4, S=1, XS=0, SCALE_A=True, MINB=1, waves=2),
+}
+TABLE_SCHEMA = 1
+_BIAS = {torch.bfloat16: 128.0, torch.float16: 1024.0}
+# nibble shift of K offset e (0..3) inside a word for row half r (0: n0, 1: n1)
+_SHIFTS = torch.tensor([[4 * (2 * (e >> 1) + r) + 16 * (e & 1) for r in range(2)] for e in range(4)])
+
+
+def mma_blocker(k: int, n: int, group_size: int, dtype: torch.dtype) -> "str | None":
+    """Why the layout cannot hold a [K, N] weight (None if it can)."""
+    if dtype not in DTYPES:
+        return f"the model dtype {dtype} is not float16/bfloat16"
+    if k % 64 or n % 64:
+        return f"in features {k} / out features {n} are not multiples of 64"
+    if group_size % 64 or k % group_size:
+        return f"group_size {group_size} is not a multiple of 64 dividing in features {k}"
+    return None
+
+
+def runtime_blocker(device: torch.device) -> "str | None":
+    """Why the kernel cannot run on ``device`` (None if it can)."""
+    if device.type != "cuda":
+        return "needs a CUDA device (the kernel is CUDA C++ compiled by NVRTC)"
+    try:
+        import cupy  # noqa: F401
+    except Exception as e:
+        return f"needs CuPy (pip install kvforge[gpu]): {type(e).__name__}"
+    if torch.cuda.get_device_capability(device) < (8, 0):
+        return "needs compute capability 8.0 or newer (bf16 mma.sync)"
+    return None
+
+
+def pack_mma(q: torch.Tensor) -> torch.Tensor:
+    """Int4 values [K, N] (ints in [0, 16)) -> words int32 [N/64, K*8] (module docstring)."""
+    k, n = q.shape
+    assert k % 64 == 0 and n % 64 == 0, (k, n)
+    # k = 64c + 16t + 4i + e, n = 64nb + 16T + 8r + g -> [nb, c, T, g, t, i, e, r]
+    v = q.to(torch.int64).reshape(k // 64, 4, 4, 4, n // 64, 4, 2, 8).permute(4, 0, 5, 7, 1, 2, 3, 6)
+    words = (v << _SHIFTS.to(q.device)).sum(dim=(-2, -1))  # disjoint bit fields: the sum is an OR
+    words = torch.where(words >= 2 ** 31, words - 2 ** 32, words)
+    return words.to(torch.int32).reshape(n // 64, k * 8)
+
+
+def unpack_mma(words: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack_mma`: [N/64, K*8] int32 -> [K, N] int32 in [0, 16)."""
+    nblk, k8 = words.shape
+    k = k8 // 8
+    w = words.to(torch.int64).reshape(nblk, k // 64, 4, 8, 4, 4, 1, 1)  # [nb, c, T, g, t, i, 1, 1]
+    v = (w >> _SHIFTS.to(words.device)) & 15                              # [nb, c, T, g, t, i, e, r]
+    return v.permute(1, 4, 5, 6, 0, 2, 7, 3).reshape(k, nblk * 64).to(torch.int32)
+
+
+def pack_mma_groups(scales: torch.Tensor, zeros: torch.Tensor, dtype: torch.dtype):
+    """scales [G, N] float, zeros [G, N] ints -> (fp32 [G, N/64, 8, 8], ``BIAS + z`` in
+    ``dtype`` [G, N/64, 8, 8]), entry [grp, nb, g, 2T + r] for row 64nb + 16T + 8r + g."""
+    g_, n = scales.shape
+
+    def order(t):  # [G, nb, T, r, g] -> [G, nb, g, T, r]
+        return t.reshape(g_, n // 64, 4, 2, 8).permute(0, 1, 4, 2, 3).reshape(g_, n // 64, 8, 8).contiguous()
+    return order(scales.float()), order(zeros.float() + _BIAS[dtype]).to(dtype)
+
+
+def unpack_mma_groups(scales: torch.Tensor, zeros: torch.Tensor):
+    """Inverse of :func:`pack_mma_groups`: (scales fp32 [G, N], true zero points int32 [G, N])."""
+    g_, nblk = scales.shape[:2]
+
+    def order(t):
+        return t.reshape(g_, nblk, 8, 4, 2).permute(0, 1, 3, 4, 2).reshape(g_, nblk * 64)
+    return order(scales), (order(zeros.float()) - _BIAS[zeros.dtype]).to(torch.int32)
+
+
+def dequantize_mma(words, scales, zeros, *, group_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """Reference: W^T [K, N] = (q - z) * s in ``dtype`` (computed in fp32)."""
+    s, z = unpack_mma_groups(scales, zeros)
+    return dequantize_groups(unpack_mma(words), s, z, group_size, dtype)
+
+
+def bucket(m: int) -> int:
+    return next(b for b in sorted(CONFIGS) if m <= b)
+
+
+def plan(m: int, n: int, k: int, group_size: int, cfg: dict, num_sms: int) -> tuple[int, int, int]:
+    """(CTAs along N, chunks per split, splits): splits fill about ``waves`` x SMs CTAs; a
+    split holds whole groups."""
+    ctas_n = -(-(n // 16 // cfg["TW"]) // cfg["WARPS"])
+    groups = k // group_size
+    want = cfg.get("split_k") or max(1, round(cfg["waves"] * num_sms / ctas_n))
+    per = -(-groups // min(groups, want))
+    return ctas_n, per * (group_size // 64), -(-groups // per)
+
+
+def mma_gemm(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, *,
+             group_size: int, n: int, config: "dict | None" = None) -> torch.Tensor:
+    """``x`` [M, K] fp16/bf16 on CUDA -> [M, N] in ``x.dtype``; operands as in the module
+    docstring. Raises ValueError for another dtype, a shape the layout does not hold, or
+    zeros in another dtype than x (the layout is made for the model's dtype)."""
+    from .w4_mma_jit import kernels
+    m, k = x.shape
+    if x.dtype not in DTYPES or zeros.dtype != x.dtype:
+        raise ValueError(f"w4 mma GEMM: x dtype {x.dtype} must be fp16/bf16 and match the layout's {zeros.dtype}")
+    if words.shape != (n // 64, k * 8) or mma_blocker(k, n, group_size, x.dtype):
+        raise ValueError(f"w4 mma GEMM: K {k}, N {n}, group {group_size}, words {tuple(words.shape)} "
+                         "do not fit the layout")
+    if m == 0:
+        return x.new_empty((0, n))
+    if x.stride(-1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
+        x = x.contiguous()  # 16-byte row loads
+    ks = kernels()
+    if m > MAX_FUSED_M:
+        wt = torch.empty((n, k), dtype=x.dtype, device=x.device)
+        ks.dequant(words, scales, zeros, wt, n=n, k=k, group_chunks=group_size // 64)
+        return x @ wt.t()
+    if config is None:
+        tuned = lookup("w4_mma", m, n, k, x.device) or {}
+        config = {key: v for key, v in tuned.items() if key != "schema"} if tuned.get("schema") == TABLE_SCHEMA else {}
+    cfg = {**CONFIGS[bucket(m)], **config}
+    gc = group_size // 64
+    ctas_n, cps, splits = plan(m, n, k, group_size, cfg, _num_sms(x.device.index or 0))
+    smem = m * (cps * 64 + 8) * x.element_size() if cfg["XS"] else 0
+    if smem > _smem_limit(x.device):
+        cfg["XS"], smem = 0, 0
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    ws = cnt = out
+    if splits > 1:
+        ws = torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
+        cnt = arrival_counters(ctas_n, x.device)
+    ks.gemm(x, words, scales, zeros, out, ws, cnt, n=n, group_chunks=gc, chunks_per_split=cps, splits=splits,
+            cfg=cfg, smem=smem)
+    return out
+
+
+def _smem_limit(device: torch.device) -> int:
+    """Dynamic shared memory a CTA may take (the opt-in maximum less 1 KB for the kernel's own)."""
+    return torch.cuda.get_device_properties(device).shared_memory_per_block_optin - 1024

@@ -1,0 +1,93 @@
+"""NVRTC compilation (through CuPy) and launch of the ``w4_mma.cu`` kernels.
+
+One module per (dtype, NB, TW, WARPS, S, XS, SCALE_A), compiled on first use and cached in
+process (CuPy also caches the cubin on disk). Launches go on torch's current stream, so they
+are ordered with torch work and captured by CUDA graphs.
+"""
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import numpy as np
+import torch
+
+_SRC = Path(__file__).with_name("w4_mma.cu").read_text()
+_LOCK = threading.Lock()
+_DEFINES = (("NB", 1), ("TW", 4), ("WARPS", 4), ("S", 2), ("XS", 0), ("SCALE_A", 0), ("MINB", 1))
+
+
+def _ptr(t: torch.Tensor) -> np.uint64:
+    return np.uint64(t.data_ptr())
+
+
+class W4MmaKernels:
+    """Compiles lazily; raises RuntimeError with NVRTC's log on a compile failure."""
+
+    def __init__(self) -> None:
+        import cupy
+        self.cupy = cupy
+        self._mods: dict[tuple, object] = {}
+        self._streams: dict[int, object] = {}
+
+    def _fn(self, name: str, dtype: torch.dtype, cfg: "dict | None" = None):
+        cfg = cfg or {}
+        key = (name, dtype) + tuple(int(cfg.get(f, d)) for f, d in _DEFINES)
+        with _LOCK:
+            fn = self._mods.get(key)
+            if fn is None:
+                opts = ("-std=c++17", f"-DW4_BF16={int(dtype == torch.bfloat16)}",
+                        *(f"-D{f}={v}" for (f, _), v in zip(_DEFINES, key[2:])))
+                try:
+                    fn = self.cupy.RawModule(code=_SRC, options=opts).get_function(name)
+                    # allow the shared-memory x slice past the 48 KB default (XS)
+                    optin = torch.cuda.get_device_properties(torch.cuda.current_device()).shared_memory_per_block_optin
+                    fn.max_dynamic_shared_size_bytes = optin - 1024  # a RawKernel (CuPy >= 12)
+                except Exception as e:
+                    raise RuntimeError(f"w4_mma: NVRTC compile failed for {key}: {e}") from e
+                self._mods[key] = fn
+        return fn
+
+    def _stream(self, device: torch.device):
+        handle = torch.cuda.current_stream(device).cuda_stream
+        s = self._streams.get(handle)
+        if s is None:
+            import warnings
+            with warnings.catch_warnings():  # CuPy 14 deprecates ExternalStream; it still works
+                warnings.simplefilter("ignore", DeprecationWarning)
+                s = self.cupy.cuda.ExternalStream(handle)
+            self._streams[handle] = s
+        return s
+
+    def gemm(self, x, words, scales, zeros, out, ws, cnt, *, n: int, group_chunks: int, chunks_per_split: int,
+             splits: int, cfg: dict, smem: int = 0) -> None:
+        """out [M, N] = x [M, K] @ W; operands as in ``w4_mma.py`` (x rows 16-byte aligned);
+        ``smem``: dynamic shared memory bytes (the x slice, with XS)."""
+        m, k = x.shape
+        fn = self._fn("w4_mma_gemm", x.dtype, cfg)
+        units = (n // 16) // cfg["TW"]
+        grid = (-(-units // cfg["WARPS"]), splits)
+        with self._stream(x.device):
+            fn(grid, (32 * cfg["WARPS"],),
+               (_ptr(x), np.int32(m), np.int64(x.stride(0)), _ptr(words), _ptr(scales), _ptr(zeros), np.int32(n),
+                np.int32(k // 64), np.int32(group_chunks), np.int32(chunks_per_split), _ptr(ws), _ptr(cnt),
+                _ptr(out), np.int64(out.stride(0))), shared_mem=smem)
+
+    def dequant(self, words, scales, zeros, wt, *, n: int, k: int, group_chunks: int) -> None:
+        """wt [N, K] (x's dtype) = the dequantized weight, transposed."""
+        fn = self._fn("w4_mma_dequant", wt.dtype)
+        threads = (n // 64) * (k // 64) * 128
+        with self._stream(wt.device):
+            fn((-(-threads // 256),), (256,),
+               (_ptr(words), _ptr(scales), _ptr(zeros), np.int32(n), np.int32(k // 64), np.int32(group_chunks),
+                _ptr(wt)))
+
+
+_KERNELS: "W4MmaKernels | None" = None
+
+
+def kernels() -> W4MmaKernels:
+    global _KERNELS
+    if _KERNELS is None:
+        _KERNELS = W4MmaKernels()
+    return _KERNELS
