@@ -13,7 +13,9 @@
 // warp keeps S - 1 chunks' loads in flight while it computes one; 1: load, then compute), XS (1: the CTA copies its
 // x slice to shared memory once and its warps read it there; 0: each warp loads x itself),
 // SCALE_A (1: the group scale multiplies the dequantized operand; 0: each group's product, in
-// fp32), MINB (CTAs per SM the register allocation must allow).
+// fp32), MINB (CTAs per SM the register allocation must allow), LDW (1: weight loads bypass
+// L1 and prefetch 256 bytes into L2), GCC (64-wide chunks per scale group when it is a
+// compile-time constant, else 0).
 //
 // Layout (w4_mma.py has the packer): 64-row blocks of N ("nblk"), 64-wide chunks of K. Chunk
 // c of nblk is 512 int32 words, [tile T (16 rows)][lane][MMA i]: lane = 4g + t holds, for the
@@ -106,10 +108,30 @@ __device__ __forceinline__ void ldg_bytes(void* dst, const void* src) {
     }
 }
 
+#ifndef LDW
+#define LDW 0
+#endif
+#ifndef GCC
+#define GCC 0  // chunks per scale group as a compile-time constant (0: the kernel argument)
+#endif
+
+// A weight vector: read once, so (LDW 1) keep it out of L1 (x lives there) and have L2 fetch
+// 256-byte blocks around it (the warp's next loads are its neighbours).
+__device__ __forceinline__ uint4 ld_weights(const uint4* p) {
+#if LDW
+    uint4 v;
+    asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+#else
+    return __ldg(p);
+#endif
+}
+
 __device__ __forceinline__ void load_stage(Stage& st, const uint4* wp, const dt* const* xp, const float* sc,
                                            const dt* zp, size_t rec0, size_t rec_step, int c, int GC) {
 #pragma unroll
-    for (int a = 0; a < TW; ++a) st.w[a] = __ldg(wp + (size_t)c * 128 + a * 32);
+    for (int a = 0; a < TW; ++a) st.w[a] = ld_weights(wp + (size_t)c * 128 + a * 32);
 #if !XS
 #pragma unroll
     for (int b = 0; b < NB; ++b) {
@@ -143,11 +165,12 @@ __device__ __forceinline__ void fill_x(dt* xs, const dt* x, int M, long long str
 
 extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB)
 w4_mma_gemm(const dt* __restrict__ x, int M, long long stride_x, const uint4* __restrict__ wq,
-            const float* __restrict__ sc, const dt* __restrict__ zp, int N, int KC, int GC, int cps, float* __restrict__ ws,
+            const float* __restrict__ sc, const dt* __restrict__ zp, int N, int KC, int gc_rt, int cps, float* __restrict__ ws,
             int* __restrict__ cnt, dt* __restrict__ out, long long stride_o) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int NBLK = N >> 6;
+    const int GC = GCC > 0 ? GCC : gc_rt;  // chunks per group: a constant when compiled in (cheap % and /)
     const int unit = blockIdx.x * WARPS + warp;            // this warp's TW tiles
     const int nblk = unit / (TILES_PER_BLK / TW);
     const int tile0 = (unit % (TILES_PER_BLK / TW)) * TW;  // first tile inside the 64-row block

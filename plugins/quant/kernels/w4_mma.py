@@ -41,11 +41,12 @@ MAX_FUSED_M = 64
 #: Launch config per M bucket (the compile-time constants of ``w4_mma.cu``): NB token blocks of
 #: 8, TW 16-row tiles per warp, WARPS per CTA, S register stages, XS (x slice in shared memory;
 #: dropped where it does not fit), SCALE_A (group scale in the operand instead of a second
-#: accumulator), MINB; ``waves``: split K until about waves x SMs CTAs. Tuned entries (choices
+#: accumulator), MINB, LDW (weight loads bypass L1); ``waves``: split K until about waves x
+#: SMs CTAs; GCC (chunks per group) is set per call. Tuned entries (choices
 #: table kind "w4_mma", ``bench_quant.py --tune``) override these.
-CONFIGS = {
-    8: dict(NB=1, TW=4, WARPS=4, S=1, XS=0, SCALE_A=False, MINB=1, waves=4),
-    16: dict(NB=2, TW=2, WARPS=8, S=1, XS=0, SCALE_A=False, MINB=1, waves=4),
+CONFIGS = {  # M <= 16: the winners at 14336 x 14336 on the H200 (BENCHMARKS.md, eighth session)
+    8: dict(NB=1, TW=4, WARPS=4, S=1, XS=0, SCALE_A=False, MINB=1, LDW=1, waves=4),
+    16: dict(NB=2, TW=4, WARPS=4, S=1, XS=0, SCALE_A=False, MINB=1, LDW=1, waves=4),
     32: dict(NB=4, TW=1, WARPS=8, S=1, XS=0, SCALE_A=True, MINB=1, waves=2),
     64: dict(NB=8, TW=1, WARPS=4, S=1, XS=0, SCALE_A=True, MINB=1, waves=2),
 }

@@ -14,7 +14,7 @@ import torch
 
 _SRC = Path(__file__).with_name("w4_mma.cu").read_text()
 _LOCK = threading.Lock()
-_DEFINES = (("NB", 1), ("TW", 4), ("WARPS", 4), ("S", 2), ("XS", 0), ("SCALE_A", 0), ("MINB", 1))
+_DEFINES = (("NB", 1), ("TW", 4), ("WARPS", 4), ("S", 2), ("XS", 0), ("SCALE_A", 0), ("MINB", 1), ("LDW", 0), ("GCC", 0))
 
 
 def _ptr(t: torch.Tensor) -> np.uint64:
@@ -64,7 +64,8 @@ class W4MmaKernels:
         """out [M, N] = x [M, K] @ W; operands as in ``w4_mma.py`` (x rows 16-byte aligned);
         ``smem``: dynamic shared memory bytes (the x slice, with XS)."""
         m, k = x.shape
-        fn = self._fn("w4_mma_gemm", x.dtype, cfg)
+        # groups of up to 8 chunks (group_size <= 512) are compiled in: their % and / become shifts
+        fn = self._fn("w4_mma_gemm", x.dtype, {**cfg, "GCC": group_chunks if group_chunks <= 8 else 0})
         units = (n // 16) // cfg["TW"]
         grid = (-(-units // cfg["WARPS"]), splits)
         with self._stream(x.device):
