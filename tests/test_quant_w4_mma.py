@@ -209,3 +209,26 @@ def test_gpu_layer_mma_layout(dtype, gen):
         ref = x.float() @ w_ref.cuda()
         err = ((y - ref).abs().max() / ref.abs().max()).item()
         assert err <= BOUND[dtype], f"seed {gen.initial_seed()} M={m}: {err}"
+
+
+def test_torch_stream_views_are_cached_per_handle(monkeypatch):
+    """The NVRTC launch helper shared with flash_decode: one CuPy view per torch stream."""
+    import types
+
+    from kvforge.layers.cupy_launch import TorchStreams, ptr
+    made = []
+
+    class ExternalStream:
+        def __init__(self, handle):
+            made.append(handle)
+
+    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(ExternalStream=ExternalStream))
+    current = {"h": 11}
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(cuda_stream=current["h"]))
+    streams = TorchStreams(fake)
+    a = streams.current(torch.device("cuda", 0))
+    assert streams.current(torch.device("cuda", 0)) is a and made == [11]
+    current["h"] = 12
+    assert streams.current(torch.device("cuda", 0)) is not a and made == [11, 12]
+    t = torch.zeros(3)
+    assert int(ptr(t)) == t.data_ptr()

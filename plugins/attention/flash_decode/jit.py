@@ -16,6 +16,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kvforge.layers.cupy_launch import TorchStreams
+from kvforge.layers.cupy_launch import ptr as _ptr
+
 _SRC = (Path(__file__).with_name("kernels.cu")).read_text()
 _DT = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 PARTIAL_THREADS = 128  # NTHREADS in kernels.cu
@@ -35,10 +38,6 @@ def head_slices(group: int) -> int:
     return -(-group // heads_per_program(group))
 
 
-def _ptr(t: torch.Tensor) -> np.uint64:
-    return np.uint64(t.data_ptr())
-
-
 class Kernels:
     """Compiles lazily; raises RuntimeError with the NVRTC log on a compile failure."""
 
@@ -46,7 +45,7 @@ class Kernels:
         import cupy
         self.cupy = cupy
         self._mods: dict[tuple, tuple] = {}
-        self._stream_cache: dict[int, object] = {}
+        self._streams = TorchStreams(cupy)
 
     def _get(self, dtype: torch.dtype, head_dim: int, group: int, block_size: int):
         key = (dtype, head_dim, group, block_size)
@@ -61,17 +60,6 @@ class Kernels:
                 raise RuntimeError(f"flash_decode: NVRTC compile failed for {key}: {e}") from e
             self._mods[key] = mod
         return mod
-
-    def _stream(self, handle: int):
-        """CuPy view of torch's stream, cached per handle (one object per stream, not per launch)."""
-        s = self._stream_cache.get(handle)
-        if s is None:
-            import warnings
-            with warnings.catch_warnings():  # CuPy 14 deprecates ExternalStream; it still works
-                warnings.simplefilter("ignore", DeprecationWarning)
-                s = self.cupy.cuda.ExternalStream(handle)
-            self._stream_cache[handle] = s
-        return s
 
     def decode(self, q, kv_cache, block_table, seq_lens, row_tok, row_req, num_rows: int, layer,
                block_size: int, num_splits: int, partition: int, part_out, part_lse, out) -> None:
@@ -90,7 +78,7 @@ class Kernels:
         assert kv_cache.data_ptr() % 16 == 0 and partition % block_size == 0  # 16-byte K/V copies
         bt = block_table if block_table.dtype == torch.int32 else block_table.int()
         sl = seq_lens if seq_lens.dtype == torch.int32 else seq_lens.int()
-        stream = self._stream(torch.cuda.current_stream(q.device).cuda_stream)
+        stream = self._streams.current(q.device)
         with stream:
             partial((programs, num_splits, num_rows), (PARTIAL_THREADS,),
                     (_ptr(q), np.int64(q.stride(0)), _ptr(kv_cache), np.int64(kv_cache[0].numel()),

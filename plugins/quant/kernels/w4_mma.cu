@@ -61,6 +61,11 @@ __device__ __forceinline__ unsigned fma2(unsigned a, unsigned b, unsigned c) {
 __device__ __forceinline__ unsigned dup2(dt v) { return (unsigned)v | ((unsigned)v << 16); }
 
 #define TILES_PER_BLK 4  // 16-row tiles in a 64-row block of the layout
+// every accumulator fragment of a lane: tile a, token block b, register f
+#define FOR_FRAGS                                       \
+    _Pragma("unroll") for (int a = 0; a < TW; ++a)      \
+    _Pragma("unroll") for (int b = 0; b < NB; ++b)      \
+    _Pragma("unroll") for (int f = 0; f < 4; ++f)
 
 __device__ __forceinline__ unsigned pair_bits(unsigned w, int j) {
     unsigned r;  // (w >> 4j) & 0x000f000f | BIAS, one LOP3 after the shift
@@ -159,6 +164,15 @@ __device__ __forceinline__ void fill_x(dt* xs, const dt* x, int M, long long str
     __syncthreads();
 }
 
+// y[token][row] for the lane's fragments (rows past nbase as in the kernel's epilogue)
+__device__ __forceinline__ void store_out(const float (&acc)[TW][NB][4], dt* out, long long stride_o, int M,
+                                          int nbase, int t) {
+    FOR_FRAGS {
+        const int tok = 8 * b + 2 * t + (f & 1);
+        if (tok < M) out[(size_t)tok * stride_o + nbase + 16 * a + 8 * (f >> 1)] = f_to_dt(acc[a][b][f]);
+    }
+}
+
 #ifndef MINB
 #define MINB 1
 #endif
@@ -184,12 +198,7 @@ w4_mma_gemm(const dt* __restrict__ x, int M, long long stride_x, const uint4* __
 #endif
 
     float acc[TW][NB][4];
-#pragma unroll
-    for (int a = 0; a < TW; ++a)
-#pragma unroll
-        for (int b = 0; b < NB; ++b)
-#pragma unroll
-            for (int f = 0; f < 4; ++f) acc[a][b][f] = 0.f;
+    FOR_FRAGS acc[a][b][f] = 0.f;
 
     const uint4* wp = wq + (size_t)nblk * KC * 128 + tile0 * 32 + lane;
     // this lane's entries of a (group, nblk, g) record: (tile0 + a, r) at 2 * (tile0 + a) + r
@@ -250,12 +259,7 @@ w4_mma_gemm(const dt* __restrict__ x, int M, long long stride_x, const uint4* __
 #endif
                             }
 #if !SCALE_A
-#pragma unroll
-                        for (int a = 0; a < TW; ++a)
-#pragma unroll
-                            for (int b = 0; b < NB; ++b)
-#pragma unroll
-                                for (int f = 0; f < 4; ++f) tmp[a][b][f] = 0.f;
+                        FOR_FRAGS tmp[a][b][f] = 0.f;
 #endif
                     }
 #pragma unroll
@@ -284,12 +288,7 @@ w4_mma_gemm(const dt* __restrict__ x, int M, long long stride_x, const uint4* __
                         }
 #if !SCALE_A
                     if ((c - cbeg) % GC == GC - 1) {  // the group ends: scale its product in
-#pragma unroll
-                        for (int a = 0; a < TW; ++a)
-#pragma unroll
-                            for (int b = 0; b < NB; ++b)
-#pragma unroll
-                                for (int f = 0; f < 4; ++f) acc[a][b][f] += sf[a][f >> 1] * tmp[a][b][f];
+                        FOR_FRAGS acc[a][b][f] += sf[a][f >> 1] * tmp[a][b][f];
                     }
 #endif
                 }
@@ -297,31 +296,16 @@ w4_mma_gemm(const dt* __restrict__ x, int M, long long stride_x, const uint4* __
         }
     }
 
-    // accumulator f of (tile a, token block b): row n0 + 8 * (f >> 1), token 8b + 2t + (f & 1)
-    const int nbase = nblk * 64 + (tile0) * 16 + g;
+    // accumulator f of (tile a, token block b): row nbase + 16a + 8 * (f >> 1), token 8b + 2t + (f & 1)
+    const int nbase = nblk * 64 + tile0 * 16 + g;
+#define FRAG_TOK (8 * b + 2 * t + (f & 1))
+#define FRAG_ROW (nbase + 16 * a + 8 * (f >> 1))
     if (splits == 1) {
-        if (!live) return;
-#pragma unroll
-        for (int a = 0; a < TW; ++a)
-#pragma unroll
-            for (int b = 0; b < NB; ++b)
-#pragma unroll
-                for (int f = 0; f < 4; ++f) {
-                    const int tok = 8 * b + 2 * t + (f & 1);
-                    if (tok < M) out[(size_t)tok * stride_o + nbase + 16 * a + 8 * (f >> 1)] = f_to_dt(acc[a][b][f]);
-                }
+        if (live) store_out(acc, out, stride_o, M, nbase, t);
         return;
     }
     if (live) {
-#pragma unroll
-        for (int a = 0; a < TW; ++a)
-#pragma unroll
-            for (int b = 0; b < NB; ++b)
-#pragma unroll
-                for (int f = 0; f < 4; ++f) {
-                    const int tok = 8 * b + 2 * t + (f & 1);
-                    if (tok < M) ws[((size_t)split * M + tok) * N + nbase + 16 * a + 8 * (f >> 1)] = acc[a][b][f];
-                }
+        FOR_FRAGS if (FRAG_TOK < M) ws[((size_t)split * M + FRAG_TOK) * N + FRAG_ROW] = acc[a][b][f];
     }
     __threadfence();  // this thread's partials are visible device-wide before the count
     __syncthreads();
@@ -334,33 +318,14 @@ w4_mma_gemm(const dt* __restrict__ x, int M, long long stride_x, const uint4* __
     if (!last || !live) return;
     __threadfence();
     // split order (deterministic); one split's loads all in flight at once, not one by one
-#pragma unroll
-    for (int a = 0; a < TW; ++a)
-#pragma unroll
-        for (int b = 0; b < NB; ++b)
-#pragma unroll
-            for (int f = 0; f < 4; ++f) acc[a][b][f] = 0.f;
+    FOR_FRAGS acc[a][b][f] = 0.f;
     for (int k = 0; k < splits; ++k) {
         const float* wk = ws + (size_t)k * M * N;
-#pragma unroll
-        for (int a = 0; a < TW; ++a)
-#pragma unroll
-            for (int b = 0; b < NB; ++b)
-#pragma unroll
-                for (int f = 0; f < 4; ++f) {
-                    const int tok = 8 * b + 2 * t + (f & 1);
-                    if (tok < M) acc[a][b][f] += __ldcg(wk + (size_t)tok * N + nbase + 16 * a + 8 * (f >> 1));
-                }
+        FOR_FRAGS if (FRAG_TOK < M) acc[a][b][f] += __ldcg(wk + (size_t)FRAG_TOK * N + FRAG_ROW);
     }
-#pragma unroll
-    for (int a = 0; a < TW; ++a)
-#pragma unroll
-        for (int b = 0; b < NB; ++b)
-#pragma unroll
-            for (int f = 0; f < 4; ++f) {
-                const int tok = 8 * b + 2 * t + (f & 1);
-                if (tok < M) out[(size_t)tok * stride_o + nbase + 16 * a + 8 * (f >> 1)] = f_to_dt(acc[a][b][f]);
-            }
+    store_out(acc, out, stride_o, M, nbase, t);
+#undef FRAG_TOK
+#undef FRAG_ROW
 }
 
 // W^T [N, K] = (q - z) * s (fp32 math, rounded once) in x's dtype, for the prefill path

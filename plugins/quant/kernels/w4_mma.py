@@ -31,7 +31,6 @@ import torch
 
 from kvforge.layers.arrival_counters import arrival_counters
 
-from ..common import pack_rows, unpack_rows
 from .choices import lookup
 from .wna16 import _num_sms, dequantize_groups
 
@@ -72,7 +71,7 @@ def runtime_blocker(device: torch.device) -> "str | None":
     if device.type != "cuda":
         return "needs a CUDA device (the kernel is CUDA C++ compiled by NVRTC)"
     try:
-        import cupy  # noqa: F401
+        import cupy  # noqa: F401  (only whether it imports)
     except Exception as e:
         return f"needs CuPy (pip install kvforge[gpu]): {type(e).__name__}"
     if torch.cuda.get_device_capability(device) < (8, 0):

@@ -12,13 +12,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kvforge.layers.cupy_launch import TorchStreams
+from kvforge.layers.cupy_launch import ptr as _ptr
+
 _SRC = Path(__file__).with_name("w4_mma.cu").read_text()
 _LOCK = threading.Lock()
 _DEFINES = (("NB", 1), ("TW", 4), ("WARPS", 4), ("S", 2), ("XS", 0), ("SCALE_A", 0), ("MINB", 1), ("LDW", 0), ("GCC", 0))
-
-
-def _ptr(t: torch.Tensor) -> np.uint64:
-    return np.uint64(t.data_ptr())
 
 
 class W4MmaKernels:
@@ -28,7 +27,7 @@ class W4MmaKernels:
         import cupy
         self.cupy = cupy
         self._mods: dict[tuple, object] = {}
-        self._streams: dict[int, object] = {}
+        self._streams = TorchStreams(cupy)
 
     def _fn(self, name: str, dtype: torch.dtype, cfg: "dict | None" = None):
         cfg = cfg or {}
@@ -48,17 +47,6 @@ class W4MmaKernels:
                 self._mods[key] = fn
         return fn
 
-    def _stream(self, device: torch.device):
-        handle = torch.cuda.current_stream(device).cuda_stream
-        s = self._streams.get(handle)
-        if s is None:
-            import warnings
-            with warnings.catch_warnings():  # CuPy 14 deprecates ExternalStream; it still works
-                warnings.simplefilter("ignore", DeprecationWarning)
-                s = self.cupy.cuda.ExternalStream(handle)
-            self._streams[handle] = s
-        return s
-
     def gemm(self, x, words, scales, zeros, out, ws, cnt, *, n: int, group_chunks: int, chunks_per_split: int,
              splits: int, cfg: dict, smem: int = 0) -> None:
         """out [M, N] = x [M, K] @ W; operands as in ``w4_mma.py`` (x rows 16-byte aligned);
@@ -68,7 +56,7 @@ class W4MmaKernels:
         fn = self._fn("w4_mma_gemm", x.dtype, {**cfg, "GCC": group_chunks if group_chunks <= 8 else 0})
         units = (n // 16) // cfg["TW"]
         grid = (-(-units // cfg["WARPS"]), splits)
-        with self._stream(x.device):
+        with self._streams.current(x.device):
             fn(grid, (32 * cfg["WARPS"],),
                (_ptr(x), np.int32(m), np.int64(x.stride(0)), _ptr(words), _ptr(scales), _ptr(zeros), np.int32(n),
                 np.int32(k // 64), np.int32(group_chunks), np.int32(chunks_per_split), _ptr(ws), _ptr(cnt),
@@ -78,7 +66,7 @@ class W4MmaKernels:
         """wt [N, K] (x's dtype) = the dequantized weight, transposed."""
         fn = self._fn("w4_mma_dequant", wt.dtype)
         threads = (n // 64) * (k // 64) * 128
-        with self._stream(wt.device):
+        with self._streams.current(wt.device):
             fn((-(-threads // 256),), (256,),
                (_ptr(words), _ptr(scales), _ptr(zeros), np.int32(n), np.int32(k // 64), np.int32(group_chunks),
                 _ptr(wt)))
