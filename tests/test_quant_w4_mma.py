@@ -232,3 +232,19 @@ def test_torch_stream_views_are_cached_per_handle(monkeypatch):
     assert streams.current(torch.device("cuda", 0)) is not a and made == [11, 12]
     t = torch.zeros(3)
     assert int(ptr(t)) == t.data_ptr()
+
+
+def test_gemm_refuses_bad_operands_before_launch(gen):
+    q, s, z, _ = _quant(128, 64, 64, gen)
+    ps, pz = pack_mma_groups(s, z, torch.bfloat16)
+    words = pack_mma(q)
+    x = torch.randn(2, 128, generator=gen)
+    with pytest.raises(ValueError, match="x dtype torch.float32 must be fp16/bf16"):
+        w4_mma.mma_gemm(x, words, ps, pz, group_size=64, n=64)
+    with pytest.raises(ValueError, match="match the layout's torch.bfloat16"):
+        w4_mma.mma_gemm(x.half(), words, ps, pz, group_size=64, n=64)
+    with pytest.raises(ValueError, match=r"words \(1, 1024\) do not fit"):
+        w4_mma.mma_gemm(x.bfloat16(), words, ps, pz, group_size=64, n=128)
+    with pytest.raises(ValueError, match="group 32"):
+        w4_mma.mma_gemm(x.bfloat16(), words, ps, pz, group_size=32, n=64)
+    assert w4_mma.mma_gemm(x[:0].bfloat16(), words, ps, pz, group_size=64, n=64).shape == (0, 64)
