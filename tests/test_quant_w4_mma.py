@@ -248,3 +248,18 @@ def test_gemm_refuses_bad_operands_before_launch(gen):
     with pytest.raises(ValueError, match="group 32"):
         w4_mma.mma_gemm(x.bfloat16(), words, ps, pz, group_size=32, n=64)
     assert w4_mma.mma_gemm(x[:0].bfloat16(), words, ps, pz, group_size=64, n=64).shape == (0, 64)
+
+
+def test_gemm_refuses_bad_groups_and_configs(gen):
+    q, s, z, _ = _quant(128, 64, 64, gen)
+    ps, pz = pack_mma_groups(s, z, torch.bfloat16)
+    words = pack_mma(q)
+    x = torch.randn(16, 128, generator=gen).bfloat16()
+    with pytest.raises(ValueError, match="must be contiguous, float32"):
+        w4_mma.mma_gemm(x, words, ps.half(), pz, group_size=64, n=64)
+    with pytest.raises(ValueError, match=r"of shape \(1, 1, 8, 8\)"):
+        w4_mma.mma_gemm(x, words, ps, pz, group_size=128, n=64)
+    with pytest.raises(ValueError, match="does not cover M 16"):  # one token block of 8 for 16 tokens
+        w4_mma.mma_gemm(x, words, ps, pz, group_size=64, n=64, config=dict(NB=1))
+    with pytest.raises(ValueError, match="TW in 1/2/4"):
+        w4_mma.mma_gemm(x, words, ps, pz, group_size=64, n=64, config=dict(TW=3))

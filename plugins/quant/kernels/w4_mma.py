@@ -141,8 +141,9 @@ def plan(m: int, n: int, k: int, group_size: int, cfg: dict, num_sms: int) -> tu
 def mma_gemm(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, *,
              group_size: int, n: int, config: "dict | None" = None) -> torch.Tensor:
     """``x`` [M, K] fp16/bf16 on CUDA -> [M, N] in ``x.dtype``; operands as in the module
-    docstring. Raises ValueError for another dtype, a shape the layout does not hold, or
-    zeros in another dtype than x (the layout is made for the model's dtype)."""
+    docstring. Raises ValueError for another dtype, a shape the layout does not hold, zeros
+    in another dtype than x (the layout is made for the model's dtype), scales / zeros not
+    in the layout's shape, or a ``config`` whose tiles do not cover M."""
     from .w4_mma_jit import kernels
     m, k = x.shape
     if x.dtype not in DTYPES or zeros.dtype != x.dtype:
@@ -150,19 +151,26 @@ def mma_gemm(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: 
     if words.shape != (n // 64, k * 8) or mma_blocker(k, n, group_size, x.dtype):
         raise ValueError(f"w4 mma GEMM: K {k}, N {n}, group {group_size}, words {tuple(words.shape)} "
                          "do not fit the layout")
+    groups = (k // group_size, n // 64, 8, 8)
+    if scales.dtype != torch.float32 or scales.shape != groups or zeros.shape != groups \
+            or not (scales.is_contiguous() and zeros.is_contiguous() and words.is_contiguous()):
+        raise ValueError(f"w4 mma GEMM: scales {scales.dtype} {tuple(scales.shape)} / zeros {tuple(zeros.shape)} "
+                         f"must be contiguous, float32 / x's dtype, of shape {groups} (pack_mma_groups)")
     if m == 0:
         return x.new_empty((0, n))
     if x.stride(-1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
-        x = x.contiguous()  # 16-byte row loads
-    ks = kernels()
+        x = x.clone(memory_format=torch.contiguous_format)  # 16-byte row loads (a fresh, aligned allocation)
     if m > MAX_FUSED_M:
         wt = torch.empty((n, k), dtype=x.dtype, device=x.device)
-        ks.dequant(words, scales, zeros, wt, n=n, k=k, group_chunks=group_size // 64)
+        kernels().dequant(words, scales, zeros, wt, n=n, k=k, group_chunks=group_size // 64)
         return x @ wt.t()
     if config is None:
         tuned = lookup("w4_mma", m, n, k, x.device) or {}
         config = {key: v for key, v in tuned.items() if key != "schema"} if tuned.get("schema") == TABLE_SCHEMA else {}
     cfg = {**CONFIGS[bucket(m)], **config}
+    if 8 * cfg["NB"] < m or cfg["TW"] not in (1, 2, 4) or cfg["WARPS"] < 1 or cfg["S"] < 1:
+        raise ValueError(f"w4 mma GEMM: config {cfg} does not cover M {m} (needs 8 * NB >= M, TW in 1/2/4, "
+                         "WARPS >= 1, S >= 1)")
     gc = group_size // 64
     ctas_n, cps, splits = plan(m, n, k, group_size, cfg, _num_sms(x.device.index or 0))
     smem = m * (cps * 64 + 8) * x.element_size() if cfg["XS"] else 0
@@ -173,7 +181,7 @@ def mma_gemm(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: 
     if splits > 1:
         ws = torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
         cnt = arrival_counters(ctas_n, x.device)
-    ks.gemm(x, words, scales, zeros, out, ws, cnt, n=n, group_chunks=gc, chunks_per_split=cps, splits=splits,
+    kernels().gemm(x, words, scales, zeros, out, ws, cnt, n=n, group_chunks=gc, chunks_per_split=cps, splits=splits,
             cfg=cfg, smem=smem)
     return out
 

@@ -29,19 +29,21 @@ class W4MmaKernels:
         self._mods: dict[tuple, object] = {}
         self._streams = TorchStreams(cupy)
 
-    def _fn(self, name: str, dtype: torch.dtype, cfg: "dict | None" = None):
+    def _fn(self, name: str, device: torch.device, dtype: torch.dtype, cfg: "dict | None" = None):
         cfg = cfg or {}
-        key = (name, dtype) + tuple(int(cfg.get(f, d)) for f, d in _DEFINES)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        key = (name, index, dtype) + tuple(int(cfg.get(f, d)) for f, d in _DEFINES)
         with _LOCK:
             fn = self._mods.get(key)
             if fn is None:
                 opts = ("-std=c++17", f"-DW4_BF16={int(dtype == torch.bfloat16)}",
-                        *(f"-D{f}={v}" for (f, _), v in zip(_DEFINES, key[2:])))
+                        *(f"-D{f}={v}" for (f, _), v in zip(_DEFINES, key[3:])))
                 try:
-                    fn = self.cupy.RawModule(code=_SRC, options=opts).get_function(name)
-                    # allow the shared-memory x slice past the 48 KB default (XS)
-                    optin = torch.cuda.get_device_properties(torch.cuda.current_device()).shared_memory_per_block_optin
-                    fn.max_dynamic_shared_size_bytes = optin - 1024  # a RawKernel (CuPy >= 12)
+                    with self.cupy.cuda.Device(index):  # a module is loaded into one device's context
+                        fn = self.cupy.RawModule(code=_SRC, options=opts).get_function(name)
+                        # allow the shared-memory x slice past the 48 KB default (XS)
+                        optin = torch.cuda.get_device_properties(index).shared_memory_per_block_optin
+                        fn.max_dynamic_shared_size_bytes = optin - 1024  # a RawKernel (CuPy >= 12)
                 except Exception as e:
                     raise RuntimeError(f"w4_mma: NVRTC compile failed for {key}: {e}") from e
                 self._mods[key] = fn
@@ -52,8 +54,10 @@ class W4MmaKernels:
         """out [M, N] = x [M, K] @ W; operands as in ``w4_mma.py`` (x rows 16-byte aligned);
         ``smem``: dynamic shared memory bytes (the x slice, with XS)."""
         m, k = x.shape
+        # the kernel fetches a group's scales at its first chunk: splits must hold whole groups
+        assert chunks_per_split % group_chunks == 0, (chunks_per_split, group_chunks)
         # groups of up to 8 chunks (group_size <= 512) are compiled in: their % and / become shifts
-        fn = self._fn("w4_mma_gemm", x.dtype, {**cfg, "GCC": group_chunks if group_chunks <= 8 else 0})
+        fn = self._fn("w4_mma_gemm", x.device, x.dtype, {**cfg, "GCC": group_chunks if group_chunks <= 8 else 0})
         units = (n // 16) // cfg["TW"]
         grid = (-(-units // cfg["WARPS"]), splits)
         with self._streams.current(x.device):
@@ -64,7 +68,7 @@ class W4MmaKernels:
 
     def dequant(self, words, scales, zeros, wt, *, n: int, k: int, group_chunks: int) -> None:
         """wt [N, K] (x's dtype) = the dequantized weight, transposed."""
-        fn = self._fn("w4_mma_dequant", wt.dtype)
+        fn = self._fn("w4_mma_dequant", wt.device, wt.dtype)
         threads = (n // 64) * (k // 64) * 128
         with self._streams.current(wt.device):
             fn((-(-threads // 256),), (256,),
