@@ -263,3 +263,38 @@ def test_gemm_refuses_bad_groups_and_configs(gen):
         w4_mma.mma_gemm(x, words, ps, pz, group_size=64, n=64, config=dict(NB=1))
     with pytest.raises(ValueError, match="TW in 1/2/4"):
         w4_mma.mma_gemm(x, words, ps, pz, group_size=64, n=64, config=dict(TW=3))
+
+
+# The kernels' index arithmetic replayed on the CPU (tests/w4_mma_emulate.py): every load
+# bounds- and alignment-checked, each stage holding the chunk being computed, split-K partials
+# summed in a random arrival order. (K, N, group, M, config): odd N / 64, uneven last splits,
+# TW 1/2 with tile0 != 0, XS, S up to 4, SCALE_A, per-channel groups, the dequantize path.
+EMULATED = [
+    (512, 192, 64, 3, None),
+    (512, 320, 128, 17, None),
+    (768, 320, 256, 9, dict(TW=2, WARPS=2, S=3, XS=1)),
+    (768, 448, 256, 33, dict(TW=1, WARPS=3, S=2, XS=1, SCALE_A=False)),
+    (1024, 192, 1024, 1, dict(TW=4, S=2)),
+    (640, 192, 128, 5, dict(TW=2, WARPS=1, S=3, split_k=3)),
+    (640, 320, 64, 24, dict(TW=1, WARPS=4, S=4, split_k=3, XS=1)),
+    (576, 64, 576, 2, dict(TW=1, WARPS=1, S=2)),
+    (1152, 128, 384, 8, dict(TW=2, WARPS=4, S=2, XS=1, SCALE_A=True, split_k=2)),
+    (512, 192, 64, 64, None),
+    (512, 192, 64, 65, None),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", range(len(EMULATED)))
+def test_emulated_kernel_indexing(case, dtype, gen, monkeypatch):
+    import w4_mma_emulate
+    k, n, group, m, cfg = EMULATED[case]
+    fake = w4_mma_emulate.install(monkeypatch)
+    q, s, z, w_ref = _quant(k, n, group, gen)
+    ps, pz = pack_mma_groups(s, z, dtype)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    y = w4_mma.mma_gemm(x, pack_mma(q), ps, pz, group_size=group, n=n, config=cfg)
+    ref = x.double() @ w_ref.double()
+    err = ((y.double() - ref).abs().max() / ref.abs().max()).item()
+    assert err <= BOUND[dtype], f"seed {gen.initial_seed()} case {case}: {err}"
+    assert bool(fake.calls) == (m <= w4_mma.MAX_FUSED_M)  # the fused kernel ran, or the dequantize path

@@ -1,0 +1,269 @@
+"""A CPU mirror of ``w4_mma.cu`` (``w4_mma_gemm`` / ``w4_mma_dequant``): the kernels' own
+index arithmetic (per CTA, warp and lane; stages, groups, the XS shared-memory copy, split-K
+partials and the last-arriver sum, in a random arrival order) replayed in numpy with bounds and
+alignment checks on every load, and the m16n8k16 MMAs computed from the PTX ISA's fragment
+layouts. ``install(monkeypatch)`` puts it behind ``w4_mma.mma_gemm`` (a fake ``kernels()``), so
+the host side (``plan``, workspace, XS fallback) runs for real. Keep it in step with the .cu.
+(Written by a reviewing helper in session 8; it found the kernel's indexing correct.)
+"""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import torch
+
+from kvforge_plugins.quant.kernels import w4_mma, w4_mma_jit
+
+BIAS = {torch.bfloat16: 128.0, torch.float16: 1024.0}
+
+
+def bits_to_f(bits: np.ndarray, dtype) -> np.ndarray:
+    """16-bit patterns -> their fp16/bf16 values (float64)."""
+    return torch.from_numpy(bits.astype(np.int16)).view(dtype).float().numpy().astype(np.float64)
+
+
+def rnd(v, dtype):
+    """Round to ``dtype`` as the kernel's conversions do (via fp32)."""
+    return torch.from_numpy(np.asarray(v, dtype=np.float32)).to(dtype).float().numpy().astype(np.float64)
+
+
+class Flat:
+    """A flat array with bounds + alignment checks."""
+
+    def __init__(self, arr, name, esize):
+        self.a, self.name, self.esize = arr, name, esize
+
+    def get(self, idx, count, align=None):
+        idx = np.asarray(idx)
+        assert (idx >= 0).all() and (idx + count <= len(self.a)).all(), f"{self.name}: OOB {idx.min()}..{idx.max()}+{count} of {len(self.a)}"
+        if align:
+            assert ((idx * self.esize) % align == 0).all(), f"{self.name}: misaligned"
+        return np.stack([self.a[idx + k] for k in range(count)], -1)
+
+
+def gemm_emu(cfg, dtype, x_bits, M, stride_x, wq, sc, zp, N, KC, gc_rt, cps, splits):
+    """``w4_mma_gemm`` on flat arrays (x as uint16 bits, words uint32, scales fp32, zeros
+    uint16 bits) with the kernel's launch constants ``cfg``; returns y [M * N] float64."""
+    TW, NB, WARPS, S, XS, SA = (int(cfg[k]) for k in ("TW", "NB", "WARPS", "S", "XS", "SCALE_A"))
+    GCC = gc_rt if gc_rt <= 8 else 0
+    GC = GCC if GCC > 0 else gc_rt
+    units = (N // 16) // TW
+    gx = -(-units // WARPS)
+    NBLK = N >> 6
+    lane = np.arange(32)
+    g, t = lane >> 2, lane & 3
+    X = Flat(x_bits, "x", 2)
+    W = Flat(wq, "wq", 4)
+    SC = Flat(sc, "sc", 4)
+    Z = Flat(zp, "zp", 2)
+    ws = np.full(splits * M * N, np.nan)
+    out = np.full(M * N, np.nan)
+    cnt = np.zeros(gx, dtype=np.int64)
+    bias = BIAS[dtype]
+    for bx in range(gx):
+        order = list(range(splits))
+        random.shuffle(order)  # arrival order
+        for by in order:
+            cbeg, cend = by * cps, min(by * cps + cps, KC)
+            assert cbeg < cend, "empty split"
+            if XS:
+                xpitch = cps * 64 + 8
+                smem = np.zeros(M * xpitch, dtype=np.uint16)
+                units_ = (cend - cbeg) * 8
+                for u in range(M * units_):
+                    row, col = u // units_, (u % units_) * 8
+                    src = X.get([row * stride_x + cbeg * 64 + col], 8, align=16)[0]
+                    assert row * xpitch + col + 8 <= len(smem)
+                    assert ((row * xpitch + col) * 2) % 16 == 0
+                    smem[row * xpitch + col: row * xpitch + col + 8] = src
+                XSM = Flat(smem, "xs", 2)
+            accs = {}
+            for warp in range(WARPS):
+                unit = bx * WARPS + warp
+                nblk = unit // (4 // TW)
+                tile0 = (unit % (4 // TW)) * TW
+                live = nblk < NBLK
+                if not live:
+                    continue
+                acc = np.zeros((TW, NB, 4, 32))
+                wp = nblk * KC * 128 + tile0 * 32 + lane
+                rec0 = (nblk * 8 + g) * 8 + 2 * tile0
+                rec_step = NBLK * 64
+                xp = []
+                for b in range(NB):
+                    row = np.minimum(b * 8 + g, M - 1)
+                    xp.append(row * xpitch + 16 * t - cbeg * 64 if XS else row * stride_x + 16 * t)
+                st = [None] * S
+
+                def load(c):
+                    d = {"c": c}
+                    d["w"] = [W.get(4 * (wp + c * 128 + a * 32), 4, align=16) for a in range(TW)]
+                    if not XS:
+                        d["x"] = [X.get(xp[b] + c * 64, 16, align=16) for b in range(NB)]
+                    if c % GC == 0:
+                        rec = rec0 + (c // GC) * rec_step
+                        d["s"] = SC.get(rec, 2 * TW, align=min(16, 8 * TW))
+                        d["z"] = Z.get(rec, 2 * TW, align=min(16, 4 * TW))
+                    return d
+                for s in range(S - 1):
+                    if cbeg + s < cend:
+                        st[s] = load(cbeg + s)
+                zb = sf = sa = tmp = None
+                for c0 in range(cbeg, cend, S):
+                    for s in range(S):
+                        c = c0 + s
+                        if S == 1 and c < cend:
+                            st[0] = load(c)
+                        elif S > 1 and c + S - 1 < cend:
+                            st[(s + S - 1) % S] = load(c + S - 1)
+                        if c < cend:
+                            cur = st[s]
+                            assert cur["c"] == c, "stage holds another chunk"
+                            if XS:
+                                cur["x"] = [XSM.get(xp[b] + c * 64, 16, align=16) for b in range(NB)]
+                            if (c - cbeg) % GC == 0:
+                                assert "s" in cur, "scales not loaded at group start"
+                                zv = bits_to_f(cur["z"], dtype) - bias  # [32, 2TW]
+                                zb = zv
+                                if SA:
+                                    sa = rnd(cur["s"], dtype)
+                                else:
+                                    sf = cur["s"].astype(np.float64)
+                                    tmp = np.zeros_like(acc)
+                            xv = [bits_to_f(cur["x"][b], dtype) for b in range(NB)]  # [32, 16]
+                            for a in range(TW):
+                                for i in range(4):
+                                    w = cur["w"][a][:, i].astype(np.int64)
+                                    A = np.zeros((16, 16))
+                                    for j in range(4):
+                                        r = j & 1
+                                        for h in range(2):
+                                            qv = (w >> (4 * j + 16 * h)) & 15
+                                            v = qv - zb[:, 2 * a + r]
+                                            if SA:
+                                                v = rnd(v * sa[:, 2 * a + r], dtype)
+                                            A[g + 8 * r, 2 * t + 8 * (j >> 1) + h] = v
+                                    for b in range(NB):
+                                        B = np.zeros((16, 8))
+                                        base = 8 * (i >> 1) + 4 * (i & 1)
+                                        for rr in range(2):
+                                            for h in range(2):
+                                                B[2 * t + 8 * rr + h, g] = xv[b][:, base + 2 * rr + h]
+                                        D = A @ B
+                                        tgt = acc if SA else tmp
+                                        for f in range(4):
+                                            tgt[a, b, f] += D[g + 8 * (f >> 1), 2 * t + (f & 1)]
+                            if not SA and (c - cbeg) % GC == GC - 1:
+                                for f in range(4):
+                                    acc[:, :, f] += sf.T.reshape(TW, 2, 32)[:, f >> 1][:, None, :] * tmp[:, :, f]
+                accs[warp] = acc
+            # epilogue
+            for warp, acc in accs.items():
+                unit = bx * WARPS + warp
+                nblk = unit // (4 // TW)
+                tile0 = (unit % (4 // TW)) * TW
+                nbase = nblk * 64 + tile0 * 16 + g
+                for a in range(TW):
+                    for b in range(NB):
+                        for f in range(4):
+                            tok = 8 * b + 2 * t + (f & 1)
+                            row = nbase + 16 * a + 8 * (f >> 1)
+                            m = tok < M
+                            assert (row < N).all()
+                            if splits == 1:
+                                out[(tok * N + row)[m]] = rnd(acc[a, b, f][m], dtype)
+                            else:
+                                ws[((by * M + tok) * N + row)[m]] = acc[a, b, f][m]
+            if splits > 1:
+                cnt[bx] += 1
+                if cnt[bx] == splits:
+                    cnt[bx] = 0
+                    for warp in range(WARPS):
+                        unit = bx * WARPS + warp
+                        nblk = unit // (4 // TW)
+                        tile0 = (unit % (4 // TW)) * TW
+                        if nblk >= NBLK:
+                            continue
+                        nbase = nblk * 64 + tile0 * 16 + g
+                        for a in range(TW):
+                            for b in range(NB):
+                                for f in range(4):
+                                    tok = 8 * b + 2 * t + (f & 1)
+                                    row = nbase + 16 * a + 8 * (f >> 1)
+                                    m = tok < M
+                                    tot = np.zeros(32)
+                                    for k in range(splits):
+                                        v = ws[((k * M + tok) * N + row)[m]]
+                                        assert not np.isnan(v).any(), "ws read before written"
+                                        tot[m] += v
+                                    out[(tok * N + row)[m]] = rnd(tot[m], dtype)
+    assert (cnt == 0).all()
+    return out
+
+
+def dequant_emu(dtype, wq, sc, zp, N, KC, GC):
+    """``w4_mma_dequant``: W^T [N * K] float64 (rounded to ``dtype``)."""
+    NBLK = N >> 6
+    wt = np.full(N * KC * 64, np.nan)
+    bias = BIAS[dtype]
+    for idx in range(NBLK * KC * 128):
+        lane, tile = idx & 31, (idx >> 5) & 3
+        rest = idx >> 7
+        c, nblk = rest % KC, rest // KC
+        g, t = lane >> 2, lane & 3
+        v = wq[4 * idx: 4 * idx + 4].astype(np.int64)
+        gq = (((c // GC) * NBLK + nblk) * 8 + g) * 8
+        for r in range(2):
+            s = sc[gq + 2 * tile + r]
+            z = bits_to_f(zp[gq + 2 * tile + r: gq + 2 * tile + r + 1], dtype)[0] - bias
+            vals = []
+            for i in range(4):
+                for e in range(4):
+                    bit = 4 * (2 * (e >> 1) + r) + 16 * (e & 1)
+                    vals.append(((v[i] >> bit) & 15) - z)
+            vals = rnd(np.array(vals) * s, dtype)
+            row = nblk * 64 + tile * 16 + g + 8 * r
+            o = row * KC * 64 + c * 64 + 16 * t
+            wt[o:o + 16] = vals
+    return wt
+
+
+class FakeKernels:
+    """``w4_mma_jit.W4MmaKernels`` with the launches emulated (records each gemm call)."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict] = []
+
+    def gemm(self, x, words, scales, zeros, out, ws, cnt, *, n, group_chunks, chunks_per_split, splits, cfg, smem=0):
+        m, k = x.shape
+        if cfg["XS"]:
+            assert smem == m * (chunks_per_split * 64 + 8) * x.element_size()
+        if splits > 1:
+            assert ws.shape == (splits, m, n) and cnt.numel() >= -(-((n // 16) // cfg["TW"]) // cfg["WARPS"])
+        # x as a flat view from its data pointer: storage from x's first element
+        assert x.stride(1) == 1
+        flat = torch.as_strided(x, ((m - 1) * x.stride(0) + k,), (1,)).contiguous().view(torch.int16).numpy().astype(np.uint16)
+        self.calls.append(dict(cfg=dict(cfg), cps=chunks_per_split, splits=splits, smem=smem,
+                                      xalign=x.data_ptr() % 16, stride=x.stride(0)))
+        assert x.data_ptr() % 16 == 0, f"x misaligned: data_ptr % 16 = {x.data_ptr() % 16}"
+        assert x.stride(0) % 8 == 0 or m == 1, "x stride"
+        y = gemm_emu(cfg, x.dtype, flat, m, x.stride(0), words.contiguous().view(-1).numpy().view(np.uint32),
+                     scales.reshape(-1).numpy(), zeros.reshape(-1).view(torch.int16).numpy().astype(np.uint16),
+                     n, k // 64, group_chunks, chunks_per_split, splits)
+        out.copy_(torch.from_numpy(y.reshape(m, n)).to(out.dtype))
+
+    def dequant(self, words, scales, zeros, wt, *, n, k, group_chunks):
+        v = dequant_emu(wt.dtype, words.contiguous().view(-1).numpy().view(np.uint32), scales.reshape(-1).numpy(),
+                        zeros.reshape(-1).view(torch.int16).numpy().astype(np.uint16), n, k // 64, group_chunks)
+        wt.copy_(torch.from_numpy(v.reshape(n, k)).to(wt.dtype))
+
+
+def install(monkeypatch, num_sms: int = 132, smem_limit: int = 227 * 1024) -> FakeKernels:
+    """Route ``w4_mma.mma_gemm`` to the emulation (as on a GPU with ``num_sms`` SMs)."""
+    fk = FakeKernels()
+    monkeypatch.setattr(w4_mma_jit, "kernels", lambda: fk)
+    monkeypatch.setattr(w4_mma, "_num_sms", lambda index: num_sms)
+    monkeypatch.setattr(w4_mma, "_smem_limit", lambda device: smem_limit)
+    monkeypatch.setattr(w4_mma, "lookup", lambda *a, **k: None)
+    return fk
