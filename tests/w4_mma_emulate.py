@@ -42,6 +42,15 @@ class Flat:
         return np.stack([self.a[idx + k] for k in range(count)], -1)
 
 
+def _frags(unit, TW, NB, g, t):
+    """(tile a, token block b, register f, token [32], output row [32]) of a warp's accumulators."""
+    nbase = unit // (4 // TW) * 64 + (unit % (4 // TW)) * TW * 16 + g
+    for a in range(TW):
+        for b in range(NB):
+            for f in range(4):
+                yield a, b, f, 8 * b + 2 * t + (f & 1), nbase + 16 * a + 8 * (f >> 1)
+
+
 def gemm_emu(cfg, dtype, x_bits, M, stride_x, wq, sc, zp, N, KC, gc_rt, cps, splits):
     """``w4_mma_gemm`` on flat arrays (x as uint16 bits, words uint32, scales fp32, zeros
     uint16 bits) with the kernel's launch constants ``cfg``; returns y [M * N] float64."""
@@ -160,44 +169,28 @@ def gemm_emu(cfg, dtype, x_bits, M, stride_x, wq, sc, zp, N, KC, gc_rt, cps, spl
                 accs[warp] = acc
             # epilogue
             for warp, acc in accs.items():
-                unit = bx * WARPS + warp
-                nblk = unit // (4 // TW)
-                tile0 = (unit % (4 // TW)) * TW
-                nbase = nblk * 64 + tile0 * 16 + g
-                for a in range(TW):
-                    for b in range(NB):
-                        for f in range(4):
-                            tok = 8 * b + 2 * t + (f & 1)
-                            row = nbase + 16 * a + 8 * (f >> 1)
-                            m = tok < M
-                            assert (row < N).all()
-                            if splits == 1:
-                                out[(tok * N + row)[m]] = rnd(acc[a, b, f][m], dtype)
-                            else:
-                                ws[((by * M + tok) * N + row)[m]] = acc[a, b, f][m]
+                for a, b, f, tok, row in _frags(bx * WARPS + warp, TW, NB, g, t):
+                    m = tok < M
+                    assert (row < N).all()
+                    if splits == 1:
+                        out[(tok * N + row)[m]] = rnd(acc[a, b, f][m], dtype)
+                    else:
+                        ws[((by * M + tok) * N + row)[m]] = acc[a, b, f][m]
             if splits > 1:
                 cnt[bx] += 1
-                if cnt[bx] == splits:
+                if cnt[bx] == splits:  # the last arrival sums the partials in split order
                     cnt[bx] = 0
                     for warp in range(WARPS):
-                        unit = bx * WARPS + warp
-                        nblk = unit // (4 // TW)
-                        tile0 = (unit % (4 // TW)) * TW
-                        if nblk >= NBLK:
+                        if (bx * WARPS + warp) // (4 // TW) >= NBLK:
                             continue
-                        nbase = nblk * 64 + tile0 * 16 + g
-                        for a in range(TW):
-                            for b in range(NB):
-                                for f in range(4):
-                                    tok = 8 * b + 2 * t + (f & 1)
-                                    row = nbase + 16 * a + 8 * (f >> 1)
-                                    m = tok < M
-                                    tot = np.zeros(32)
-                                    for k in range(splits):
-                                        v = ws[((k * M + tok) * N + row)[m]]
-                                        assert not np.isnan(v).any(), "ws read before written"
-                                        tot[m] += v
-                                    out[(tok * N + row)[m]] = rnd(tot[m], dtype)
+                        for a, b, f, tok, row in _frags(bx * WARPS + warp, TW, NB, g, t):
+                            m = tok < M
+                            tot = np.zeros(32)
+                            for k in range(splits):
+                                v = ws[((k * M + tok) * N + row)[m]]
+                                assert not np.isnan(v).any(), "ws read before written"
+                                tot[m] += v
+                            out[(tok * N + row)[m]] = rnd(tot[m], dtype)
     assert (cnt == 0).all()
     return out
 
