@@ -298,3 +298,31 @@ def test_emulated_kernel_indexing(case, dtype, gen, monkeypatch):
     err = ((y.double() - ref).abs().max() / ref.abs().max()).item()
     assert err <= BOUND[dtype], f"seed {gen.initial_seed()} case {case}: {err}"
     assert bool(fake.calls) == (m <= w4_mma.MAX_FUSED_M)  # the fused kernel ran, or the dequantize path
+
+
+def test_triton_backend_off_cuda_is_refused_at_load(monkeypatch):
+    """``backend: triton`` on a CPU without the Triton interpreter cannot run: refused by the
+    quantizer's ``validate`` (before loading), naming the setting and the way out."""
+    from kvforge_plugins.quant.awq import AWQConfig, AWQSettings
+    from kvforge_plugins.quant.int8 import Int8Config, Int8Settings
+    hf = {"quant_method": "awq", "bits": 4, "group_size": 64, "zero_point": True, "version": "gemm"}
+    cpu = torch.device("cpu")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    for cfg in (AWQConfig(hf, AWQSettings(backend="triton")), Int8Config(None, Int8Settings(backend="triton"))):
+        (why,) = cfg.validate(torch.float16, cpu)
+        assert "quantization.settings.backend 'triton' needs a CUDA device, or TRITON_INTERPRET=1" in why
+    assert AWQConfig(hf, AWQSettings(backend="reference")).validate(torch.float16, cpu) == []
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert AWQConfig(hf, AWQSettings(backend="triton")).validate(torch.float16, cpu) == []
+
+
+def test_layout_on_reference_backend_warns_once(gen, caplog):
+    layer, _ = _layer("mma", "reference", gen=gen)
+    method = layer.method
+    with caplog.at_level("WARNING", logger="kvforge.quant"):
+        method.process_weights_after_loading(layer)
+        layer2, _ = _layer("mma", "reference", gen=gen)
+        layer2.method = method  # a second layer of the same quantizer
+        method.process_weights_after_loading(layer2)
+    hits = [r for r in caplog.records if "has no effect on the reference backend" in r.getMessage()]
+    assert len(hits) == 1 and layer.wna16_layout == layer2.wna16_layout == "checkpoint"

@@ -26,7 +26,7 @@ import torch
 from kvforge import hookimpl
 from kvforge.interfaces import LinearMethod, QuantizationConfig
 
-from .common import WeightOnlySettings, decide_per_shard, matches_any
+from .common import WeightOnlySettings, decide_per_shard, matches_any, triton_backend_reasons
 from .unquantized import UnquantizedLinearMethod
 from .weight_only import WNA16LinearMethod
 
@@ -82,7 +82,7 @@ class AWQConfig(QuantizationConfig):
         return self._method
 
     def validate(self, dtype: torch.dtype, device: torch.device) -> list[str]:
-        return []
+        return triton_backend_reasons(self.settings.backend, device)
 
 
 @hookimpl

@@ -8,6 +8,8 @@ fused prefix back to the HF names so loaders and errors name the real tensor.
 """
 from __future__ import annotations
 
+import os
+
 import re
 from typing import Iterable, Literal, Sequence
 
@@ -225,6 +227,14 @@ def float8_reasons() -> list[str]:
     """Why this torch cannot hold float8 E4M3 tensors (empty if it can)."""
     if not hasattr(torch, "float8_e4m3fn"):
         return [f"torch {torch.__version__} has no float8_e4m3fn dtype (FP8 needs torch >= 2.1)"]
+    return []
+
+
+def triton_backend_reasons(backend: str, device: torch.device) -> list[str]:
+    """``backend: triton`` off CUDA runs only under the Triton interpreter (empty if it can run)."""
+    if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return ["quantization.settings.backend 'triton' needs a CUDA device, or TRITON_INTERPRET=1 to run "
+                "the Triton interpreter on the CPU (slow: for tests); use backend 'auto' or 'reference' here"]
     return []
 
 

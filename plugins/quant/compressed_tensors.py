@@ -27,7 +27,7 @@ import torch
 from kvforge import hookimpl
 from kvforge.interfaces import LinearMethod, QuantizationConfig
 
-from .common import cuda_capability_reasons, decide_per_shard, float8_reasons, layer_ignored
+from .common import cuda_capability_reasons, decide_per_shard, float8_reasons, layer_ignored, triton_backend_reasons
 from .unquantized import UnquantizedLinearMethod
 from .w8a8 import W8A8LinearMethod, W8A8Settings
 from .weight_only import WNA16LinearMethod
@@ -136,7 +136,7 @@ class CompressedTensorsConfig(QuantizationConfig):
     def validate(self, dtype: torch.dtype, device: torch.device) -> list[str]:
         if self.settings.backend == "reference":
             return []
-        reasons: list[str] = []
+        reasons = triton_backend_reasons(self.settings.backend, device)
         if any(fp8 for _, _, fp8 in self.groups):
             reasons += float8_reasons() + cuda_capability_reasons(device, (8, 9), "FP8 W8A8")
         return reasons

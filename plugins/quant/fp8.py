@@ -28,7 +28,7 @@ import torch
 from kvforge import hookimpl
 from kvforge.interfaces import LinearMethod, QuantizationConfig
 
-from .common import cuda_capability_reasons, decide_per_shard, float8_reasons, layer_ignored
+from .common import cuda_capability_reasons, decide_per_shard, float8_reasons, layer_ignored, triton_backend_reasons
 from .unquantized import UnquantizedLinearMethod
 from .w8a8 import W8A8LinearMethod, W8A8Settings
 
@@ -81,7 +81,7 @@ class FP8Config(QuantizationConfig):
         return self._method
 
     def validate(self, dtype: torch.dtype, device: torch.device) -> list[str]:
-        reasons = float8_reasons()
+        reasons = float8_reasons() + triton_backend_reasons(self.settings.backend, device)
         if self.settings.backend != "reference":
             reasons += cuda_capability_reasons(device, (8, 9), "FP8 W8A8 (float8 tensor cores)")
         return reasons

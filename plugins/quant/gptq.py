@@ -38,7 +38,7 @@ import torch
 from kvforge import hookimpl
 from kvforge.interfaces import LinearMethod, QuantizationConfig
 
-from .common import WeightOnlySettings, decide_per_shard
+from .common import WeightOnlySettings, decide_per_shard, triton_backend_reasons
 from .unquantized import UnquantizedLinearMethod
 from .weight_only import WNA16LinearMethod
 
@@ -132,7 +132,7 @@ class GPTQConfig(QuantizationConfig):
         return self._methods[key]
 
     def validate(self, dtype: torch.dtype, device: torch.device) -> list[str]:
-        return []
+        return triton_backend_reasons(self.settings.backend, device)
 
 
 @hookimpl

@@ -22,7 +22,7 @@ import torch
 from kvforge import hookimpl
 from kvforge.interfaces import LinearMethod, QuantizationConfig
 
-from .common import cuda_capability_reasons, decide_per_shard, layer_ignored
+from .common import cuda_capability_reasons, decide_per_shard, layer_ignored, triton_backend_reasons
 from .unquantized import UnquantizedLinearMethod
 from .w8a8 import W8A8LinearMethod, W8A8Settings
 
@@ -58,7 +58,8 @@ class Int8Config(QuantizationConfig):
     def validate(self, dtype: torch.dtype, device: torch.device) -> list[str]:
         if self.settings.backend == "reference":
             return []
-        return cuda_capability_reasons(device, (8, 0), "INT8 W8A8 (int8 tensor-core tl.dot)")
+        return (triton_backend_reasons(self.settings.backend, device)
+                + cuda_capability_reasons(device, (8, 0), "INT8 W8A8 (int8 tensor-core tl.dot)"))
 
 
 @hookimpl

@@ -66,6 +66,7 @@ class WNA16LinearMethod(LinearMethod):
         self.pf = 32 // bits
         self.skip_hint = skip_hint
         self.int4_layout = int4_layout
+        self._told_reference = False
 
     # -- loading ---------------------------------------------------------------------------
     def create_weights(self, layer, input_size, output_sizes, params_dtype):
@@ -168,6 +169,10 @@ class WNA16LinearMethod(LinearMethod):
         if why and want in ("pairs", "mma"):  # on every backend: the setting asks for a layout it cannot have
             raise ValueError(f"{layer.prefix}: int4_layout '{want}' does not apply: {why} "
                              "(use int4_layout 'auto' or 'checkpoint')")
+        if want in ("pairs", "mma") and not layer.wna16_kernel and not self._told_reference:
+            self._told_reference = True  # once per quantizer, not per layer
+            log.warning("int4_layout '%s' has no effect on the reference backend (it dequantizes the checkpoint's "
+                        "packing and runs torch.matmul)", want)
         if not layer.wna16_kernel or why or want == "checkpoint":
             return
         if want == "mma":
@@ -208,9 +213,10 @@ class WNA16LinearMethod(LinearMethod):
         if self.bits != 4:
             return "the weights are not 4-bit"
         if layer.wna16_dtype not in PAIRS_DTYPES:
-            return f"the model dtype {layer.wna16_dtype} is not float16/bfloat16"
+            return f"the model dtype {layer.wna16_dtype} is not float16/bfloat16 (model.dtype / --dtype)"
         if pairs_tile_k(k, gs) is None:
-            return f"group_size {gs} / in features {k} are not multiples of 64"
+            bad = [f"{what} {v}" for what, v in (("group_size", gs), ("in features", k)) if v % 64]
+            return f"{' and '.join(bad)} {'is' if len(bad) == 1 else 'are'} not a multiple of 64"
         return None
 
     def _mma_blocker(self, layer) -> "str | None":

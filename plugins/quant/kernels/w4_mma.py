@@ -58,9 +58,10 @@ _SHIFTS = torch.tensor([[4 * (2 * (e >> 1) + r) + 16 * (e & 1) for r in range(2)
 def mma_blocker(k: int, n: int, group_size: int, dtype: torch.dtype) -> "str | None":
     """Why the layout cannot hold a [K, N] weight (None if it can)."""
     if dtype not in DTYPES:
-        return f"the model dtype {dtype} is not float16/bfloat16"
+        return f"the model dtype {dtype} is not float16/bfloat16 (model.dtype / --dtype)"
     if k % 64 or n % 64:
-        return f"in features {k} / out features {n} are not multiples of 64"
+        bad = [f"{what} {v}" for what, v in (("in features", k), ("out features", n)) if v % 64]
+        return f"{' and '.join(bad)} {'is' if len(bad) == 1 else 'are'} not a multiple of 64"
     if group_size % 64 or k % group_size:
         return f"group_size {group_size} is not a multiple of 64 dividing in features {k}"
     return None
