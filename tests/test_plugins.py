@@ -323,3 +323,16 @@ def test_third_party_plugin_disabled(example_target):
     assert "unknown scheduler 'lifo_example'" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr
     assert not proc.stdout.strip()
+
+
+def test_cli_plugins_settings_lists_fields_and_config_path(capsys):
+    assert cli_main(["plugins", "--settings", "quantizer:awq"]) == 0
+    out = capsys.readouterr().out
+    assert "quantizer awq: quantization.settings" in out
+    assert "int4_layout: 'auto' | 'mma' | 'pairs' | 'checkpoint' (default 'auto')" in out
+    assert "quantizer gptq" not in out  # filtered to one plugin
+    assert cli_main(["plugins", "--settings", "drafter"]) == 0
+    out = capsys.readouterr().out
+    assert "drafter ngram: speculative.settings" in out and "prompt_lookup_max: int (default 4)" in out
+    assert cli_main(["plugins", "--settings", "quantiser"]) == 2
+    assert "no plugin matches 'quantiser'" in capsys.readouterr().err

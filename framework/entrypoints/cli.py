@@ -80,9 +80,52 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     widths = [max(len(str(r[i])) for r in rows + [head]) for i in range(len(head))]
     for r in [head] + rows:
         print("  ".join(str(x).ljust(w) for x, w in zip(r, widths)).rstrip())
+    if args.settings is not None and not _print_settings(reg, args.settings):
+        return 2
     if args.explain:
         _explain(args, reg)
     return 0
+
+
+#: Where each plugin kind's settings go in the engine config.
+SETTINGS_PATHS = {"attention": "attention.settings", "quantizer": "quantization.settings",
+                  "scheduler": "scheduler.settings", "kv_allocator": "cache.settings",
+                  "drafter": "speculative.settings"}
+
+
+def _type_name(t) -> str:
+    """``Literal['a', 'b']`` -> ``'a' | 'b'``; a class -> its name; else its repr, shortened."""
+    import typing
+    if typing.get_origin(t) is typing.Literal:
+        return " | ".join(repr(v) for v in typing.get_args(t))
+    if isinstance(t, type):
+        return t.__name__
+    return str(t).replace("typing.", "")
+
+
+def _print_settings(reg, which: str) -> bool:
+    """Each plugin's settings (its pydantic model's fields: type, default) under the config
+    path that takes them; ``which`` filters by kind or ``kind:name`` (empty: all). False (with
+    a message) when the filter matches no plugin."""
+    kind_f, _, name_f = which.partition(":")
+    specs = [s for s in sorted(reg.all(), key=lambda s: (s.kind, s.name))
+             if (not kind_f or s.kind == kind_f) and (not name_f or s.name == name_f)]
+    if not specs:
+        kinds = sorted({s.kind for s in reg.all()})
+        print(f"plugins --settings: no plugin matches {which!r} (KIND[:NAME]; kinds: {', '.join(kinds)})",
+              file=sys.stderr)
+        return False
+    print()
+    for spec in specs:
+        model = spec.settings_model
+        fields = getattr(model, "model_fields", {}) if model is not None else {}
+        where = SETTINGS_PATHS.get(spec.kind, f"{spec.kind}.settings")
+        print(f"{spec.kind} {spec.name}: " + (f"{where}" if fields else "no settings"))
+        for fname, f in fields.items():
+            ann = _type_name(f.annotation)
+            default = "required" if f.is_required() else f"default {f.get_default(call_default_factory=True)!r}"
+            print(f"  {fname}: {ann} ({default})" + (f" - {f.description}" if f.description else ""))
+    return True
 
 
 def _explain(args: argparse.Namespace, reg) -> None:
@@ -162,6 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plugins", help="list installed plugins")
     pl.add_argument("--explain", action="store_true", help="show why each attention backend can or cannot run")
     pl.add_argument("--model", help="model directory for --explain")
+    pl.add_argument("--settings", nargs="?", const="", default=None, metavar="KIND[:NAME]",
+                    help="list each plugin's settings and their config path (optionally one kind or plugin)")
     pl.add_argument("--config")
     pl.set_defaults(func=cmd_plugins)
     from kvforge.bench import add_bench_subparsers
