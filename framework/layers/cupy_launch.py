@@ -10,6 +10,19 @@ import numpy as np
 import torch
 
 
+def nvrtc_reasons(device: torch.device, what: str) -> list[str]:
+    """Why kernels compiled by NVRTC through CuPy cannot run on ``device`` (empty if they can);
+    ``what`` names them in the messages."""
+    reasons = []
+    if device.type != "cuda":
+        reasons.append(f"needs a CUDA device ({what} CUDA C++ compiled by NVRTC)")
+    try:
+        import cupy  # noqa: F401  (only whether it imports)
+    except Exception as e:
+        reasons.append(f"needs CuPy (pip install kvforge[gpu]): {type(e).__name__}")
+    return reasons
+
+
 def ptr(t: torch.Tensor) -> np.uint64:
     """A tensor's device address as a kernel argument."""
     return np.uint64(t.data_ptr())

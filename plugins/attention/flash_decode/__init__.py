@@ -20,6 +20,7 @@ import torch
 
 from kvforge import hookimpl
 from kvforge.interfaces import AttentionBackend, AttentionInputs, AttentionLayer, AttentionRequirements
+from kvforge.layers.cupy_launch import nvrtc_reasons
 from kvforge_plugins.attention.flash_decode.jit import head_slices, heads_per_program
 from kvforge_plugins.attention.flash_decode.plan import plan_splits
 from kvforge_plugins.attention.torch_ref import TorchRefBackend, write_kv
@@ -63,13 +64,7 @@ class FlashDecodeBackend(AttentionBackend):
 
     @classmethod
     def validate(cls, req: AttentionRequirements, device: torch.device) -> list[str]:
-        reasons = []
-        if device.type != "cuda":
-            reasons.append("needs a CUDA device (its kernels are CUDA C++ compiled by NVRTC)")
-        try:
-            import cupy  # noqa: F401
-        except Exception as e:
-            reasons.append(f"needs CuPy (pip install kvforge[gpu]): {type(e).__name__}")
+        reasons = nvrtc_reasons(device, "its kernels are")
         if req.dtype not in _DTYPES:
             reasons.append(f"dtype {req.dtype} not supported")
         if req.head_size not in (8, 16) and (req.head_size % 32 or not 32 <= req.head_size <= 256):

@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 
 from kvforge.layers.arrival_counters import arrival_counters
+from kvforge.layers.cupy_launch import nvrtc_reasons
 
 from .choices import lookup
 from .wna16 import _num_sms, dequantize_groups
@@ -69,12 +70,9 @@ def mma_blocker(k: int, n: int, group_size: int, dtype: torch.dtype) -> "str | N
 
 def runtime_blocker(device: torch.device) -> "str | None":
     """Why the kernel cannot run on ``device`` (None if it can)."""
-    if device.type != "cuda":
-        return "needs a CUDA device (the kernel is CUDA C++ compiled by NVRTC)"
-    try:
-        import cupy  # noqa: F401  (only whether it imports)
-    except Exception as e:
-        return f"needs CuPy (pip install kvforge[gpu]): {type(e).__name__}"
+    reasons = nvrtc_reasons(device, "the kernel is")
+    if reasons:
+        return reasons[0]
     if torch.cuda.get_device_capability(device) < (8, 0):
         return "needs compute capability 8.0 or newer (bf16 mma.sync)"
     return None
@@ -172,18 +170,17 @@ def mma_gemm(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: 
     if 8 * cfg["NB"] < m or cfg["TW"] not in (1, 2, 4) or cfg["WARPS"] < 1 or cfg["S"] < 1:
         raise ValueError(f"w4 mma GEMM: config {cfg} does not cover M {m} (needs 8 * NB >= M, TW in 1/2/4, "
                          "WARPS >= 1, S >= 1)")
-    gc = group_size // 64
     ctas_n, cps, splits = plan(m, n, k, group_size, cfg, _num_sms(x.device.index or 0))
     smem = m * (cps * 64 + 8) * x.element_size() if cfg["XS"] else 0
-    if smem > _smem_limit(x.device):
+    if smem and smem > _smem_limit(x.device):  # (the device query only for configs that ask for it)
         cfg["XS"], smem = 0, 0
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     ws = cnt = out
     if splits > 1:
         ws = torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
         cnt = arrival_counters(ctas_n, x.device)
-    kernels().gemm(x, words, scales, zeros, out, ws, cnt, n=n, group_chunks=gc, chunks_per_split=cps, splits=splits,
-            cfg=cfg, smem=smem)
+    kernels().gemm(x, words, scales, zeros, out, ws, cnt, n=n, group_chunks=group_size // 64, chunks_per_split=cps,
+                   splits=splits, cfg=cfg, smem=smem)
     return out
 
 
