@@ -89,6 +89,11 @@ def run_one(args) -> dict:
         return dt
 
     timed_decode(args.batch, 8)  # warm-up (allocator, graphs, caches)
+    if args.profile_dir:  # traces of a few decode steps per batch size, then the usual timing
+        for b in (args.batch, 1):
+            engine.start_profile(os.path.join(args.profile_dir, f"tp{tp}_b{b}"))
+            timed_decode(b, args.profile_steps)
+            engine.stop_profile()
     thr = [args.batch * args.decode_steps / timed_decode(args.batch, args.decode_steps) for _ in range(args.repeats)]
     timed_decode(1, 8)
     tpot = [timed_decode(1, args.decode_steps) / args.decode_steps for _ in range(args.repeats)]
@@ -116,6 +121,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--async-scheduling", choices=["auto", "true", "false"], default="auto",
                    help="scheduler.async_scheduling (auto: on for CUDA, TP > 1 included)")
     p.add_argument("--output-json")
+    p.add_argument("--profile-dir", help="also write torch.profiler traces of --profile-steps decode steps at "
+                   "batch --batch and 1 to DIR/tp{N}_b{B}/ (driver.json, rank{R}.json; "
+                   "benchmarks/trace_summary.py reads them)")
+    p.add_argument("--profile-steps", type=int, default=24)
     p.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child is not None:

@@ -128,6 +128,11 @@ class ParallelConfig(_Section):
                                  "declared hung and the engine fails.")
     ray_address: str | None = Field(None, description="Ray cluster to join (default: RAY_ADDRESS, a running "
                                                       "local cluster, or a new local one).")
+    sample_on_worker: bool | None = Field(
+        None, description="With the mp executor, async scheduling and one pipeline stage, sample on the output "
+                          "worker and keep the sampled tokens on the GPUs for the next step (the driver gets token "
+                          "ids, not logits); steps with penalties or prompt logprobs still sample on the driver. "
+                          "None: on for CUDA.")
 
     @property
     def world_size(self) -> int:

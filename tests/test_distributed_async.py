@@ -75,7 +75,9 @@ def _free(engine, tag: str) -> None:
     assert a.num_free_blocks == a.num_blocks, f"{tag}: {a.num_blocks - a.num_free_blocks} KV blocks still held"
 
 
-@pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2)], ids=["tp2", "pp2"])
+@pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2),
+                                    dict(tensor_parallel_size=2, sample_on_worker=True)],
+                         ids=["tp2", "pp2", "tp2-worker-sampling"])
 def test_async_multi_rank_matches_sync_single_process(layout):
     seed = urandom_seed()
     tag = f"[{layout} seed {seed}]"
@@ -87,6 +89,9 @@ def test_async_multi_rank_matches_sync_single_process(layout):
         got = _run(engine, reqs)
         _same(got, ref, tag)
         assert engine._overlap.num_overlapped_steps > 10, f"{tag}: steps did not overlap"
+        on_worker = engine.executor.num_steps_sampled_on_worker
+        expect = layout.get("sample_on_worker", engine.executor.device.type == "cuda") and "tensor_parallel_size" in layout
+        assert (on_worker > 10) == expect, f"{tag}: {on_worker} steps sampled on workers"
         _free(engine, tag)
         # A penalty makes every step synchronous while it is live; the others still match.
         pen = reqs + [(reqs[0][0], SamplingParams(temperature=0, max_tokens=15, repetition_penalty=1.3))]
@@ -97,12 +102,14 @@ def test_async_multi_rank_matches_sync_single_process(layout):
         engine.executor.shutdown()
 
 
-def test_async_tp_abort_while_a_step_is_in_flight():
+@pytest.mark.parametrize("on_worker", [False, True], ids=["driver-sampling", "worker-sampling"])
+def test_async_tp_abort_while_a_step_is_in_flight(on_worker):
     seed = urandom_seed()
     tag = f"[seed {seed}]"
     reqs = _requests(random.Random(seed))
     ref = _run(LLMEngine.from_kwargs(STORIES_MODEL, **COMMON, async_scheduling=False), reqs)
-    engine = LLMEngine.from_kwargs(STORIES_MODEL, **COMMON, tensor_parallel_size=2, async_scheduling=True)
+    engine = LLMEngine.from_kwargs(STORIES_MODEL, **COMMON, tensor_parallel_size=2, async_scheduling=True,
+                                   sample_on_worker=on_worker)
     try:
         got = _run(engine, reqs, abort_at=9)
         _same(got, ref, tag, skip={"r5"})
@@ -168,8 +175,47 @@ def test_async_tp_sampling_failure_fails_its_requests_and_the_engine_goes_on(mon
         engine.executor.shutdown()
 
 
+def test_worker_sampling_failure_fails_its_requests_and_the_engine_goes_on(monkeypatch):
+    """The output worker fails to sample a step (injected on its third sampling call). The
+    step's requests end with an error naming it, the step that already used its (zero)
+    tokens still runs, every rank stays in step, and the next requests are served
+    normally (same tokens as one process); no block is held."""
+    from kvforge.distributed.worker_sampling import FAIL_ENV
+    seed = urandom_seed()
+    tag = f"[seed {seed}]"
+    reqs = _requests(random.Random(seed))[:3]
+    ref = _run(LLMEngine.from_kwargs(STORIES_MODEL, **COMMON, async_scheduling=False), reqs)
+    from kvforge.distributed.mp import START_METHOD_ENV
+    monkeypatch.setenv(FAIL_ENV, "3")  # read by the workers when they start...
+    monkeypatch.setenv(START_METHOD_ENV, "spawn")  # ...from this environment (a forkserver has an older one)
+    engine = LLMEngine.from_kwargs(STORIES_MODEL, **COMMON, tensor_parallel_size=2, async_scheduling=True,
+                                   sample_on_worker=True)
+    try:
+        engine.add_request("x", STORY_OPENINGS[0], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        engine.add_request("y", STORY_OPENINGS[1], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+        outs, steps = {}, 0
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if o.finished:
+                    outs[o.request_id] = o
+            steps += 1
+            assert steps < 200, f"{tag}: requests never finished"
+        for rid in ("x", "y"):
+            out = outs[rid]
+            assert out.outputs[0].finish_reason == "error", (tag, rid, out)
+            assert "injected worker sampling failure" in out.error, (tag, rid, out.error)
+            assert -1 not in out.outputs[0].token_ids, tag
+        _free(engine, tag + " after the failure")
+        assert engine.executor.dead is None, tag
+        _same(_run(engine, reqs), ref, tag + " after the failure")
+        _free(engine, tag + " at the end")
+    finally:
+        engine.executor.shutdown()
+
+
+@pytest.mark.parametrize("on_worker", [False, True], ids=["driver-sampling", "worker-sampling"])
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
-def test_async_tp_preemption_keeps_outputs(mode):
+def test_async_tp_preemption_keeps_outputs(mode, on_worker):
     """Too few KV blocks for the batch: requests are preempted (swapped to CPU or
     recomputed) while steps are in flight; greedy outputs still match one process."""
     kw = dict(COMMON, num_gpu_blocks=14, **{"scheduler.settings.preemption_mode": mode})
@@ -178,7 +224,8 @@ def test_async_tp_preemption_keeps_outputs(mode):
     sp = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     reqs = [(p, sp) for p in STORY_OPENINGS[:6]]
     ref = _run(LLMEngine.from_kwargs(STORIES_MODEL, **kw, async_scheduling=False), reqs)
-    engine = LLMEngine.from_kwargs(STORIES_MODEL, **kw, tensor_parallel_size=2, async_scheduling=True)
+    engine = LLMEngine.from_kwargs(STORIES_MODEL, **kw, tensor_parallel_size=2, async_scheduling=True,
+                                   sample_on_worker=on_worker)
     try:
         got = _run(engine, reqs)
         _same(got, ref, f"[{mode}]")

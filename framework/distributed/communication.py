@@ -41,6 +41,16 @@ def tp_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return out.movedim(0, dim).reshape(tuple(x.shape[:dim]) + (tp * x.shape[dim],) + tuple(x.shape[dim + 1:]))
 
 
+def tp_broadcast(x: torch.Tensor, src_tp_rank: int = 0) -> torch.Tensor:
+    """Overwrite ``x`` on every tensor-parallel rank with tensor-parallel rank ``src_tp_rank``'s
+    (in place; returns ``x``). Shapes and dtypes must agree on all ranks."""
+    if ps.get_tp_size() == 1:
+        return x
+    group = ps.get_tp_group()
+    dist.broadcast(x, src=dist.get_global_rank(group, src_tp_rank), group=group)
+    return x
+
+
 def ep_all_to_all(x: torch.Tensor, send_counts: list[int], recv_counts: list[int]) -> torch.Tensor:
     """Rows ``x[sum(send_counts[:r]) : ...]`` go to expert-parallel rank ``r``; returns the rows
     received from every rank, concatenated in rank order (``sum(recv_counts)`` rows).

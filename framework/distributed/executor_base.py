@@ -26,8 +26,10 @@ from abc import abstractmethod
 from typing import Any
 
 import torch
+from torch.profiler import record_function
 
 from kvforge.distributed.protocol import encode_step
+from kvforge.distributed.worker_sampling import ParamsTable
 from kvforge.engine.executor import Executor
 
 log = logging.getLogger("kvforge.distributed")
@@ -61,14 +63,19 @@ class _WorkerRunner:
     def execute(self, so, prev_tokens=None, prev_rows=None):
         return self._ex.execute(so, prev_tokens, prev_rows)
 
-    def execute_deferred(self, so, prev_tokens=None, prev_rows=None) -> "PendingExecute":
-        return self._ex.execute_deferred(so, prev_tokens, prev_rows)
+    def execute_deferred(self, so, prev_tokens=None, prev_rows=None, sample_on_worker=False) -> "PendingExecute":
+        return self._ex.execute_deferred(so, prev_tokens, prev_rows, sample_on_worker)
 
     @property
     def accepts_late_tokens(self) -> bool:
         """Whether :meth:`execute_deferred` may be called before the previous step's
         tokens exist (then :meth:`deliver_tokens` sends them)."""
         return self._ex.accepts_late_tokens
+
+    @property
+    def samples_on_worker(self) -> bool:
+        """Whether :meth:`execute_deferred` may have the workers sample (``parallel.sample_on_worker``)."""
+        return self._ex.samples_on_worker
 
     def deliver_tokens(self, tokens) -> None:
         self._ex.deliver_tokens(tokens)
@@ -122,6 +129,13 @@ class DistributedExecutor(Executor):
         self._out_buf: torch.Tensor | None = None
         self._in_flight = 0  # execute calls sent and not yet received (in order)
         self._tokens_owed = False  # the last step sent waits for the previous step's tokens
+        par = config.parallel
+        self.samples_on_worker = (self.accepts_late_tokens and par.pipeline_parallel_size == 1
+                                  and (par.sample_on_worker if par.sample_on_worker is not None
+                                       else device.type == "cuda"))
+        self._params = ParamsTable(capacity=max(4096, 4 * config.scheduler.max_num_seqs))
+        self._last_sampled_on_worker = False  # the last step sent: its tokens stay on the GPUs
+        self.num_steps_sampled_on_worker = 0
 
     # -- transport (subclasses) ---------------------------------------------------------
     @abstractmethod
@@ -179,7 +193,7 @@ class DistributedExecutor(Executor):
             self._mark_dead(e)
             raise
         self._in_flight += 1
-        self._tokens_owed = len(msg.ph_pos) > 0
+        self._tokens_owed = len(msg.ph_pos) > 0 and not msg.ph_on_device
         return handle
 
     def _recv_step(self, handle: Any) -> list[Any]:
@@ -200,7 +214,8 @@ class DistributedExecutor(Executor):
         if self.dead is not None:
             return
         try:
-            self._send_tokens(tokens.cpu().numpy())
+            with record_function("kvforge.send_tokens"):
+                self._send_tokens(tokens.cpu().numpy())
         except BaseException as e:
             self._mark_dead(e)
             raise
@@ -218,6 +233,12 @@ class DistributedExecutor(Executor):
                 self._kill_workers()
             except Exception:  # noqa: BLE001
                 log.exception("could not stop the workers")
+
+    def start_profile(self, out_dir: str) -> None:
+        self.call_all("start_profile", out_dir)
+
+    def stop_profile(self) -> list[str]:
+        return [p for p in self.call_all("stop_profile") if p]
 
     def load_model(self, timeout: float) -> list[dict]:
         """Every rank builds its model shard; returns their reports."""
@@ -238,30 +259,53 @@ class DistributedExecutor(Executor):
         return self.execute_deferred(so, prev_tokens, prev_rows).wait()
 
     def execute_deferred(self, so, prev_tokens: torch.Tensor | None = None,
-                         prev_rows: dict[str, int] | None = None) -> PendingExecute:
+                         prev_rows: dict[str, int] | None = None,
+                         sample_on_worker: bool = False) -> PendingExecute:
         """As :meth:`execute`, but return once the step is sent: the workers run it while
-        the caller works; :meth:`PendingExecute.wait` collects the logits."""
+        the caller works; :meth:`PendingExecute.wait` collects the logits.
+
+        ``sample_on_worker`` asks the workers to sample the step themselves when
+        :attr:`samples_on_worker` and nothing in it needs the driver (prompt logprobs, draft
+        verification); the caller vouches that no request's sampling reads its token
+        history (penalties). The output then carries ``sampled`` instead of logits, and the
+        workers keep the tokens for the next step's placeholders."""
         host = prev_tokens.tolist() if prev_tokens is not None else None
         msg, plan = encode_step(so, self.allocator, host, prev_rows)
         if len(msg.ph_pos) and not self.accepts_late_tokens:
             raise RuntimeError("this executor needs the previous step's tokens to send a step with placeholders")
+        msg.ph_on_device = bool(len(msg.ph_pos)) and self._last_sampled_on_worker
+        if (sample_on_worker and self.samples_on_worker and plan.num_sample_rows
+                and plan.num_sample_rows == len(plan.sample_requests) and not plan.prompt_slices):
+            # Counts before this step's token (its placeholder is appended after the launch).
+            msg.sample = self._params.encode(plan.sample_requests,
+                                             [len(r.output_token_ids) for r in plan.sample_requests])
         handle = self._send_step(msg)
+        self._last_sampled_on_worker = msg.sample is not None
+        self.num_steps_sampled_on_worker += self._last_sampled_on_worker
         return PendingExecute(plan.sample_requests, lambda: self._finish_execute(handle, plan),
                               bool(plan.prompt_slices))
 
     def _finish_execute(self, handle: Any, plan):
         from kvforge.engine.model_runner import ExecuteOutput
-        res = self._recv_step(handle)
-        n, data, slot = res[self.output_rank]
+        with record_function("kvforge.recv_step"):
+            res = self._recv_step(handle)
+        out = res[self.output_rank]
+        k = plan.num_sample_rows
+        if out[0] == "sampled":
+            empty = torch.empty((0, 0), dtype=torch.float32, device=self.device)
+            return ExecuteOutput(empty, plan.sample_requests, {}, sampled=out[1])
+        if out[0] == "sample_error":
+            raise RuntimeError(f"sampling on the output worker failed: {out[1]}")
+        n, data, slot = out
         if data is not None:
             logits = torch.from_numpy(data if data.flags.writeable else data.copy()).to(self.device)
         elif n:
-            logits = self._out_buf[slot, :n].to(self.device, copy=True)
-            if self.device.type == "cuda":
-                torch.cuda.current_stream(self.device).synchronize()  # read before the buffer is reused
+            with record_function("kvforge.copy_logits"):
+                logits = self._out_buf[slot, :n].to(self.device, copy=True)
+                if self.device.type == "cuda":
+                    torch.cuda.current_stream(self.device).synchronize()  # read before the buffer is reused
         else:
             logits = torch.empty((0, 0), dtype=torch.float32, device=self.device)
-        k = plan.num_sample_rows
         sample = logits[:k] if k else torch.empty((0, 0), dtype=torch.float32, device=self.device)
         prompt = {rid: (first, logits[k + off:k + off + cnt]) for rid, first, off, cnt in plan.prompt_slices}
         return ExecuteOutput(sample, plan.sample_requests, prompt)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from kvforge.distributed.worker_sampling import WorkerSample
 from kvforge.engine.step_inputs import build_attention_inputs
 from kvforge.interfaces import AttentionInputs
 
@@ -39,6 +40,10 @@ class StepMessage:
             ``tokens[ph_pos[i]]`` is the previous step's sampled token of row ``ph_row[i]``,
             which the driver sends as a ``("tokens", array)`` message once it has sampled
             it (see :meth:`kvforge.distributed.worker.Worker.execute`); empty otherwise.
+        ph_on_device: the previous step was sampled on the workers, whose GPUs hold its
+            tokens: the placeholders are filled from there and no tokens message follows.
+        sample: set when the output worker samples this step's sampling rows itself
+            (:mod:`kvforge.distributed.worker_sampling`) and returns token ids, not logits.
     """
 
     tokens: np.ndarray
@@ -51,6 +56,8 @@ class StepMessage:
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     ph_pos: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     ph_row: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    ph_on_device: bool = False
+    sample: WorkerSample | None = None
 
 
 @dataclass

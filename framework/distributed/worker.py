@@ -16,13 +16,35 @@ import torch
 import transformers.configuration_utils  # noqa: F401 - heavy lazy imports, done once by a forkserver
 import transformers.models.auto.configuration_auto  # noqa: F401
 import transformers.utils.type_validators  # noqa: F401 - (what every model config module imports)
+from torch.profiler import record_function
 from transformers import AutoConfig
 
 from kvforge.distributed import parallel_state as ps
 from kvforge.distributed.communication import pp_isend, pp_recv
+from kvforge.distributed.profiling import TraceProfiler
 from kvforge.distributed.protocol import StepMessage, build_micro_batches
 
 log = logging.getLogger("kvforge.worker")
+
+
+class SampledStep:
+    """The output rank's result of a step sampled on the worker: the tokens (and logprobs)
+    on their way to the host. The mp transport replies with :meth:`finalize` once
+    :meth:`ready` (after starting the next step, so the GPU does not wait for the reply)."""
+
+    def __init__(self, pending, error: str | None) -> None:
+        self.pending = pending
+        self.error = error
+
+    def ready(self) -> bool:
+        """Whether the host copy has finished (never blocks)."""
+        return self.pending is None or self.pending.ready()
+
+    def finalize(self) -> tuple:
+        """``("sampled", SamplerOutput)`` or ``("sample_error", message)``; waits for the copy."""
+        if self.error is not None:
+            return ("sample_error", self.error)
+        return ("sampled", self.pending.result())
 
 
 class Worker:
@@ -50,6 +72,9 @@ class Worker:
         # Set by a transport that delivers a step's placeholder tokens apart from the step
         # (mp): returns the previous step's sampled tokens (int64 numpy).
         self.receive_tokens = None
+        self.profiler = TraceProfiler()
+        self.sampler = None  # WorkerSampler on the output rank (parallel.sample_on_worker)
+        self.prev_tokens: torch.Tensor | None = None  # int64 [R] last worker-sampled step's tokens
 
     # -- build --------------------------------------------------------------------------
     def load_model(self) -> dict[str, Any]:
@@ -133,6 +158,9 @@ class Worker:
                                           min(cfg.scheduler.max_num_seqs, 512), self.max_model_len, bs,
                                           scratch_block=num_blocks, device=self.device)
             self.graphs.capture()
+        if self.is_output_rank and self.state.pp_size == 1:
+            from kvforge.distributed.worker_sampling import WorkerSampler
+            self.sampler = WorkerSampler(self.hf_config.vocab_size, self.device, cfg.model.seed)
         if share_output and self.is_output_rank:
             rows = max(cfg.scheduler.max_num_seqs, 1)
             self.out_buf = torch.empty(2, rows, self.hf_config.vocab_size, dtype=torch.float32, device=self.device)
@@ -164,47 +192,90 @@ class Worker:
         st = self.state
         par = self.config.parallel
         num_mb = (par.pipeline_micro_batches or st.pp_size) if st.pp_size > 1 else 1
-        mbs = build_micro_batches(msg, num_mb, self.config.cache.block_size, self.device)
+        # The ranges name the phases in a profile (distributed/profiling.py); ~1 us each otherwise.
+        with record_function("kvforge.build_inputs"):
+            mbs = build_micro_batches(msg, num_mb, self.config.cache.block_size, self.device)
         if len(msg.ph_pos):
-            self._fill_placeholders(msg, mbs)
+            with record_function("kvforge.wait_tokens"):
+                self._fill_placeholders(msg, mbs)  # from this GPU (ph_on_device) or the driver
         n_rows = len(msg.rows)
         logits = None
         if st.pp_size == 1:
             mb = mbs[0]
             hidden = None
-            if self.graphs is not None and mb.inputs.max_query_len == 1:
-                hidden = self.graphs.run(mb.input_ids, mb.positions, mb.inputs)
-            if hidden is None:
-                meta = ForwardMetadata(self.backend.build_metadata(mb.inputs), self.kv_caches)
-                hidden = self.model(mb.input_ids, mb.positions, meta)
-            if n_rows:
-                logits = self.model.compute_logits(hidden[mb.row_idx])
+            with record_function("kvforge.forward"):
+                if self.graphs is not None and mb.inputs.max_query_len == 1:
+                    hidden = self.graphs.run(mb.input_ids, mb.positions, mb.inputs)
+                if hidden is None:
+                    meta = ForwardMetadata(self.backend.build_metadata(mb.inputs), self.kv_caches)
+                    hidden = self.model(mb.input_ids, mb.positions, meta)
+                if n_rows:
+                    logits = self.model.compute_logits(hidden[mb.row_idx])
         else:
             logits = self._pipeline(mbs, n_rows)
+        if msg.sample is not None:
+            return self._sample(msg, logits)
         if not self.is_output_rank:
             return None
         if logits is None:
             return (0, None, 0)
         if self.out_buf is not None and n_rows <= self.out_buf.shape[1]:
             slot, self._slot = self._slot, 1 - self._slot
-            self.out_buf[slot, :n_rows].copy_(logits)
-            if self.device.type == "cuda":
-                torch.cuda.current_stream(self.device).synchronize()
+            with record_function("kvforge.logits_out"):
+                self.out_buf[slot, :n_rows].copy_(logits)
+                if self.device.type == "cuda":
+                    torch.cuda.current_stream(self.device).synchronize()
             return (n_rows, None, slot)
         return (n_rows, logits.float().cpu().numpy(), 0)
 
     def _fill_placeholders(self, msg: StepMessage, mbs) -> None:
         """Wait for the previous step's sampled tokens and write them into the placeholder
         input ids (on the device)."""
-        if self.receive_tokens is None:
-            raise RuntimeError("a step with placeholder tokens, but this transport does not deliver them")
-        prev = self.receive_tokens()
-        vals = torch.from_numpy(np.ascontiguousarray(prev[msg.ph_row], dtype=np.int64))
+        from kvforge.engine.host_staging import upload
+        if msg.ph_on_device:
+            if self.prev_tokens is None:
+                raise RuntimeError("placeholders on the device, but no step was sampled on the workers")
+            vals = None  # gathered from this GPU's tokens below (pinned uploads only: no host wait)
+        else:
+            if self.receive_tokens is None:
+                raise RuntimeError("a step with placeholder tokens, but this transport does not deliver them")
+            prev = self.receive_tokens()
+            vals = np.ascontiguousarray(prev[msg.ph_row], dtype=np.int64)
         for mb in mbs:
-            sel = (msg.ph_pos >= mb.token_start) & (msg.ph_pos < mb.token_start + mb.num_tokens)
-            if sel.any():
-                idx = torch.from_numpy(msg.ph_pos[sel] - mb.token_start).to(self.device)
-                mb.input_ids[idx] = vals[torch.from_numpy(sel)].to(self.device)
+            sel = np.nonzero((msg.ph_pos >= mb.token_start) & (msg.ph_pos < mb.token_start + mb.num_tokens))[0]
+            if not len(sel):
+                continue
+            pos = msg.ph_pos[sel] - mb.token_start
+            if vals is None:
+                pos_t, row_t = upload([pos, msg.ph_row[sel]], self.device)
+                mb.input_ids[pos_t] = self.prev_tokens[row_t]
+            else:
+                pos_t, val_t = upload([pos, vals[sel]], self.device)
+                mb.input_ids[pos_t] = val_t
+
+    def _sample(self, msg: StepMessage, logits: torch.Tensor | None) -> "SampledStep | None":
+        """Sample the step's rows on the output rank and share the tokens with the other
+        tensor-parallel ranks (GPU broadcast), where the next step's placeholders read them.
+
+        A sampling error does not stop the replica: the rows get token 0 (so every rank
+        stays in step) and the driver fails the step's requests with the message."""
+        from kvforge.distributed.communication import tp_broadcast
+        ws = msg.sample
+        k = len(ws.handles)
+        pending, error = None, None
+        with record_function("kvforge.sample"):
+            if self.sampler is not None:
+                try:
+                    self.sampler.update(ws)
+                    pending = self.sampler.sample(logits[:k], ws)
+                    tokens = pending.token_ids
+                except Exception as e:  # noqa: BLE001 - reported to the driver, per step
+                    error = f"{type(e).__name__}: {e}"
+                    tokens = torch.zeros(k, dtype=torch.int64, device=self.device)
+            else:
+                tokens = torch.empty(k, dtype=torch.int64, device=self.device)
+            self.prev_tokens = tp_broadcast(tokens, 0)
+        return SampledStep(pending, error) if self.is_output_rank else None
 
     def _pipeline(self, mbs, n_rows: int) -> torch.Tensor | None:
         """GPipe forward over the micro-batches: receive a micro-batch's activations from the
@@ -233,6 +304,15 @@ class Worker:
             w.wait()
         return logits
 
+    def start_profile(self, out_dir: str) -> None:
+        """Start this rank's torch.profiler (``LLM.start_profile``)."""
+        self.profiler.start(out_dir, f"rank{self.rank}")
+
+    def stop_profile(self) -> str | None:
+        """Stop it; returns the trace written (``<dir>/rank{R}.json``), None if not started."""
+        return self.profiler.stop()
+
     def shutdown(self) -> None:
+        self.profiler.stop()
         ps.destroy_parallel_state()
 

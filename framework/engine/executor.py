@@ -38,6 +38,14 @@ class Executor(ABC):
     def check_health(self) -> None:
         """Raise if the executor cannot run another step (e.g. a worker died)."""
 
+    def start_profile(self, out_dir: str) -> None:
+        """Start torch.profiler in every process of the model (the workers, if any);
+        the driver's own profiler is the engine's (:meth:`LLMEngine.start_profile`)."""
+
+    def stop_profile(self) -> list[str]:
+        """Stop the workers' profilers; returns the trace files written."""
+        return []
+
     @abstractmethod
     def shutdown(self) -> None:
         """Release workers and devices (idempotent)."""

@@ -73,6 +73,7 @@ class LLMEngine:
         # any is live, async scheduling waits for each step's tokens before the next.
         self._needs_history: set[str] = set()
         self._overlap = None
+        self._profiler = None  # TraceProfiler while start_profile is on
         if self.config.scheduler.async_scheduling:
             from kvforge.engine.overlap import OverlapStepper
             self._overlap = OverlapStepper(self)
@@ -197,6 +198,39 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.outputs.parents) or bool(self._pending)
+
+    # -- profiling ----------------------------------------------------------------------
+    def start_profile(self, out_dir: str | None = None) -> None:
+        """Start torch.profiler in this process and in every worker (vLLM's ``start_profile``).
+
+        ``out_dir`` (default ``$KVFORGE_TORCH_PROFILER_DIR``) receives, at :meth:`stop_profile`,
+        one Chrome trace per process: ``driver.json``, and ``rank{R}.json`` per worker. A step
+        still in flight (async scheduling) is finished first; its outputs come with the next
+        ``step()``.
+
+        Raises:
+            ValueError: no directory given or set.
+            RuntimeError: already profiling.
+        """
+        from kvforge.distributed.profiling import TraceProfiler, resolve_dir
+        out_dir = resolve_dir(out_dir)
+        if self._profiler is not None and self._profiler.active:
+            raise RuntimeError("start_profile: the profiler is already running (call stop_profile first)")
+        if self._overlap is not None:
+            self._overlap.drain()  # worker calls wait for no step in flight
+        self._profiler = TraceProfiler()
+        self.executor.start_profile(out_dir)
+        self._profiler.start(out_dir, "driver")
+
+    def stop_profile(self) -> list[str]:
+        """Stop every profiler started by :meth:`start_profile`; returns the trace files
+        written (driver first). Does nothing when none runs."""
+        if self._profiler is None or not self._profiler.active:
+            return []
+        if self._overlap is not None:
+            self._overlap.drain()
+        paths = [self._profiler.stop()]
+        return paths + self.executor.stop_profile()
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.outputs.parents)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -21,12 +22,15 @@ class ExecuteOutput:
     last token's position, then each draft's). ``prompt_logits`` request_id -> (first
     prompt position predicted, float32 [P, V]) for requests asking prompt_logprobs.
     ``hidden_states`` [N, hidden_size]: the final hidden states of the same rows, only
-    when ``ModelRunner.return_hidden_states`` is set (EAGLE-style drafters)."""
+    when ``ModelRunner.return_hidden_states`` is set (EAGLE-style drafters).
+    ``sampled``: a :class:`~kvforge.engine.sampler.SamplerOutput` when the workers sampled
+    the step themselves (``parallel.sample_on_worker``); ``logits`` is then empty."""
 
     logits: torch.Tensor
     sample_requests: list[Request]
     prompt_logits: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
     hidden_states: torch.Tensor | None = None
+    sampled: Any = None
 
 
 def swap_blocks(kv_caches: list[torch.Tensor], cpu_caches: list[torch.Tensor], block_dim: int,

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.profiler import record_function
 
 from kvforge.engine.outputs import RequestOutput
 from kvforge.engine.request import (
@@ -57,6 +58,18 @@ from kvforge.engine.request import (
 )
 from kvforge.engine.sampler import PendingSamplerOutput
 from kvforge.interfaces import SchedulerOutput
+
+
+class SampledOnWorker:
+    """A step the workers sampled: its :class:`~kvforge.engine.sampler.SamplerOutput`
+    arrived with the step (the surface of ``PendingSamplerOutput`` the stepper uses)."""
+
+    def __init__(self, out) -> None:
+        self._out = out
+        self.token_ids = torch.tensor(out.sampled_token_ids, dtype=torch.int64)
+
+    def result(self):
+        return self._out
 
 
 @dataclass
@@ -91,7 +104,8 @@ class OverlapStepper:
             prev = self.inflight = None
         if prev is not None and prev.pending is not None and not getattr(e.runner, "accepts_late_tokens", False):
             prev = self.inflight = self._complete(prev, touched)  # its tokens go into the next step's message
-        so = e.scheduler.schedule()
+        with record_function("kvforge.schedule"):
+            so = e.scheduler.schedule()
         for req in so.finished:
             touched[req.parent_id] = None
         if e.spec is not None:
@@ -101,16 +115,19 @@ class OverlapStepper:
             if prev is not None and prev.pending is not None:  # workers take no other call meanwhile
                 prev = self.inflight = self._complete(prev, touched)
             e.runner.swap(so.swap_out, to_cpu=True)
-        launched = self._launch(so, prev, touched)
+        with record_function("kvforge.launch"):
+            launched = self._launch(so, prev, touched)
         if prev is not None:
-            prev = self._complete(prev, touched)  # (workers: N's logits, sampled; tokens sent on)
+            with record_function("kvforge.complete"):
+                prev = self._complete(prev, touched)  # (workers: N's logits, sampled; tokens sent on)
         if launched is not None and launched.pending is not None \
                 and (e._needs_history or launched.pending.has_prompt_logits):
             # Penalties read the generated ids, prompt logprobs go out with the request's
             # next output: receive and sample before this step's placeholders exist.
             launched = self._complete(launched, touched)
         if prev is not None:
-            self._process(prev, touched)
+            with record_function("kvforge.process"):
+                self._process(prev, touched)
         if so.scheduled:
             placeholder = [PLACEHOLDER_TOKEN_ID]
             sampled = {r.request_id: placeholder for r in launched.requests} if launched else {}
@@ -146,8 +163,10 @@ class OverlapStepper:
         prev_rows = prev.rows if prev is not None else None
         deferred = getattr(e.runner, "execute_deferred", None)
         if deferred is not None:  # workers: send now, receive in the next call
+            # The workers may sample it themselves unless sampling reads the token history.
+            on_worker = getattr(e.runner, "samples_on_worker", False) and not e._needs_history and e.spec is None
             try:
-                pend = deferred(so, prev_tokens, prev_rows)
+                pend = deferred(so, prev_tokens, prev_rows, on_worker)
             except Exception as err:
                 e._fail_step(so, err, touched)
                 return None
@@ -187,6 +206,9 @@ class OverlapStepper:
             e._record_prompt_logprobs(ex)
             if not ex.sample_requests:
                 return None
+            if ex.sampled is not None:  # sampled on the workers; they hold the tokens
+                sent.sample = SampledOnWorker(ex.sampled)
+                return sent
             sent.sample = e.sampler.sample_async(ex.logits, ex.sample_requests, sent.generated)
             if deliver is not None:
                 deliver(sent.sample.token_ids)
