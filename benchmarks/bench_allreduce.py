@@ -60,28 +60,42 @@ def _rank_main(rank: int, args, port: int) -> None:
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.world,
                             device_id=torch.device("cuda", rank))
     results = []
-    for rows in [int(r) for r in args.rows.split(",")]:
+    rows_list = [int(r) for r in args.rows.split(",")]
+    big, gname = None, None
+    if args.symm_mem:
+        try:  # one buffer for every size: each size uses a view of its first rows
+            import torch.distributed._symmetric_memory as symm_mem
+            gname = dist.group.WORLD.group_name
+            big = symm_mem.empty(max(rows_list), args.hidden, dtype=torch.bfloat16, device="cuda")
+            symm_mem.rendezvous(big, gname)
+        except Exception as e:  # noqa: BLE001 - reported; NCCL is still timed
+            big = None
+            if rank == 0:
+                print(f"symm_mem unavailable: {type(e).__name__}: {e}")
+    for rows in rows_list:
         x = torch.randn(rows, args.hidden, dtype=torch.bfloat16, device="cuda")
         ways = {"nccl": lambda: dist.all_reduce(x)}
-        if args.symm_mem:
-            try:
-                import torch.distributed._symmetric_memory as symm_mem
-                gname = dist.group.WORLD.group_name
-                buf = symm_mem.empty(rows, args.hidden, dtype=torch.bfloat16, device="cuda")
-                symm_mem.rendezvous(buf, gname)
-                out = torch.empty_like(x)
+        if big is not None:
+            buf = big[:rows]
+            out = torch.empty_like(x)
 
-                def one_shot():
-                    buf.copy_(x)
-                    torch.ops.symm_mem.one_shot_all_reduce_out(buf, "sum", gname, out)
+            def one_shot():
+                buf.copy_(x)
+                torch.ops.symm_mem.one_shot_all_reduce_out(buf, "sum", gname, out)
 
-                def two_shot():
-                    buf.copy_(x)
-                    torch.ops.symm_mem.two_shot_all_reduce_(buf, "sum", gname)
-                ways.update({"symm_mem one-shot": one_shot, "symm_mem two-shot": two_shot})
-            except Exception as e:  # noqa: BLE001 - reported; NCCL is still timed
-                if rank == 0:
-                    print(f"symm_mem unavailable: {type(e).__name__}: {e}")
+            def two_shot():
+                buf.copy_(x)
+                torch.ops.symm_mem.two_shot_all_reduce_(buf, "sum", gname)
+            # Correctness first: each must equal NCCL's sum (a view's offset must be honoured).
+            ref = x.clone()
+            dist.all_reduce(ref)
+            one_shot()
+            err1 = (out.float() - ref.float()).abs().max().item()
+            two_shot()
+            err2 = (buf.float() - ref.float()).abs().max().item()
+            if rank == 0:
+                print(f"rows {rows}: max |symm_mem - nccl| one-shot {err1:.3g}, two-shot {err2:.3g}")
+            ways.update({"symm_mem one-shot": one_shot, "symm_mem two-shot": two_shot})
         nbytes = x.numel() * x.element_size()
         for name, fn in ways.items():
             try:

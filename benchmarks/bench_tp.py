@@ -55,7 +55,9 @@ def run_one(args) -> dict:
         "max_num_seqs": max(args.batch, 1), "max_model_len": args.input_len + args.decode_steps + 64,
         "gpu_memory_utilization": args.gpu_memory_utilization, "enable_prefix_caching": False,
         "distributed_executor_backend": "mp" if tp > 1 else None,
-        **({} if args.async_scheduling == "auto" else {"async_scheduling": args.async_scheduling == "true"})})
+        **({} if args.async_scheduling == "auto" else {"async_scheduling": args.async_scheduling == "true"}),
+        **({} if args.sample_on_worker == "auto" else {"sample_on_worker": args.sample_on_worker == "true"}),
+        **({"attention_backend": args.attention_backend} if args.attention_backend else {})})
     t0 = time.perf_counter()
     engine = LLMEngine(cfg)
     build_s = time.perf_counter() - t0
@@ -64,7 +66,7 @@ def run_one(args) -> dict:
     sp = SamplingParams(temperature=0.0, max_tokens=args.decode_steps + 8, ignore_eos=True, detokenize=False)
     counter = [0]
 
-    def timed_decode(batch: int, steps: int) -> float:
+    def timed_decode(batch: int, steps: int, profile_dir: str | None = None) -> float:
         ids = []
         for _ in range(batch):
             rid = f"b{counter[0]}"
@@ -78,11 +80,15 @@ def run_one(args) -> dict:
                 if out.outputs and out.outputs[0].token_ids:
                     first.add(out.request_id)
         sync()
+        if profile_dir:
+            engine.start_profile(profile_dir)
         t = time.perf_counter()
         for _ in range(steps):
             engine.step()
         sync()
         dt = time.perf_counter() - t
+        if profile_dir:
+            engine.stop_profile()
         engine.abort_request(ids)
         while engine.has_unfinished_requests():
             engine.step()
@@ -90,10 +96,8 @@ def run_one(args) -> dict:
 
     timed_decode(args.batch, 8)  # warm-up (allocator, graphs, caches)
     if args.profile_dir:  # traces of a few decode steps per batch size, then the usual timing
-        for b in (args.batch, 1):
-            engine.start_profile(os.path.join(args.profile_dir, f"tp{tp}_b{b}"))
-            timed_decode(b, args.profile_steps)
-            engine.stop_profile()
+        for b in (args.batch, 1):  # decode steps only (after the prefill)
+            timed_decode(b, args.profile_steps, os.path.join(args.profile_dir, f"tp{tp}_b{b}"))
     thr = [args.batch * args.decode_steps / timed_decode(args.batch, args.decode_steps) for _ in range(args.repeats)]
     timed_decode(1, 8)
     tpot = [timed_decode(1, args.decode_steps) / args.decode_steps for _ in range(args.repeats)]
@@ -120,6 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--async-scheduling", choices=["auto", "true", "false"], default="auto",
                    help="scheduler.async_scheduling (auto: on for CUDA, TP > 1 included)")
+    p.add_argument("--sample-on-worker", choices=["auto", "true", "false"], default="auto",
+                   help="parallel.sample_on_worker (auto: on for CUDA with TP > 1)")
+    p.add_argument("--attention-backend", help="attention.backend (default: the engine's choice)")
     p.add_argument("--output-json")
     p.add_argument("--profile-dir", help="also write torch.profiler traces of --profile-steps decode steps at "
                    "batch --batch and 1 to DIR/tp{N}_b{B}/ (driver.json, rank{R}.json; "

@@ -52,6 +52,14 @@ def summarise(path: str, top: int) -> str:
         busy = _busy_us(spans)
         lines.append(f"  GPU busy {busy / 1e3:.2f} ms of {(ghi - glo) / 1e3:.2f} ms between its first and last "
                      f"kernel ({100 * busy / max(ghi - glo, 1e-9):.1f}%)")
+        gaps, end = [], None
+        for s0, e0 in sorted(spans):
+            if end is not None and s0 - end > 50:
+                gaps.append(s0 - end)
+            end = e0 if end is None else max(end, e0)
+        if gaps:
+            lines.append(f"  GPU idle gaps > 50 us: {len(gaps)}, total {sum(gaps) / 1e3:.2f} ms, "
+                         f"median {statistics.median(gaps):.0f} us")
         tot = sum(kernels.values())
         for name, d in sorted(kernels.items(), key=lambda kv: -kv[1])[:top]:
             lines.append(f"    {d / 1e3:8.2f} ms {100 * d / tot:5.1f}%  {name[:100]}")
