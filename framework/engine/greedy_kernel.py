@@ -26,7 +26,7 @@ from kvforge.layers.triton_ops import enabled, triton
 __all__ = ["greedy_sample", "greedy_sample_reference"]
 
 _BLOCK = 2048  # columns per loop iteration (fp32: 8 KB per row per iteration)
-_TARGET_PROGRAMS = 512  # enough programs to fill an H200's 132 SMs a few times over
+_TARGET_PROGRAMS = 1024  # enough programs to fill an H200's 132 SMs several times over
 
 
 def num_splits(n: int, v: int) -> int:
