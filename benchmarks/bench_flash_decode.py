@@ -39,7 +39,8 @@ PEAK_TBPS = 4.27
 DEV = torch.device("cuda")
 
 
-def case(batch: int, ctx: int, hq=32, hkv=8, d=128, bs=16, dtype=torch.bfloat16, sweep=False, knobs=False):
+def case(batch: int, ctx: int, hq=32, hkv=8, d=128, bs=16, dtype=torch.bfloat16, sweep=False, knobs=False,
+         triton_too=False):
     nblk = -(-ctx // bs)
     total = batch * nblk + 1
     perm = torch.randperm(total - 1)
@@ -81,10 +82,19 @@ def case(batch: int, ctx: int, hq=32, hkv=8, d=128, bs=16, dtype=torch.bfloat16,
         k_ms = triton.testing.do_bench_cudagraph(kernels_only, rep=300, return_mode="median")
     nbytes = batch * ctx * hkv * d * 2 * cache.element_size()
     tbps, g_tbps, k_tbps = (nbytes / (t * 1e-3) / 1e12 for t in (ms, g_ms, k_ms))
-    print(f"flash_decode batch {batch:3d} x ctx {ctx:6d}: eager {ms * 1e3:7.1f} us {tbps:5.2f} TB/s "
+    print(f"flash_decode batch {batch:3d} x ctx {ctx:6d} heads {hq}/{hkv}: eager {ms * 1e3:7.1f} us {tbps:5.2f} TB/s "
           f"({tbps / PEAK_TBPS:5.1%} of {PEAK_TBPS}); CUDA graph {g_ms * 1e3:7.1f} us {g_tbps:5.2f} TB/s "
           f"({g_tbps / PEAK_TBPS:5.1%}); kernels alone (graph, no KV write) {k_ms * 1e3:7.1f} us "
           f"{k_tbps:5.2f} TB/s  splits={splits} rel_err={err:.1e}")
+    if triton_too:  # the same step through triton_paged (one program per row and KV head, no split)
+        from kvforge_plugins.attention.triton_paged import TritonPagedBackend
+        tp = TritonPagedBackend()
+        tmd = tp.build_metadata(inputs)
+        with torch.cuda.stream(torch.cuda.Stream()):
+            t_ms = triton.testing.do_bench_cudagraph(lambda: tp.forward(layer, q, k, v, cache, tmd), rep=300,
+                                                     return_mode="median")
+        print(f"  triton_paged, same step: CUDA graph {t_ms * 1e3:7.1f} us "
+              f"{nbytes / (t_ms * 1e-3) / 1e12:5.2f} TB/s (flash_decode / triton_paged time {g_ms / t_ms:.2f})")
     if sweep:
         run_sweep(be, layer, q, k, v, cache, inputs, nbytes, knobs)
     return tbps
@@ -135,9 +145,12 @@ if __name__ == "__main__":
     ap.add_argument("--sweep", action="store_true", help="also time each case per plan knob")
     ap.add_argument("--sweep-knobs", action="store_true", help="with --sweep: also vary FILL/MIN_PARTITION_TOKENS")
     ap.add_argument("--cases", default="64x4096,1x32768,8x8192,256x1024", help="BATCHxCTX list")
+    ap.add_argument("--heads", default="32/8", help="HQ/HKV per GPU (a TP=2 rank of Llama-3-8B: 16/4)")
+    ap.add_argument("--triton-too", action="store_true", help="also time triton_paged on each case (CUDA graph)")
     args = ap.parse_args()
     random.seed(0)
     torch.manual_seed(0)
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
+    hq, hkv = map(int, args.heads.split("/"))
     for b, c in (tuple(map(int, bc.split("x"))) for bc in args.cases.split(",")):
-        case(b, c, sweep=args.sweep, knobs=args.sweep_knobs)
+        case(b, c, hq=hq, hkv=hkv, sweep=args.sweep, knobs=args.sweep_knobs, triton_too=args.triton_too)

@@ -21,6 +21,9 @@ def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
     The row-parallel layer's reduction (Megatron-LM, Shoeybi et al. 2019, sec. 3)."""
     if ps.get_tp_size() == 1:
         return x
+    fast = ps.get_state().fast_all_reduce
+    if fast is not None and fast.can_run(x):  # small CUDA messages: symmetric memory (NVLink)
+        return fast(x)
     dist.all_reduce(x, group=ps.get_tp_group())
     return x
 

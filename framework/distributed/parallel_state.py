@@ -37,6 +37,7 @@ class ParallelState:
     expert_parallel: bool
     device: torch.device
     backend: str
+    fast_all_reduce: Any = None  # SymmMemAllReduce for small TP all-reduces (None: NCCL/gloo only)
 
     @property
     def is_first_stage(self) -> bool:

@@ -106,6 +106,9 @@ class Worker:
                              "(its class lacks supports_pipeline_parallel)")
         self.hf_config = hf_config
         self.dtype = resolve_dtype(cfg.model.dtype, hf_config)
+        if self.state.tp_size > 1:  # collective: every rank of the TP group takes part
+            from kvforge.distributed.symm_mem_allreduce import build
+            self.state.fast_all_reduce = build(self.state.tp_group, device, self.dtype, par.all_reduce)
         stack = build_model_stack(registry, hf_config, model_spec, cfg.model.model, dtype=self.dtype, device=device,
                                   block_size=cfg.cache.block_size, attention=cfg.attention,
                                   quant_method=cfg.quantization.method, quant_settings=cfg.quantization.settings,
