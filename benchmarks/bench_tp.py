@@ -58,7 +58,7 @@ def run_one(args) -> dict:
         **({} if args.async_scheduling == "auto" else {"async_scheduling": args.async_scheduling == "true"}),
         **({} if args.sample_on_worker == "auto" else {"sample_on_worker": args.sample_on_worker == "true"}),
         **({"attention_backend": args.attention_backend} if args.attention_backend else {}),
-        "parallel.all_reduce": args.all_reduce})
+        **({"parallel.all_reduce": args.all_reduce} if args.all_reduce else {})})
     t0 = time.perf_counter()
     engine = LLMEngine(cfg)
     build_s = time.perf_counter() - t0
@@ -127,8 +127,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="scheduler.async_scheduling (auto: on for CUDA, TP > 1 included)")
     p.add_argument("--sample-on-worker", choices=["auto", "true", "false"], default="auto",
                    help="parallel.sample_on_worker (auto: on for CUDA with TP > 1)")
-    p.add_argument("--all-reduce", choices=["auto", "nccl", "symm_mem"], default="auto",
-                   help="parallel.all_reduce (auto: symmetric memory for small messages when available)")
+    p.add_argument("--all-reduce", choices=["auto", "nccl", "symm_mem"], default=None,
+                   help="parallel.all_reduce (default: the engine's)")
     p.add_argument("--attention-backend", help="attention.backend (default: the engine's choice)")
     p.add_argument("--output-json")
     p.add_argument("--profile-dir", help="also write torch.profiler traces of --profile-steps decode steps at "
