@@ -266,16 +266,17 @@ class DistributedExecutor(Executor):
 
         ``sample_on_worker`` asks the workers to sample the step themselves when
         :attr:`samples_on_worker` and nothing in it needs the driver (prompt logprobs, draft
-        verification); the caller vouches that no request's sampling reads its token
-        history (penalties). The output then carries ``sampled`` instead of logits, and the
-        workers keep the tokens for the next step's placeholders."""
+        verification, penalties, which read the token history). The output then carries
+        ``sampled`` instead of logits, and the workers keep the tokens for the next step's
+        placeholders."""
         host = prev_tokens.tolist() if prev_tokens is not None else None
         msg, plan = encode_step(so, self.allocator, host, prev_rows)
         if len(msg.ph_pos) and not self.accepts_late_tokens:
             raise RuntimeError("this executor needs the previous step's tokens to send a step with placeholders")
         msg.ph_on_device = bool(len(msg.ph_pos)) and self._last_sampled_on_worker
         if (sample_on_worker and self.samples_on_worker and plan.num_sample_rows
-                and plan.num_sample_rows == len(plan.sample_requests) and not plan.prompt_slices):
+                and plan.num_sample_rows == len(plan.sample_requests) and not plan.prompt_slices
+                and not any(r.sampling_params.reads_history for r in plan.sample_requests)):
             # Counts before this step's token (its placeholder is appended after the launch).
             msg.sample = self._params.encode(plan.sample_requests,
                                              [len(r.output_token_ids) for r in plan.sample_requests])
