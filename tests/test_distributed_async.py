@@ -191,16 +191,9 @@ def test_worker_sampling_failure_fails_its_requests_and_the_engine_goes_on(monke
     engine = LLMEngine.from_kwargs(STORIES_MODEL, **COMMON, tensor_parallel_size=2, async_scheduling=True,
                                    sample_on_worker=True)
     try:
-        engine.add_request("x", STORY_OPENINGS[0], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-        engine.add_request("y", STORY_OPENINGS[1], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
-        outs, steps = {}, 0
-        while engine.has_unfinished_requests():
-            for o in engine.step():
-                if o.finished:
-                    outs[o.request_id] = o
-            steps += 1
-            assert steps < 200, f"{tag}: requests never finished"
-        for rid in ("x", "y"):
+        outs = _run(engine, [(STORY_OPENINGS[0], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)),
+                             (STORY_OPENINGS[1], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))])
+        for rid in ("r0", "r1"):
             out = outs[rid]
             assert out.outputs[0].finish_reason == "error", (tag, rid, out)
             assert "injected worker sampling failure" in out.error, (tag, rid, out.error)
