@@ -28,7 +28,10 @@ def _busy_us(intervals: list[tuple[float, float]]) -> float:
 
 def summarise(path: str, top: int) -> str:
     with open(path) as f:
-        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+        data = json.load(f)
+    if not isinstance(data, dict) or "traceEvents" not in data:
+        return f"{os.path.basename(path)}: not a Chrome trace (no traceEvents), skipped"
+    events = [e for e in data["traceEvents"] if e.get("ph") == "X"]
     if not events:
         return f"{os.path.basename(path)}: no events"
     phases = defaultdict(list)
@@ -68,10 +71,10 @@ def summarise(path: str, top: int) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("dir", help="directory of *.json traces (one profiled engine)")
+    p.add_argument("dir", help="directory of *.json traces (one profiled engine), or one trace file")
     p.add_argument("--top", type=int, default=8, help="kernels listed per process")
     args = p.parse_args(argv)
-    paths = sorted(glob.glob(os.path.join(args.dir, "*.json")))
+    paths = [args.dir] if os.path.isfile(args.dir) else sorted(glob.glob(os.path.join(args.dir, "*.json")))
     if not paths:
         p.error(f"no *.json traces in {args.dir}")
     for path in paths:

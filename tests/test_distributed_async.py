@@ -175,6 +175,33 @@ def test_async_tp_sampling_failure_fails_its_requests_and_the_engine_goes_on(mon
         engine.executor.shutdown()
 
 
+def test_worker_sampling_sees_a_reused_params_object_changed_between_calls():
+    """The workers cache params by object; the engine snapshots each request's params, so a
+    caller that changes and reuses its SamplingParams gets the new behaviour (a fresh
+    user's finding: the worker kept sampling with the object's first values)."""
+    from kvforge import LLM
+    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    single = LLM(STORIES_MODEL, dtype="float32", num_gpu_blocks=64)
+    tp = LLM(STORIES_MODEL, dtype="float32", num_gpu_blocks=64, tensor_parallel_size=2, async_scheduling=True,
+             sample_on_worker=True)
+    try:
+        def both():
+            a = single.generate([STORY_OPENINGS[0]], sp, use_tqdm=False)[0].outputs[0].token_ids
+            b = tp.generate([STORY_OPENINGS[0]], sp, use_tqdm=False)[0].outputs[0].token_ids
+            assert a == b, (a, b)
+            return a
+        first = both()
+        sp.logit_bias = {first[3]: -100.0}  # a new dict: bans the fourth greedy token
+        assert first[3] not in both()
+        sp.logit_bias[first[0]] = -100.0    # the same dict, changed in place
+        assert first[0] not in both()
+        sp.temperature, sp.seed = 1.0, 3
+        both()
+        assert tp.llm_engine.executor.num_steps_sampled_on_worker > 10
+    finally:
+        tp.llm_engine.executor.shutdown()
+
+
 def test_worker_sampling_failure_fails_its_requests_and_the_engine_goes_on(monkeypatch):
     """The output worker fails to sample a step (injected on its third sampling call). The
     step's requests end with an error naming it, the step that already used its (zero)

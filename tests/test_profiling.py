@@ -41,6 +41,25 @@ def test_profile_tp2_writes_a_trace_per_process_with_the_step_phases(tmp_path):
     assert "kvforge.forward" in text and "traced span" in text
 
 
+def test_profile_bad_directory_is_refused_and_tp_engine_keeps_serving(tmp_path, monkeypatch):
+    """A directory that cannot be created is refused on the driver (ValueError) before any
+    worker is asked; a relative one is made absolute, so the workers (another working
+    directory) write beside the driver."""
+    llm = LLM(STORIES_MODEL, tensor_parallel_size=2, dtype="float32", num_gpu_blocks=64)
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    ref = llm.generate(STORY_OPENINGS[:2], sp, use_tqdm=False)
+    with pytest.raises(ValueError, match="cannot create"):
+        llm.start_profile("/proc/kvforge_cannot_be_here")
+    assert llm.llm_engine.executor.dead is None
+    monkeypatch.chdir(tmp_path)
+    llm.start_profile("rel")
+    outs = llm.generate(STORY_OPENINGS[:2], sp, use_tqdm=False)
+    paths = llm.stop_profile()
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
+    assert all(os.path.isabs(p) and os.path.dirname(p) == str(tmp_path / "rel") for p in paths), paths
+    assert sorted(os.listdir(tmp_path / "rel")) == ["driver.json", "rank0.json", "rank1.json"]
+
+
 def test_profile_needs_a_directory(monkeypatch):
     monkeypatch.delenv("KVFORGE_TORCH_PROFILER_DIR", raising=False)
     llm = LLM(STORIES_MODEL, dtype="float32", num_gpu_blocks=32)
@@ -54,4 +73,10 @@ def test_profile_single_process_env_dir(tmp_path, monkeypatch):
     llm.start_profile()
     llm.generate(STORY_OPENINGS[0], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
     assert llm.stop_profile() == [str(tmp_path / "p" / "driver.json")]
-    assert os.path.getsize(tmp_path / "p" / "driver.json") > 0
+    # the synchronous loop (the CPU default) marks its phases too
+    assert {"kvforge.schedule", "kvforge.execute", "kvforge.sample"} <= _phases(str(tmp_path / "p" / "driver.json"))
+    (tmp_path / "p" / "other.json").write_text('{"not": "a trace"}')
+    import sys
+    sys.path.insert(0, sys_path)
+    from trace_summary import main
+    assert main([str(tmp_path / "p")]) == 0 and main([str(tmp_path / "p" / "driver.json")]) == 0

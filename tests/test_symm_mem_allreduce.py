@@ -23,6 +23,14 @@ def test_build_picks_nccl_or_refuses():
         sm.build(object(), torch.device("cpu"), torch.float32, "symm_mem")
 
 
+def test_symm_mem_on_cpu_is_refused_at_build_naming_the_field():
+    from helpers import STORIES_MODEL
+
+    from kvforge.engine.llm_engine import LLMEngine
+    with pytest.raises(ValueError, match="parallel.all_reduce: 'symm_mem' needs CUDA"):
+        LLMEngine.from_kwargs(STORIES_MODEL, dtype="float32", tensor_parallel_size=2, all_reduce="symm_mem")
+
+
 def _fake(world: int, numel: int, dtype=torch.float32):
     """A SymmMemAllReduce over a CPU buffer whose ops add (world - 1) x the input (as if every
     peer held the same data) and record which op ran."""

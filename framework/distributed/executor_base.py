@@ -130,9 +130,14 @@ class DistributedExecutor(Executor):
         self._in_flight = 0  # execute calls sent and not yet received (in order)
         self._tokens_owed = False  # the last step sent waits for the previous step's tokens
         par = config.parallel
-        self.samples_on_worker = (self.accepts_late_tokens and par.pipeline_parallel_size == 1
-                                  and (par.sample_on_worker if par.sample_on_worker is not None
-                                       else device.type == "cuda"))
+        why_not = ("the ray executor (use mp)" if not self.accepts_late_tokens else
+                   "pipeline parallelism" if par.pipeline_parallel_size > 1 else
+                   "synchronous scheduling (scheduler.async_scheduling is off)"
+                   if not config.scheduler.async_scheduling else None)
+        wanted = par.sample_on_worker if par.sample_on_worker is not None else device.type == "cuda"
+        self.samples_on_worker = wanted and why_not is None
+        if par.sample_on_worker and why_not is not None:
+            log.info("parallel.sample_on_worker: not with %s; the driver samples", why_not)
         self._params = ParamsTable(capacity=max(4096, 4 * config.scheduler.max_num_seqs))
         self._last_sampled_on_worker = False  # the last step sent: its tokens stay on the GPUs
         self.num_steps_sampled_on_worker = 0
@@ -235,7 +240,16 @@ class DistributedExecutor(Executor):
                 log.exception("could not stop the workers")
 
     def start_profile(self, out_dir: str) -> None:
-        self.call_all("start_profile", out_dir)
+        """Start every worker's profiler (``out_dir`` absolute, already created).
+
+        Raises:
+            RuntimeError: a worker could not start it (those that did are stopped again;
+                the replica keeps serving).
+        """
+        errors = [e for e in self.call_all("start_profile", out_dir) if e]
+        if errors:
+            self.call_all("stop_profile")
+            raise RuntimeError(f"start_profile: {errors[0]}")
 
     def stop_profile(self) -> list[str]:
         return [p for p in self.call_all("stop_profile") if p]

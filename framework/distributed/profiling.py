@@ -15,14 +15,20 @@ DIR_ENV = "KVFORGE_TORCH_PROFILER_DIR"
 
 
 def resolve_dir(out_dir: str | None) -> str:
-    """``out_dir``, else ``$KVFORGE_TORCH_PROFILER_DIR``.
+    """``out_dir``, else ``$KVFORGE_TORCH_PROFILER_DIR``, made absolute and created (so every
+    process writes to the same place whatever its working directory).
 
     Raises:
-        ValueError: neither is set.
+        ValueError: neither is set, or the directory cannot be created.
     """
     out_dir = out_dir or os.environ.get(DIR_ENV)
     if not out_dir:
         raise ValueError(f"start_profile: give out_dir or set {DIR_ENV}")
+    out_dir = os.path.abspath(out_dir)
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"start_profile: cannot create {out_dir!r}: {e}") from None
     return out_dir
 
 

@@ -297,8 +297,9 @@ class Worker:
             if not st.is_first_stage:
                 buf = pp_recv((2, mb.num_tokens, h), self.dtype, st.pp_rank - 1, self.device)
                 inter = {"hidden_states": buf[0], "residual": buf[1]}
-            meta = ForwardMetadata(self.backend.build_metadata(mb.inputs), self.kv_caches)
-            out = self.model(mb.input_ids, mb.positions, meta, intermediate_tensors=inter)
+            with record_function("kvforge.forward"):
+                meta = ForwardMetadata(self.backend.build_metadata(mb.inputs), self.kv_caches)
+                out = self.model(mb.input_ids, mb.positions, meta, intermediate_tensors=inter)
             if not st.is_last_stage:
                 sends.append(pp_isend(torch.stack([out["hidden_states"], out["residual"]]), st.pp_rank + 1))
             elif logits is not None and mb.row_idx.numel():
@@ -307,9 +308,14 @@ class Worker:
             w.wait()
         return logits
 
-    def start_profile(self, out_dir: str) -> None:
-        """Start this rank's torch.profiler (``LLM.start_profile``)."""
-        self.profiler.start(out_dir, f"rank{self.rank}")
+    def start_profile(self, out_dir: str) -> str | None:
+        """Start this rank's torch.profiler (``LLM.start_profile``); returns None, or why it
+        could not (a profiler failure is the caller's error, not a dead worker)."""
+        try:
+            self.profiler.start(out_dir, f"rank{self.rank}")
+        except Exception as e:  # noqa: BLE001 - reported to the driver
+            return f"worker rank {self.rank}: {type(e).__name__}: {e}"
+        return None
 
     def stop_profile(self) -> str | None:
         """Stop it; returns the trace written (``<dir>/rank{R}.json``), None if not started."""

@@ -60,7 +60,8 @@ class ParamsTable:
 
     def __init__(self, capacity: int = 4096) -> None:
         self.capacity = capacity
-        # (id(params), eos) -> (handle, params): the strong reference keeps id() unique.
+        # (id(params), eos) -> (handle, params): the strong reference keeps id() unique, and
+        # each request holds its own copy (LLMEngine.prepare_request), so no entry goes stale.
         self._entries: OrderedDict[tuple[int, frozenset], tuple[int, Any]] = OrderedDict()
         self._next = 0
 

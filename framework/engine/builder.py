@@ -338,6 +338,9 @@ def build_engine_parts(config: EngineConfig, registry: Registry) -> EngineParts:
     check_capabilities(config, registry, hf_config, dtype, device)  # before any weight is read
     if config.scheduler.async_scheduling is None:
         config.scheduler.async_scheduling = device.type == "cuda"
+    if config.parallel.all_reduce == "symm_mem" and device.type != "cuda":
+        raise ValueError(f"parallel.all_reduce: 'symm_mem' needs CUDA GPUs (model.device resolves to "
+                         f"{device.type}); use 'nccl' or 'auto'")
     if config.parallel.data_parallel_size > 1:
         raise ValueError("parallel.data_parallel_size > 1 runs several engines: build it with "
                          "kvforge.engine.executor.create_engine (as LLM and `kvforge serve` do)")

@@ -1,12 +1,15 @@
 """LLMEngine: the step loop (schedule -> allocate -> forward -> sample -> update)."""
 from __future__ import annotations
 
+import copy
+
 import logging
 import time
 from dataclasses import dataclass
 from typing import Any, Iterable
 
 import torch
+from torch.profiler import record_function
 
 from kvforge.config import EngineConfig
 from kvforge.engine.builder import EngineParts, build_engine_parts
@@ -144,6 +147,9 @@ class LLMEngine:
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt: {len(ids)} tokens leave no room to generate within max_model_len "
                              f"({self.max_model_len})")
+        # The request keeps its own copy: a caller may change and reuse its object for later
+        # requests (the workers that sample cache params by object, worker_sampling.ParamsTable).
+        params = copy.deepcopy(params)
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
         if len(ids) + max_tokens > self.max_model_len:
             raise ValueError(f"max_tokens: prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds "
@@ -209,11 +215,12 @@ class LLMEngine:
         ``step()``.
 
         Raises:
-            ValueError: no directory given or set.
-            RuntimeError: already profiling.
+            ValueError: no directory given or set, or it cannot be created.
+            RuntimeError: already profiling, or a worker could not start its profiler
+                (the engine keeps serving either way).
         """
         from kvforge.distributed.profiling import TraceProfiler, resolve_dir
-        out_dir = resolve_dir(out_dir)
+        out_dir = resolve_dir(out_dir)  # absolute and created here: workers may run elsewhere
         if self._profiler is not None and self._profiler.active:
             raise RuntimeError("start_profile: the profiler is already running (call stop_profile first)")
         if self._overlap is not None:
@@ -252,7 +259,8 @@ class LLMEngine:
             self.spec.propose(groups)
         results = self._pending
         self._pending = []
-        so = self.scheduler.schedule()
+        with record_function("kvforge.schedule"):  # phase ranges for start_profile traces
+            so = self.scheduler.schedule()
         touched: dict[str, None] = {}
         for req in so.finished:
             touched[req.parent_id] = None
@@ -267,14 +275,16 @@ class LLMEngine:
             self.runner.swap(so.swap_out, to_cpu=True)
         if so.scheduled:
             try:
-                ex = self.runner.execute(so)
+                with record_function("kvforge.execute"):
+                    ex = self.runner.execute(so)
                 self._record_prompt_logprobs(ex)
                 if ex.sample_requests:
                     sample_reqs = ex.sample_requests
                     if self.spec is not None:
                         new = self.spec.sample(ex, so, self.sampler)
                     else:
-                        sout = self.sampler(ex.logits, ex.sample_requests)
+                        with record_function("kvforge.sample"):
+                            sout = self.sampler(ex.logits, ex.sample_requests)
                         for i, req in enumerate(ex.sample_requests):
                             new[req.request_id] = ([sout.sampled_token_ids[i]], [sout.logprobs[i]],
                                                    [sout.sampled_logprobs[i]])

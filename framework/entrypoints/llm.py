@@ -43,7 +43,7 @@ class LLM:
 
     def _single_engine(self, what: str):
         if not hasattr(self.llm_engine, "start_profile"):
-            raise NotImplementedError(f"{what}: not available with data_parallel_size > 1 (profile one replica)")
+            raise NotImplementedError(f"{what}: not available with data_parallel_size > 1")
         return self.llm_engine
 
     def get_tokenizer(self):
