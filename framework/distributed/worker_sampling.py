@@ -11,10 +11,11 @@ and logprobs (no logits) one step behind, and only for bookkeeping.
 
 What a worker needs to sample a row is the request's :class:`SamplingParams`, its EOS ids
 (``min_tokens``), its completion index (seeded noise) and how many tokens it has generated.
-The params cross once: the driver's :class:`ParamsTable` gives each distinct
-(params, EOS ids) a small handle, sends the new ones with a step and tells the workers
-which to forget (least recently used, past ``capacity``); :class:`WorkerSampler` mirrors
-it. Rows whose sampling reads the token history (penalties) never come here: the engine
+The params cross once per request (each request holds its own snapshot, taken by
+``LLMEngine.prepare_request``, shared by its ``n`` completions): the driver's
+:class:`ParamsTable` gives each params object a small handle, sends the new ones with a
+step and tells the workers which to forget (least recently used, past ``capacity``);
+:class:`WorkerSampler` mirrors it. Rows whose sampling reads the token history (penalties) never come here: the engine
 samples those steps on the driver.
 """
 from __future__ import annotations
