@@ -202,6 +202,22 @@ def test_worker_sampling_sees_a_reused_params_object_changed_between_calls():
         tp.llm_engine.executor.shutdown()
 
 
+def test_worker_sampling_with_unpicklable_extra_args():
+    """extra_args may hold anything (a plugin's callable); only what the sampler reads goes
+    to the workers, so such a request is served and the replica stays up (a reviewer's
+    finding: pickling the whole params failed the send and killed the replica)."""
+    sp = SamplingParams(temperature=0.8, seed=5, max_tokens=8, ignore_eos=True, extra_args={"hook": lambda x: x})
+    reqs = [(STORY_OPENINGS[0], sp), (STORY_OPENINGS[1], SamplingParams(temperature=0, max_tokens=8))]
+    ref = _run(LLMEngine.from_kwargs(STORIES_MODEL, **COMMON, async_scheduling=False), reqs)
+    engine = LLMEngine.from_kwargs(STORIES_MODEL, **COMMON, tensor_parallel_size=2, async_scheduling=True,
+                                   sample_on_worker=True)
+    try:
+        _same(_run(engine, reqs), ref, "[extra_args]")
+        assert engine.executor.dead is None and engine.executor.num_steps_sampled_on_worker > 3
+    finally:
+        engine.executor.shutdown()
+
+
 def test_worker_sampling_failure_fails_its_requests_and_the_engine_goes_on(monkeypatch):
     """The output worker fails to sample a step (injected on its third sampling call). The
     step's requests end with an error naming it, the step that already used its (zero)

@@ -21,6 +21,10 @@ def test_build_picks_nccl_or_refuses():
     assert sm.build(object(), torch.device("cpu"), torch.float32, "auto") is None   # gloo
     with pytest.raises(RuntimeError, match="parallel.all_reduce=symm_mem needs CUDA"):
         sm.build(object(), torch.device("cpu"), torch.float32, "symm_mem")
+    # torch's symm_mem kernels implement bfloat16 and float32 only: float16 stays on NCCL
+    assert sm.build(object(), torch.device("cuda", 0), torch.float16, "auto") is None
+    with pytest.raises(RuntimeError, match="needs bfloat16 or float32"):
+        sm.build(object(), torch.device("cuda", 0), torch.float16, "symm_mem")
 
 
 def test_symm_mem_on_cpu_is_refused_at_build_naming_the_field():

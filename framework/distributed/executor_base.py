@@ -283,6 +283,9 @@ class DistributedExecutor(Executor):
         verification, penalties, which read the token history). The output then carries
         ``sampled`` instead of logits, and the workers keep the tokens for the next step's
         placeholders."""
+        self.check_health()  # before the params table records entries this step would carry
+        if self._tokens_owed:
+            raise RuntimeError("a step was sent before the previous one got its tokens (deliver_tokens)")
         host = prev_tokens.tolist() if prev_tokens is not None else None
         msg, plan = encode_step(so, self.allocator, host, prev_rows)
         if len(msg.ph_pos) and not self.accepts_late_tokens:

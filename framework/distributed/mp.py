@@ -25,7 +25,6 @@ import signal
 import socket
 import sys
 import time
-import traceback
 import weakref
 from multiprocessing.connection import wait as mp_wait
 from typing import Any
@@ -87,57 +86,21 @@ def _worker_main(rank: int, world_size: int, config: dict, max_model_len: int, d
             raise RuntimeError(f"expected the previous step's tokens, got a {method!r} call")
         return args[0]
     worker.receive_tokens = receive_tokens
-    from kvforge.distributed.worker import SampledStep
-    held: SampledStep | None = None  # a sampled step's reply, sent once its tokens reach the host
-
-    def send(reply) -> bool:
-        try:
-            conn.send(reply)
-            return True
-        except (EOFError, OSError, BrokenPipeError):
-            return False
-
-    def release() -> tuple:
-        try:
-            return ("ok", held.finalize())
-        except BaseException as e:  # noqa: BLE001
-            return ("error", type(e).__name__, str(e), traceback.format_exc())
-
-    while True:
-        # A held reply goes out when its copy is done or before the next call is answered;
-        # the next step (already sent by the driver) is started first if it comes sooner,
-        # so the GPU goes on while the tokens travel.
-        while held is not None and not conn.poll(0.0001):
-            if held.ready():
-                ok, held = send(release()), None
-                if not ok:
-                    break
+    from kvforge.distributed.reply_sender import ReplySender, error_reply
+    sender = ReplySender(conn)
+    while not sender.failed:
         try:
             method, args = pickle.loads(conn.recv_bytes())
         except (EOFError, OSError):  # the driver is gone
             break
-        msg = args[0] if method == "execute" else None
-        if held is not None and (msg is None or (len(msg.ph_pos) and not msg.ph_on_device)):
-            ok, held = send(release()), None  # (a step waiting for driver tokens needs this reply first)
-            if not ok:
-                break
         try:
-            result = getattr(worker, method)(*args)
-            reply = ("ok", result)
+            reply = ("ok", getattr(worker, method)(*args))
         except BaseException as e:  # noqa: BLE001 - report everything; the driver decides
-            result = None
-            reply = ("error", type(e).__name__, str(e), traceback.format_exc())
-        if held is not None:
-            ok, held = send(release()), None
-            if not ok:
-                break
-        if isinstance(result, SampledStep):
-            held = result
-            continue
-        if not send(reply):
-            break
+            reply = error_reply(e)
+        sender.put(reply)  # a SampledStep is answered once its tokens reach the host
         if method == "shutdown":
             break
+    sender.close()
     try:
         worker.shutdown()
     except Exception:  # noqa: BLE001

@@ -25,6 +25,8 @@ log = logging.getLogger("kvforge.distributed")
 
 #: Largest message (bytes) sent through symmetric memory; above it, NCCL (measured up to 1 MiB).
 MAX_BYTES = 1 << 20
+#: The dtypes torch's symm_mem all-reduce kernels implement (float16 is not among them).
+DTYPES = (torch.bfloat16, torch.float32)
 
 
 class SymmMemAllReduce:
@@ -58,8 +60,10 @@ class SymmMemAllReduce:
         symm_mem.rendezvous(self._buf, self.group_name)
 
     def can_run(self, x: torch.Tensor) -> bool:
-        """Whether ``x`` goes through the symmetric buffer (CUDA, the buffer's dtype, contiguous, fits)."""
-        return x.is_cuda and x.dtype == self.dtype and x.is_contiguous() and x.numel() <= self.max_numel
+        """Whether ``x`` goes through the symmetric buffer (CUDA, the buffer's dtype, contiguous,
+        fits, a whole number of 4-byte words as the kernels load)."""
+        return (x.is_cuda and x.dtype == self.dtype and x.is_contiguous() and x.numel() <= self.max_numel
+                and (x.numel() * x.element_size()) % 4 == 0)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over the group, in place; returns ``x``."""
@@ -85,9 +89,11 @@ def build(group, device: torch.device, dtype: torch.dtype, mode: str) -> SymmMem
     """
     if mode == "nccl" or group is None:
         return None
-    if device.type != "cuda":
+    if device.type != "cuda" or dtype not in DTYPES:
         if mode == "symm_mem":
-            raise RuntimeError(f"parallel.all_reduce=symm_mem needs CUDA GPUs (this rank runs on {device.type})")
+            why = f"CUDA GPUs (this rank runs on {device.type})" if device.type != "cuda" else \
+                f"bfloat16 or float32 activations (the model runs in {dtype})"
+            raise RuntimeError(f"parallel.all_reduce=symm_mem needs {why}")
         return None
     try:
         return SymmMemAllReduce(group, device, dtype)

@@ -29,21 +29,23 @@ log = logging.getLogger("kvforge.worker")
 
 class SampledStep:
     """The output rank's result of a step sampled on the worker: the tokens (and logprobs)
-    on their way to the host. The mp transport replies with :meth:`finalize` once
-    :meth:`ready` (after starting the next step, so the GPU does not wait for the reply)."""
+    on their way to the host. The mp transport's reply thread
+    (:class:`~kvforge.distributed.reply_sender.ReplySender`) sends :meth:`finalize`, so
+    the main loop goes on to the next step meanwhile."""
 
     def __init__(self, pending, error: str | None) -> None:
         self.pending = pending
         self.error = error
 
-    def ready(self) -> bool:
-        """Whether the host copy has finished (never blocks)."""
-        return self.pending is None or self.pending.ready()
-
     def finalize(self) -> tuple:
-        """``("sampled", SamplerOutput)`` or ``("sample_error", message)``; waits for the copy."""
+        """``("sampled", SamplerOutput)`` or ``("sample_error", message)``; waits for the copy
+        (callable from any thread)."""
         if self.error is not None:
             return ("sample_error", self.error)
+        dev = self.pending.token_ids.device
+        if dev.type == "cuda":
+            with torch.cuda.device(dev):  # the caller's thread may have another current device
+                return ("sampled", self.pending.result())
         return ("sampled", self.pending.result())
 
 
@@ -318,10 +320,15 @@ class Worker:
         return None
 
     def stop_profile(self) -> str | None:
-        """Stop it; returns the trace written (``<dir>/rank{R}.json``), None if not started."""
-        return self.profiler.stop()
+        """Stop it; returns the trace written (``<dir>/rank{R}.json``), None if not started
+        or if writing it failed (logged: a profiler failure is not a dead worker)."""
+        try:
+            return self.profiler.stop()
+        except Exception:  # noqa: BLE001
+            log.exception("rank %d: could not write its profiler trace", self.rank)
+            return None
 
     def shutdown(self) -> None:
-        self.profiler.stop()
+        self.stop_profile()
         ps.destroy_parallel_state()
 

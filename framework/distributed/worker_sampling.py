@@ -51,6 +51,12 @@ class WorkerSample:
     drop: list[int] = field(default_factory=list)
 
 
+def sampler_view(sp):
+    """A copy of ``sp`` with only what the sampler reads: ``extra_args`` (any object a
+    plugin put there, maybe not picklable) and the stop strings stay on the driver."""
+    return sp.clone(extra_args={}, stop=None)
+
+
 class ParamsTable:
     """Driver side: handles for the (params, EOS ids) the workers hold.
 
@@ -80,7 +86,7 @@ class ParamsTable:
                 hit = (self._next, r.sampling_params)
                 self._next += 1
                 self._entries[key] = hit
-                new[hit[0]] = (r.sampling_params, r.eos_token_ids)
+                new[hit[0]] = (sampler_view(r.sampling_params), r.eos_token_ids)
             else:
                 self._entries.move_to_end(key)
             handles[i] = hit[0]

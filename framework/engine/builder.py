@@ -341,6 +341,9 @@ def build_engine_parts(config: EngineConfig, registry: Registry) -> EngineParts:
     if config.parallel.all_reduce == "symm_mem" and device.type != "cuda":
         raise ValueError(f"parallel.all_reduce: 'symm_mem' needs CUDA GPUs (model.device resolves to "
                          f"{device.type}); use 'nccl' or 'auto'")
+    if config.parallel.all_reduce == "symm_mem" and dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"parallel.all_reduce: 'symm_mem' needs bfloat16 or float32 activations (model.dtype "
+                         f"resolves to {dtype}); use 'nccl' or 'auto'")
     if config.parallel.data_parallel_size > 1:
         raise ValueError("parallel.data_parallel_size > 1 runs several engines: build it with "
                          "kvforge.engine.executor.create_engine (as LLM and `kvforge serve` do)")

@@ -1,7 +1,6 @@
 """LLMEngine: the step loop (schedule -> allocate -> forward -> sample -> update)."""
 from __future__ import annotations
 
-import copy
 
 import logging
 import time
@@ -147,9 +146,10 @@ class LLMEngine:
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt: {len(ids)} tokens leave no room to generate within max_model_len "
                              f"({self.max_model_len})")
-        # The request keeps its own copy: a caller may change and reuse its object for later
-        # requests (the workers that sample cache params by object, worker_sampling.ParamsTable).
-        params = copy.deepcopy(params)
+        # The request keeps its own copy (fresh stop / stop_token_ids / logit_bias containers;
+        # extra_args shared): a caller may change and reuse its object for later requests,
+        # and the workers that sample cache params by object (worker_sampling.ParamsTable).
+        params = params.clone()
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
         if len(ids) + max_tokens > self.max_model_len:
             raise ValueError(f"max_tokens: prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds "
@@ -225,9 +225,14 @@ class LLMEngine:
             raise RuntimeError("start_profile: the profiler is already running (call stop_profile first)")
         if self._overlap is not None:
             self._overlap.drain()  # worker calls wait for no step in flight
-        self._profiler = TraceProfiler()
-        self.executor.start_profile(out_dir)
-        self._profiler.start(out_dir, "driver")
+        profiler = TraceProfiler()
+        profiler.start(out_dir, "driver")
+        try:
+            self.executor.start_profile(out_dir)
+        except BaseException:
+            profiler.stop()  # nothing half-started stays behind
+            raise
+        self._profiler = profiler
 
     def stop_profile(self) -> list[str]:
         """Stop every profiler started by :meth:`start_profile`; returns the trace files

@@ -289,10 +289,6 @@ class PendingSamplerOutput:
     def empty(cls, device: torch.device) -> "PendingSamplerOutput":
         return cls(torch.empty(0, dtype=torch.int64, device=device), [torch.empty(0, device=device)], [], [])
 
-    def ready(self) -> bool:
-        """Whether the copy to the host has finished (never blocks)."""
-        return self._event is None or self._event.query()
-
     def result(self) -> SamplerOutput:
         """Wait for the copy (if still running) and build the Python values (idempotent)."""
         if self._result is not None:
