@@ -68,7 +68,8 @@ def apply_token_mask(logits: torch.Tensor, rows: torch.Tensor, cols: torch.Tenso
         logits: float32 ``[N, V]``, modified in place.
         rows, cols: int64 ``[M]`` coordinates.
     """
-    logits.index_put_((rows, cols), torch.tensor(_NEG_INF, dtype=logits.dtype, device=logits.device))
+    # torch.full is a fill on the device; torch.tensor(value, device=cuda) would wait for the stream
+    logits.index_put_((rows, cols), torch.full((), _NEG_INF, dtype=logits.dtype, device=logits.device))
 
 
 def _seen_mask(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -204,7 +205,9 @@ def exponential_race_sample(probs: torch.Tensor, generators: list[torch.Generato
         if shared:
             draw = torch.empty(len(shared), vocab_size, dtype=probs.dtype, device=probs.device)
             draw.exponential_(generator=default_generator)
-            noise.index_copy_(0, torch.tensor(shared, device=probs.device), draw)
+            # (non_blocking: a plain torch.tensor(..., device=cuda) would wait for the stream)
+            idx = torch.tensor(shared, dtype=torch.int64).to(probs.device, non_blocking=True)
+            noise.index_copy_(0, idx, draw)
         for i, g in enumerate(generators):
             if g is not None:
                 if seeds is not None and seeds[i] is not None:
