@@ -72,8 +72,10 @@ def greedy_sample(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     part_i = torch.empty(n, splits, dtype=torch.int32, device=logits.device)
     _greedy_partial_kernel[(n, splits)](logits, logits.stride(0), v, chunk, part_m, part_s, part_i, splits,
                                         BLOCK=block)
+    # SBLOCK from the vocabulary alone (the most chunks a row can have): one compiled
+    # variant per model whatever the batch, so no step compiles mid-serving.
     _greedy_merge_kernel[(n,)](part_m, part_s, part_i, splits, v, tokens, logprobs,
-                               SBLOCK=triton.next_power_of_2(splits))
+                               SBLOCK=triton.next_power_of_2(-(-v // block)))
     return tokens, logprobs
 
 
@@ -103,7 +105,7 @@ if triton is not None:
         tl.store(tok_ptr + row, first.to(tl.int64))
         tl.store(lp_ptr + row, -tl.log(total))
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["CHUNK", "S"])  # they change with the batch size
     def _greedy_partial_kernel(x_ptr, row_stride, V, CHUNK, m_ptr, s_ptr, i_ptr, S, BLOCK: tl.constexpr):
         """Program (row, split): max, first column of it and sum(exp(x - max)) over the
         columns [split * CHUNK, (split + 1) * CHUNK) of the row."""
@@ -129,7 +131,7 @@ if triton is not None:
         tl.store(s_ptr + out, tl.sum(s * tl.exp(m - cmax), axis=0))
         tl.store(i_ptr + out, tl.min(tl.where(m == cmax, idx, V), axis=0))
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["S"])
     def _greedy_merge_kernel(m_ptr, s_ptr, i_ptr, S, V, tok_ptr, lp_ptr, SBLOCK: tl.constexpr):
         """Merge a row's S chunk partials: the largest max (first column on ties, chunks
         being in column order) and -log of the rescaled sum."""
