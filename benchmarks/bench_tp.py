@@ -25,6 +25,8 @@ Usage (on the device)::
 
     python benchmarks/make_dummy_model.py /tmp/llama3-8b-dummy
     python benchmarks/bench_tp.py --model /tmp/llama3-8b-dummy --tp 1 2 --output-json tp.json
+    # A/B of the TP all-reduce in one run (TP=1 once, TP=2 per mode):
+    python benchmarks/bench_tp.py --model /tmp/llama3-8b-dummy --tp 1 2 --all-reduce nccl symm_mem
 """
 from __future__ import annotations
 
@@ -58,7 +60,7 @@ def run_one(args) -> dict:
         **({} if args.async_scheduling == "auto" else {"async_scheduling": args.async_scheduling == "true"}),
         **({} if args.sample_on_worker == "auto" else {"sample_on_worker": args.sample_on_worker == "true"}),
         **({"attention_backend": args.attention_backend} if args.attention_backend else {}),
-        **({"parallel.all_reduce": args.all_reduce} if args.all_reduce else {})})
+        **({"parallel.all_reduce": args.child_all_reduce} if args.child_all_reduce else {})})
     t0 = time.perf_counter()
     engine = LLMEngine(cfg)
     build_s = time.perf_counter() - t0
@@ -102,7 +104,7 @@ def run_one(args) -> dict:
     thr = [args.batch * args.decode_steps / timed_decode(args.batch, args.decode_steps) for _ in range(args.repeats)]
     timed_decode(1, 8)
     tpot = [timed_decode(1, args.decode_steps) / args.decode_steps for _ in range(args.repeats)]
-    res = {"tp": tp, "build_s": build_s, "batch": args.batch, "decode_steps": args.decode_steps,
+    res = {"tp": tp, "all_reduce": engine.config.parallel.all_reduce if tp > 1 else "-", "build_s": build_s, "batch": args.batch, "decode_steps": args.decode_steps,
            "decode_tok_s": statistics.median(thr), "decode_tok_s_all": thr,
            "tpot_b1_ms": 1e3 * statistics.median(tpot), "tpot_b1_ms_all": [1e3 * x for x in tpot],
            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "choices": engine.parts.choices}
@@ -127,8 +129,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="scheduler.async_scheduling (auto: on for CUDA, TP > 1 included)")
     p.add_argument("--sample-on-worker", choices=["auto", "true", "false"], default="auto",
                    help="parallel.sample_on_worker (auto: on for CUDA with TP > 1)")
-    p.add_argument("--all-reduce", choices=["auto", "nccl", "symm_mem"], default=None,
-                   help="parallel.all_reduce (default: the engine's)")
+    p.add_argument("--all-reduce", choices=["auto", "nccl", "symm_mem"], nargs="+", default=None,
+                   help="parallel.all_reduce; several values A/B them for each TP > 1 in one run "
+                        "(default: the engine's)")
     p.add_argument("--attention-backend", help="attention.backend (default: the engine's choice)")
     p.add_argument("--output-json")
     p.add_argument("--profile-dir", help="also write torch.profiler traces of --profile-steps decode steps at "
@@ -136,33 +139,36 @@ def main(argv: list[str] | None = None) -> int:
                    "benchmarks/trace_summary.py reads them)")
     p.add_argument("--profile-steps", type=int, default=24)
     p.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--child-all-reduce", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child is not None:
         print("RESULT " + json.dumps(run_one(args)), flush=True)
         return 0
     results = []
     passthrough = list(sys.argv[1:] if argv is None else argv)
-    for tp in args.tp:
-        cmd = [sys.executable, os.path.abspath(__file__), *passthrough, "--child", str(tp)]
+    runs = [(tp, mode) for tp in args.tp for mode in ([None] if tp == 1 else args.all_reduce or [None])]
+    for tp, mode in runs:
+        cmd = [sys.executable, os.path.abspath(__file__), *passthrough, "--child", str(tp),
+               *(["--child-all-reduce", mode] if mode else [])]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
         if proc.returncode or line is None:
             print(proc.stdout[-4000:], proc.stderr[-8000:], file=sys.stderr)
-            print(f"TP={tp} failed (exit {proc.returncode})", file=sys.stderr)
+            print(f"TP={tp} (all-reduce {mode or 'default'}) failed (exit {proc.returncode})", file=sys.stderr)
             return 1
         r = json.loads(line[len("RESULT "):])
         results.append(r)
-        print(f"TP={tp}: {r['decode_tok_s']:.0f} tok/s at batch {r['batch']}, batch-1 TPOT {r['tpot_b1_ms']:.2f} ms "
-              f"(build {r['build_s']:.0f} s)", flush=True)
+        print(f"TP={tp} ({r['all_reduce']}): {r['decode_tok_s']:.0f} tok/s at batch {r['batch']}, batch-1 TPOT "
+              f"{r['tpot_b1_ms']:.2f} ms (build {r['build_s']:.0f} s)", flush=True)
     base = next((r for r in results if r["tp"] == 1), None)
     print(f"\n{results[0]['gpu']}, {os.path.basename(os.path.normpath(args.model))} (dummy weights, {args.dtype}), "
           f"input {args.input_len}, "
           f"{args.decode_steps} decode steps, median of {args.repeats}\n")
-    print("| TP | decode tok/s (batch %d) | speed-up | batch-1 TPOT (ms) |" % args.batch)
-    print("|---|---|---|---|")
+    print("| TP | all-reduce | decode tok/s (batch %d) | speed-up | batch-1 TPOT (ms) |" % args.batch)
+    print("|---|---|---|---|---|")
     for r in results:
         sp = f"{r['decode_tok_s'] / base['decode_tok_s']:.2f}x" if base else "-"
-        print(f"| {r['tp']} | {r['decode_tok_s']:.0f} | {sp} | {r['tpot_b1_ms']:.2f} |")
+        print(f"| {r['tp']} | {r['all_reduce']} | {r['decode_tok_s']:.0f} | {sp} | {r['tpot_b1_ms']:.2f} |")
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump({"args": vars(args), "results": results}, f, indent=2)
