@@ -60,6 +60,21 @@ def test_profile_bad_directory_is_refused_and_tp_engine_keeps_serving(tmp_path, 
     assert sorted(os.listdir(tmp_path / "rel")) == ["driver.json", "rank0.json", "rank1.json"]
 
 
+def test_profile_data_parallel_writes_a_directory_per_replica(tmp_path):
+    llm = LLM(STORIES_MODEL, dtype="float32", num_gpu_blocks=64, data_parallel_size=2)
+    try:
+        llm.start_profile(str(tmp_path))
+        outs = llm.generate(STORY_OPENINGS[:4], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+        paths = llm.stop_profile()
+        assert all(o.error is None for o in outs)
+        assert sorted(os.path.relpath(p, tmp_path) for p in paths) == [os.path.join("replica0", "driver.json"),
+                                                                          os.path.join("replica1", "driver.json")]
+        assert all(os.path.getsize(p) > 0 for p in paths)
+        assert llm.stop_profile() == []
+    finally:
+        llm.llm_engine.shutdown()
+
+
 def test_profile_needs_a_directory(monkeypatch):
     monkeypatch.delenv("KVFORGE_TORCH_PROFILER_DIR", raising=False)
     llm = LLM(STORIES_MODEL, dtype="float32", num_gpu_blocks=32)

@@ -24,6 +24,7 @@ ones; the others keep serving.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -196,6 +197,34 @@ class DataParallelEngine:
     def replica_stats(self) -> list[dict[str, float]]:
         """Each live replica's current ``stats()`` (a round trip to every one)."""
         return [self._call(i, "stats") for i in range(len(self.replicas)) if self.alive[i]]
+
+    def start_profile(self, out_dir: str | None = None) -> None:
+        """Profile every live replica (``LLMEngine.start_profile``): replica ``i`` writes its
+        traces to ``<out_dir>/replica{i}/`` (on its own node with Ray).
+
+        Raises:
+            ValueError: no directory given or set, or it cannot be created here.
+            RuntimeError: a replica could not start (those that did are stopped again).
+        """
+        from kvforge.distributed.profiling import resolve_dir
+        out_dir = resolve_dir(out_dir)
+        started = []
+        try:
+            for i in range(len(self.replicas)):
+                if self.alive[i]:
+                    self._call(i, "start_profile", os.path.join(out_dir, f"replica{i}"))
+                    started.append(i)
+        except BaseException:
+            for i in started:
+                try:
+                    self._call(i, "stop_profile")
+                except Exception:  # noqa: BLE001 - the original error matters more
+                    pass
+            raise
+
+    def stop_profile(self) -> list[str]:
+        """Stop every live replica's profiling; returns all trace files written."""
+        return [p for i in range(len(self.replicas)) if self.alive[i] for p in self._call(i, "stop_profile")]
 
     def shutdown(self) -> None:
         """Stop every replica (and their workers)."""

@@ -62,6 +62,12 @@ class ReplicaServer:
         st["num_free_blocks"], st["num_blocks"] = a.num_free_blocks, a.num_blocks
         return st
 
+    def start_profile(self, out_dir: str) -> None:
+        self.engine.start_profile(out_dir)
+
+    def stop_profile(self) -> list[str]:
+        return self.engine.stop_profile()
+
     def shutdown(self) -> None:
         ex = getattr(self.engine, "executor", None)
         if ex is not None:

@@ -33,18 +33,14 @@ class LLM:
         self._counter = itertools.count()
 
     def start_profile(self, out_dir: str | None = None) -> None:
-        """Start torch.profiler in the engine's processes (see ``LLMEngine.start_profile``);
-        traces go to ``out_dir`` or ``$KVFORGE_TORCH_PROFILER_DIR``."""
-        self._single_engine("start_profile").start_profile(out_dir)
+        """Start torch.profiler in the engine's processes (see ``LLMEngine.start_profile``;
+        with data parallelism each replica writes to ``<out_dir>/replica{i}/``); traces go to
+        ``out_dir`` or ``$KVFORGE_TORCH_PROFILER_DIR``."""
+        self.llm_engine.start_profile(out_dir)
 
     def stop_profile(self) -> list[str]:
         """Stop profiling; returns the Chrome trace files written."""
-        return self._single_engine("stop_profile").stop_profile()
-
-    def _single_engine(self, what: str):
-        if not hasattr(self.llm_engine, "start_profile"):
-            raise NotImplementedError(f"{what}: not available with data_parallel_size > 1")
-        return self.llm_engine
+        return self.llm_engine.stop_profile()
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
