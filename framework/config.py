@@ -130,7 +130,7 @@ class ParallelConfig(_Section):
                                                       "local cluster, or a new local one).")
     all_reduce: Literal["auto", "nccl", "symm_mem"] = Field(
         "nccl", description="Tensor-parallel all-reduces of at most 1 MiB on CUDA: 'symm_mem' through torch's "
-                            "symmetric memory (NVLink peer reads; 1.5-1.8x faster than NCCL at decode sizes on "
+                            "symmetric memory (NVLink peer reads; 1.6-1.8x faster than NCCL at decode sizes on "
                             "two H200s, measured alone), 'auto' symm_mem when it initialises, else NCCL; "
                             "'nccl' (default until measured inside the engine) always NCCL.")
     sample_on_worker: bool | None = Field(

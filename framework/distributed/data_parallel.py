@@ -206,7 +206,7 @@ class DataParallelEngine:
             ValueError: no directory given or set, or it cannot be created here.
             RuntimeError: a replica could not start (those that did are stopped again).
         """
-        from kvforge.distributed.profiling import resolve_dir
+        from kvforge.engine.profiling import resolve_dir
         out_dir = resolve_dir(out_dir)
         started = []
         try:

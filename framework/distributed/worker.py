@@ -21,7 +21,7 @@ from transformers import AutoConfig
 
 from kvforge.distributed import parallel_state as ps
 from kvforge.distributed.communication import pp_isend, pp_recv
-from kvforge.distributed.profiling import TraceProfiler
+from kvforge.engine.profiling import TraceProfiler
 from kvforge.distributed.protocol import StepMessage, build_micro_batches
 
 log = logging.getLogger("kvforge.worker")
@@ -197,7 +197,7 @@ class Worker:
         st = self.state
         par = self.config.parallel
         num_mb = (par.pipeline_micro_batches or st.pp_size) if st.pp_size > 1 else 1
-        # The ranges name the phases in a profile (distributed/profiling.py); ~1 us each otherwise.
+        # The ranges name the phases in a profile (engine/profiling.py); ~1 us each otherwise.
         with record_function("kvforge.build_inputs"):
             mbs = build_micro_batches(msg, num_mb, self.config.cache.block_size, self.device)
         if len(msg.ph_pos):

@@ -1,7 +1,6 @@
 """LLMEngine: the step loop (schedule -> allocate -> forward -> sample -> update)."""
 from __future__ import annotations
 
-
 import logging
 import time
 from dataclasses import dataclass
@@ -14,6 +13,7 @@ from kvforge.config import EngineConfig
 from kvforge.engine.builder import EngineParts, build_engine_parts
 from kvforge.engine.output_processor import OutputProcessor
 from kvforge.engine.outputs import RequestOutput
+from kvforge.engine.profiling import TraceProfiler, resolve_dir
 from kvforge.engine.request import Request, RequestStatus, apply_stop_string, drop_placeholders
 from kvforge.engine.request_choices import validate_request_choices
 from kvforge.engine.sampler import Sampler, compute_prompt_logprobs
@@ -75,7 +75,7 @@ class LLMEngine:
         # any is live, async scheduling waits for each step's tokens before the next.
         self._needs_history: set[str] = set()
         self._overlap = None
-        self._profiler = None  # TraceProfiler while start_profile is on
+        self._profiler = TraceProfiler()  # this process's part of start_profile
         if self.config.scheduler.async_scheduling:
             from kvforge.engine.overlap import OverlapStepper
             self._overlap = OverlapStepper(self)
@@ -219,30 +219,24 @@ class LLMEngine:
             RuntimeError: already profiling, or a worker could not start its profiler
                 (the engine keeps serving either way).
         """
-        from kvforge.distributed.profiling import TraceProfiler, resolve_dir
         out_dir = resolve_dir(out_dir)  # absolute and created here: workers may run elsewhere
-        if self._profiler is not None and self._profiler.active:
-            raise RuntimeError("start_profile: the profiler is already running (call stop_profile first)")
         if self._overlap is not None:
             self._overlap.drain()  # worker calls wait for no step in flight
-        profiler = TraceProfiler()
-        profiler.start(out_dir, "driver")
+        self._profiler.start(out_dir, "driver")  # (raises if already running)
         try:
             self.executor.start_profile(out_dir)
         except BaseException:
-            profiler.stop()  # nothing half-started stays behind
+            self._profiler.stop()  # nothing half-started stays behind
             raise
-        self._profiler = profiler
 
     def stop_profile(self) -> list[str]:
         """Stop every profiler started by :meth:`start_profile`; returns the trace files
         written (driver first). Does nothing when none runs."""
-        if self._profiler is None or not self._profiler.active:
+        if not self._profiler.active:
             return []
         if self._overlap is not None:
             self._overlap.drain()
-        paths = [self._profiler.stop()]
-        return paths + self.executor.stop_profile()
+        return [self._profiler.stop()] + self.executor.stop_profile()
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.outputs.parents)

@@ -66,7 +66,12 @@ class SampledOnWorker:
 
     def __init__(self, out) -> None:
         self._out = out
-        self.token_ids = torch.tensor(out.sampled_token_ids, dtype=torch.int64)
+
+    @property
+    def token_ids(self) -> torch.Tensor:
+        """int64 [N] on the host (only read when a later step is launched after this one
+        completed, to inline its tokens)."""
+        return torch.tensor(self._out.sampled_token_ids, dtype=torch.int64)
 
     def result(self):
         return self._out
