@@ -1,6 +1,7 @@
 """Benchmark the ``triton_paged`` attention backend on CUDA (a script, not a test).
 
     python benchmarks/bench_attention.py [--dtype bfloat16] [--block-size 16] [--block-m 64] [--block-n 0]
+    python benchmarks/bench_attention.py --sweep-prefill   # prefill tile / warps / stages grid
 
 Cases (each checked against ``torch_ref`` before it is timed):
   * decode: 64 requests x 4096-token context, Hq=32, Hkv=8, D=128, paged block 16.
@@ -61,13 +62,14 @@ def make_step(reqs, hq, hkv, d, block_size, dtype, seed=0):
     return inputs, q, k, v, cache
 
 
-def check(backend, layer, step, tol):
+def check(backend, layer, step, tol, quiet=False):
     inputs, q, k, v, cache = step
     ref = TorchRefBackend().forward(layer, q, k, v, cache.clone(), inputs).float()
     got = backend.forward(layer, q, k, v, cache.clone(), backend.build_metadata(inputs)).float()
     err = (got - ref).abs().max().item()
     ok = torch.isfinite(got).all().item() and err <= tol * max(1.0, ref.abs().max().item())
-    print(f"    correctness vs torch_ref: max abs err {err:.3g} -> {'OK' if ok else 'FAIL'}")
+    if not quiet or not ok:
+        print(f"    correctness vs torch_ref: max abs err {err:.3g} -> {'OK' if ok else 'FAIL'}")
     if not ok:
         raise SystemExit("triton_paged disagrees with torch_ref; not timing")
 
@@ -91,22 +93,65 @@ def causal_pairs(reqs):
     return sum(n * c + n * (n + 1) // 2 for c, n in reqs)
 
 
+PREFILL_CASES = (("prefill 8 x 2048", [(0, 2048)] * 8), ("extend 8 x 512 over 1536 cached", [(1536, 512)] * 8),
+                 ("offline mix: 2 x 1024 new + 254 decodes x 1100", [(0, 1024)] * 2 + [(1100, 1)] * 254))
+
+
+def sweep_prefill(layer, hq, hkv, d, bs, dtype, tol) -> None:
+    """Each launch configuration, checked against torch_ref then timed; TFLOP/s of the prefill
+    rows (the mixed case's decode rows run in the same forward)."""
+    steps = [(name, reqs, make_step(reqs, hq, hkv, d, bs, dtype)) for name, reqs in PREFILL_CASES]
+    best: dict[str, tuple[float, str]] = {}
+    for bm in (64, 128):
+        for bn in (32, 64, 128):
+            for warps in (4, 8):
+                for stages in (2, 3, 4):
+                    label = f"block_m={bm} block_n={bn} warps={warps} stages={stages}"
+                    backend = TritonPagedBackend(TritonPagedSettings(
+                        prefill_block_m=bm, prefill_block_n=bn, prefill_num_warps=warps, prefill_num_stages=stages))
+                    cells = []
+                    for name, reqs, step in steps:
+                        try:
+                            check(backend, layer, step, tol, quiet=True)
+                            t = time_forward(backend, layer, step)
+                        except Exception as e:  # noqa: BLE001 - e.g. out of shared memory: report, go on
+                            cells.append(f"{type(e).__name__}")
+                            continue
+                        pairs = causal_pairs([r for r in reqs if r[1] > 1])
+                        tflops = 4 * d * hq * pairs / t / 1e12
+                        cells.append(f"{t * 1e3:7.3f} ms {tflops:5.1f} TF")
+                        if name not in best or t < best[name][0]:
+                            best[name] = (t, label)
+                    print(f"{label:44s} | " + " | ".join(cells), flush=True)
+    for name, (t, label) in best.items():
+        print(f"best for {name}: {label} ({t * 1e3:.3f} ms)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--block-m", type=int, default=64, help="prefill query tile (TritonPagedSettings)")
     ap.add_argument("--block-n", type=int, default=0, help="K/V tile tokens, 0 = auto")
+    ap.add_argument("--prefill-warps", type=int, default=0, help="prefill kernel num_warps (0 = auto)")
+    ap.add_argument("--prefill-stages", type=int, default=0, help="prefill kernel num_stages (0 = auto)")
+    ap.add_argument("--sweep-prefill", action="store_true",
+                    help="time the prefill cases over block_m x block_n x warps x stages, then exit")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_attention.py needs a CUDA device")
     dtype = getattr(torch, a.dtype)
     tol = 2e-2 if dtype == torch.bfloat16 else 4e-3
-    backend = TritonPagedBackend(TritonPagedSettings(prefill_block_m=a.block_m, kv_block_n=a.block_n))
+    backend = TritonPagedBackend(TritonPagedSettings(prefill_block_m=a.block_m, kv_block_n=a.block_n,
+                                                     prefill_num_warps=a.prefill_warps,
+                                                     prefill_num_stages=a.prefill_stages))
     hq, hkv, d, bs = 32, 8, 128, a.block_size
     layer = AttentionLayer(0, hq, hkv, d, d ** -0.5)
     elem = torch.empty((), dtype=dtype).element_size()
     print(f"{torch.cuda.get_device_name()}  dtype={a.dtype} block_size={bs} Hq={hq} Hkv={hkv} D={d}")
+    if a.sweep_prefill:
+        sweep_prefill(layer, hq, hkv, d, bs, dtype, tol)
+        return
 
     reqs = [(4095, 1)] * 64
     print("decode 64 x 4096")

@@ -5,11 +5,17 @@ Prints the top CUDA kernels (self time, share of the profiled device time) for
   * decode-only steps at ``--decode-batch`` running requests of ``--decode-context`` prompt
     tokens each (CUDA-graph replays included).
 
+  * with ``--steady N``: instead, the offline workload's steady state: N prompts of
+    ``--input-len`` tokens, ``--output-len`` each, queued at once; after ``--skip-steps``
+    steps, ``--steps`` steps are profiled (mixed prefill + decode, as the throughput bench).
+
     python benchmarks/profile_steps.py --model /tmp/l3 --load-format dummy
+    python benchmarks/profile_steps.py --model /tmp/l3 --load-format dummy --steady 1000 --skip-steps 200
 """
 from __future__ import annotations
 
 import argparse
+import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -36,6 +42,24 @@ def _run(engine, steps: int, title: str, rows: int) -> None:
     _table(prof, title, rows)
 
 
+def _steady(engine, a) -> None:
+    sp = SamplingParams(temperature=0, max_tokens=a.output_len, ignore_eos=True)
+    for i in range(a.steady):
+        engine.add_request(f"s{i}", {"prompt_token_ids": [(7 * i + j) % 30000 + 5 for j in range(a.input_len)]}, sp)
+    for _ in range(a.skip_steps):
+        engine.step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(a.steps):
+        engine.step()
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) / a.steps
+    stats = {k: v for k, v in engine.stats().items() if "running" in k or "waiting" in k}
+    print(f"steady state: {wall * 1e3:.2f} ms per step (wall, unprofiled) over {a.steps} steps; "
+          f"scheduler: {stats}")
+    _run(engine, a.steps, f"{a.steps} steady-state steps after {a.skip_steps + a.steps}", a.rows)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True)
@@ -46,9 +70,16 @@ def main() -> None:
     p.add_argument("--decode-context", type=int, default=32, help="prompt tokens of each decode-phase request")
     p.add_argument("--rows", type=int, default=18)
     p.add_argument("--quantization", help="quantization method (e.g. fp8; awq/gptq come from the checkpoint)")
+    p.add_argument("--steady", type=int, default=0, help="profile the steady state of N queued prompts")
+    p.add_argument("--output-len", type=int, default=128, help="--steady: tokens generated per prompt")
+    p.add_argument("--skip-steps", type=int, default=200, help="--steady: steps run before profiling")
+    p.add_argument("--steps", type=int, default=30, help="--steady: steps profiled")
     a = p.parse_args()
     kw = {"quantization": a.quantization} if a.quantization else {}
     engine = LLMEngine.from_kwargs(a.model, load_format=a.load_format, **kw)
+    if a.steady:
+        _steady(engine, a)
+        return
     sp = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     for i in range(a.prefill_prompts):
         engine.add_request(f"p{i}", {"prompt_token_ids": [(7 * i + j) % 1000 + 5 for j in range(a.input_len)]}, sp)

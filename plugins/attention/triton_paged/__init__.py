@@ -43,7 +43,10 @@ def _pow2(x: int) -> bool:
 class TritonPagedSettings(BaseModel):
     """``attention.settings`` for triton_paged.
 
-    ``prefill_block_m`` / ``kv_block_n``: tile sizes (0 = pick by head size).
+    ``prefill_block_m`` / ``kv_block_n``: tile sizes (0 = pick by head size);
+    ``prefill_block_n`` overrides ``kv_block_n`` for the prefill kernel.
+    ``prefill_num_warps`` / ``prefill_num_stages``: the prefill kernel's Triton launch
+    options (0 = by tile size).
     ``split_kv_target_tiles``: a step with fewer prefill tiles than this has its long key
     ranges split across programs (0: never split). ``split_kv_min_keys``: the shortest
     key range a split leaves (keys, i.e. cached + new tokens).
@@ -52,6 +55,9 @@ class TritonPagedSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
     prefill_block_m: int = 64
     kv_block_n: int = 0
+    prefill_block_n: int = 0
+    prefill_num_warps: int = Field(0, ge=0, le=16)
+    prefill_num_stages: int = Field(0, ge=0, le=6)
     split_kv_target_tiles: int = Field(16, ge=0)
     split_kv_min_keys: int = Field(512, ge=16)
 
@@ -62,7 +68,14 @@ class TritonPagedSettings(BaseModel):
             raise ValueError("must be a power of two in [16, 256]")
         return v
 
-    @field_validator("kv_block_n")
+    @field_validator("prefill_num_warps")
+    @classmethod
+    def _check_warps(cls, v: int) -> int:
+        if v != 0 and not _pow2(v):
+            raise ValueError("must be 0 (auto) or a power of two (1 to 16)")
+        return v
+
+    @field_validator("kv_block_n", "prefill_block_n")
     @classmethod
     def _check_n(cls, v: int) -> int:
         if v != 0 and (not _pow2(v) or not 16 <= v <= 256):
@@ -150,12 +163,13 @@ class TritonPagedBackend(AttentionBackend):
         """Kernel (c) only: attention of the prefill/extend rows of ``md`` into ``out``
         ([T, Hq, D], q's dtype), the step's K/V already in ``kv_cache``. Other backends
         (``flash_decode``) use it for their prefill rows."""
-        inp = md.inputs
+        inp, st = md.inputs, self.settings
         self._prefill.paged_prefill(q, kv_cache, out, inp.block_table, inp.query_start_loc, inp.context_lens,
                                     md.prefill_tiles, md.num_prefill_tiles, md.block_m, layer.scale,
-                                    layer.sliding_window, self.settings.kv_block_n, count=md.tile_count,
+                                    layer.sliding_window, st.prefill_block_n or st.kv_block_n, count=md.tile_count,
                                     merges=md.merges, num_merges=md.num_merges, merge_count=md.merge_count,
-                                    scratch=self._scratch_for(q, md.block_m) if md.num_merges else None)
+                                    scratch=self._scratch_for(q, md.block_m) if md.num_merges else None,
+                                    num_warps=st.prefill_num_warps, num_stages=st.prefill_num_stages)
 
     def _scratch_for(self, q: torch.Tensor, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Split-KV partial outputs / log-sum-exps, one buffer per shape shared by every layer

@@ -28,6 +28,46 @@ import triton.language as tl
 from .decode_kernel import LOG2E, dot_precision
 
 
+@triton.jit
+def _key_blocks(acc, l_i, m_i, q, cache_ptr, bt_row, head_off, stride_ckv, stride_cb, stride_cs,
+                qpos, lo, hi, scale_log2, window, offs_n, offs_d,
+                BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+                HAS_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Online-softmax over keys [lo, hi), BLOCK_N at a time. ``MASKED=False`` is only called
+    on whole blocks every query of the tile may see (no bounds, causal or window test)."""
+    for n0 in range(lo, hi, BLOCK_N):
+        kpos = n0 + offs_n
+        if MASKED:
+            kvalid = kpos < hi
+            blk = tl.load(bt_row + kpos // BLOCK_SIZE, mask=kvalid, other=0).to(tl.int64)
+        else:
+            blk = tl.load(bt_row + kpos // BLOCK_SIZE).to(tl.int64)
+        tok_off = blk * stride_cb + (kpos % BLOCK_SIZE) * stride_cs + head_off     # [BLOCK_N]
+        if MASKED:
+            k = tl.load(cache_ptr + tok_off[:, None] + offs_d[None, :], mask=kvalid[:, None], other=0.0)
+        else:
+            k = tl.load(cache_ptr + tok_off[:, None] + offs_d[None, :])
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PREC) * scale_log2   # [BLOCK_M, BLOCK_N]
+        if MASKED:
+            allowed = kvalid[None, :] & (kpos[None, :] <= qpos[:, None])
+            if HAS_WINDOW:
+                allowed = allowed & (kpos[None, :] > qpos[:, None] - window)
+            s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if MASKED:
+            v = tl.load(cache_ptr + stride_ckv + tok_off[:, None] + offs_d[None, :], mask=kvalid[:, None],
+                        other=0.0)
+        else:
+            v = tl.load(cache_ptr + stride_ckv + tok_off[:, None] + offs_d[None, :])
+        v = v.to(q.dtype)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
 # Integers that change from step to step are not specialized (Triton would otherwise
 # compile a variant per "divisible by 16" / "equal to 1" class, mid-serving).
 @triton.jit(do_not_specialize=["num_tiles", "stride_bt"])
@@ -75,25 +115,18 @@ def _paged_prefill_kernel(
         lo = tl.maximum(lo, tl.maximum(ctx + m0 - window + 1, 0) // BLOCK_N * BLOCK_N)
     bt_row = block_table_ptr + req * stride_bt
     head_off = kvh.to(tl.int64) * stride_ch
-    for n0 in range(lo, hi, BLOCK_N):
-        kpos = n0 + offs_n
-        kvalid = kpos < hi
-        blk = tl.load(bt_row + kpos // BLOCK_SIZE, mask=kvalid, other=0).to(tl.int64)
-        tok_off = blk * stride_cb + (kpos % BLOCK_SIZE) * stride_cs + head_off     # [BLOCK_N]
-        k = tl.load(cache_ptr + tok_off[:, None] + offs_d[None, :], mask=kvalid[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PREC) * scale_log2   # [BLOCK_M, BLOCK_N]
-        allowed = kvalid[None, :] & (kpos[None, :] <= qpos[:, None])
-        if HAS_WINDOW:
-            allowed = allowed & (kpos[None, :] > qpos[:, None] - window)
-        s = tl.where(allowed, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(cache_ptr + stride_ckv + tok_off[:, None] + offs_d[None, :], mask=kvalid[:, None], other=0.0)
-        v = v.to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-        m_i = m_new
+    # Keys below the tile's first query position are visible to all its queries: those whole
+    # blocks skip every test (the FlashAttention-2 split of off-diagonal and diagonal blocks);
+    # a sliding window bounds each row differently, so it keeps the tests throughout.
+    mid = lo
+    if not HAS_WINDOW:
+        mid = lo + tl.maximum(tl.minimum(ctx + m0, hi) - lo, 0) // BLOCK_N * BLOCK_N
+    acc, l_i, m_i = _key_blocks(acc, l_i, m_i, q, cache_ptr, bt_row, head_off, stride_ckv, stride_cb, stride_cs,
+                                qpos, lo, mid, scale_log2, window, offs_n, offs_d,
+                                BLOCK_SIZE, BLOCK_N, False, HAS_WINDOW, DOT_PREC)
+    acc, l_i, m_i = _key_blocks(acc, l_i, m_i, q, cache_ptr, bt_row, head_off, stride_ckv, stride_cb, stride_cs,
+                                qpos, mid, hi, scale_log2, window, offs_n, offs_d,
+                                BLOCK_SIZE, BLOCK_N, True, HAS_WINDOW, DOT_PREC)
 
     empty = l_i == 0.0  # every key of this range masked for the row (only in split ranges)
     l_safe = tl.where(empty, 1.0, l_i)
@@ -153,7 +186,8 @@ def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, bl
                   block_m: int, scale: float, sliding_window: int | None, block_n: int = 0,
                   count: torch.Tensor | None = None, merges: torch.Tensor | None = None, num_merges: int = 0,
                   merge_count: torch.Tensor | None = None,
-                  scratch: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                  scratch: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  num_warps: int = 0, num_stages: int = 0) -> None:
     """Attention for the prefill/extend work items listed in ``tiles``.
 
     With ``count`` (int32 [1] on the device) ``num_tiles`` is a capacity and only the first
@@ -169,6 +203,7 @@ def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, bl
             ``out``; else it writes a partial result there).
         block_m: queries per tile (the value the tiles were cut with).
         block_n: keys per tile, power of two >= 16 (0 = auto); independent of block_size.
+        num_warps / num_stages: Triton launch options of the attention kernel (0 = auto).
         merges: int32 [4, num_merges]: request, first query offset, first slot, number of
             slots of each split tile; ``scratch``: (float32 [S, Hq, block_m, D] partial outputs,
             float32 [S, Hq, block_m] log2-sum-exp), needed when any item has a slot.
@@ -194,7 +229,7 @@ def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, bl
         GROUP=hq // hkv, HEAD_D=d, BLOCK_SIZE=bs, BLOCK_M=block_m, BLOCK_N=block_n,
         HAS_WINDOW=sliding_window is not None, DOT_PREC=dot_precision(q.dtype),
         COUNT_ON_DEVICE=count is not None,
-        num_warps=4 if d * block_m <= 64 * 128 else 8, num_stages=2,
+        num_warps=num_warps or (4 if d * block_m <= 64 * 128 else 8), num_stages=num_stages or 2,
     )
     if num_merges:
         _merge_kernel[(num_merges, hq)](
