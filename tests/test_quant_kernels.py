@@ -58,10 +58,11 @@ import wna16_cases  # noqa: E402  (W4A16 / W8A16 checks: every path, fresh rando
 CPU_CHECKS = dict(wna16_cases.CPU_CHECKS)
 
 
-def _act_quant_case(device, qdtype, static, dtype):
+def _act_quant_case(device, qdtype, static, dtype, k=200):
+    """k <= 16384: the kernel's one-pass path (row in registers); larger: the chunked one."""
     from kvforge_plugins.quant.kernels.scaled_mm import quantize_act, quantize_act_ref
-    g = torch.Generator().manual_seed(3)
-    x = (torch.randn(9, 200, generator=g) * torch.rand(9, 1, generator=g) * 5).to(dtype)
+    g = torch.Generator().manual_seed(wna16_cases.SEED + 3)  # fresh per run; KVFORGE_TEST_SEED replays
+    x = (torch.randn(9, k, generator=g) * torch.rand(9, 1, generator=g) * 5).to(dtype)
     x[4] = 0  # all-zero token: eps scale, no NaN
     x = x.to(device)
     scale = torch.tensor([0.02], device=device) if static else None
@@ -94,6 +95,10 @@ CPU_CHECKS.update({
     "act_quant_fp8_dynamic_fp32": (lambda d: _act_quant_case(d, fp8, False, torch.float32), 1e-3),
     "act_quant_int8_dynamic_fp16": (lambda d: _act_quant_case(d, torch.int8, False, torch.float16), 1e-3),
     "act_quant_int8_static_fp32": (lambda d: _act_quant_case(d, torch.int8, True, torch.float32), 1e-3),
+    "act_quant_fp8_static_fp16": (lambda d: _act_quant_case(d, fp8, True, torch.float16), 1e-3),
+    "act_quant_fp8_dynamic_fp32_chunked": (lambda d: _act_quant_case(d, fp8, False, torch.float32, k=16500), 1e-3),
+    "act_quant_int8_dynamic_fp16_chunked": (lambda d: _act_quant_case(d, torch.int8, False, torch.float16,
+                                                                       k=16500), 1e-3),
     "int8_gemm_tensor_fp32": (lambda d: _scaled_mm_case(d, torch.int8, False, False, torch.float32, False), 1e-6),
     "int8_gemm_token_channel_bias_fp32": (lambda d: _scaled_mm_case(d, torch.int8, True, True, torch.float32, True),
                                           1e-6),
@@ -267,6 +272,25 @@ def test_gpu_w8a8_backends_agree(kind, m, dtype):
     except RuntimeError as e:
         pytest.skip(f"torch path unsupported here: {e}")
     assert _rel(y, ref) <= bound
+
+
+@cuda
+@pytest.mark.parametrize("k", [4096, 14336, 20000])
+@pytest.mark.parametrize("kind", ["fp8", "int8"])
+def test_gpu_act_quant_matches_reference(kind, k):
+    """Llama-3-8B widths (one pass, row in registers) and a chunked width: scales bit-equal,
+    values equal to the reference's (both multiply by the row's IEEE reciprocal)."""
+    from kvforge_plugins.quant.kernels.scaled_mm import quantize_act, quantize_act_ref
+    if kind == "fp8" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 needs sm89+")
+    qdtype = torch.int8 if kind == "int8" else torch.float8_e4m3fn
+    x = torch.randn(257, k, device="cuda", dtype=torch.bfloat16) * torch.rand(257, 1, device="cuda") * 8
+    x[3] = 0
+    for scale in (None, torch.tensor([0.01], device="cuda")):
+        q, s = quantize_act(x, qdtype, scale)
+        qr, sr = quantize_act_ref(x, qdtype, scale)
+        assert torch.equal(s, sr)
+        assert torch.equal(q.float(), qr.float()), (q.float() != qr.float()).sum().item()
 
 
 @cuda

@@ -80,35 +80,53 @@ def _scaled_mm_kernel(a_ptr, w_ptr, as_ptr, ws_ptr, bias_ptr, out_ptr, M, N, K, 
 
 
 def _quant_act_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, eps,
-                      QMAX: tl.constexpr, IS_INT8: tl.constexpr, STATIC: tl.constexpr, BLOCK: tl.constexpr):
+                      QMAX: tl.constexpr, IS_INT8: tl.constexpr, STATIC: tl.constexpr, BLOCK: tl.constexpr,
+                      ONE_PASS: tl.constexpr, HW_CAST: tl.constexpr):
     row = tl.program_id(0)
     x_row = x_ptr + row * stride_xm
+    if ONE_PASS:  # K <= BLOCK: the row stays in registers, read once
+        offs0 = tl.arange(0, BLOCK)
+        x0 = tl.load(x_row + offs0, mask=offs0 < K, other=0.0).to(tl.float32)
     if STATIC:
         scale = tl.load(s_ptr)
     else:
-        amax = tl.zeros((BLOCK,), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK):
-            offs = k0 + tl.arange(0, BLOCK)
-            x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.abs(x))
+        if ONE_PASS:
+            amax_all = tl.max(tl.abs(x0), axis=0)
+        else:
+            amax = tl.zeros((BLOCK,), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK):
+                offs = k0 + tl.arange(0, BLOCK)
+                x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
+                amax = tl.maximum(amax, tl.abs(x))
+            amax_all = tl.max(amax, axis=0)
         # div_rn: IEEE division (Triton's "/" may use the approximate one), so the scales and
         # the quantized values equal the torch reference's bit for bit.
-        scale = tl.div_rn(tl.maximum(tl.max(amax, axis=0), eps), QMAX)
+        scale = tl.div_rn(tl.maximum(amax_all, eps), QMAX)
         tl.store(s_ptr + row, scale)
+    inv = tl.div_rn(1.0, scale)  # one division per row; elements are multiplied
     for k0 in range(0, K, BLOCK):
         offs = k0 + tl.arange(0, BLOCK)
-        x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
-        y = tl.minimum(tl.maximum(tl.div_rn(x, scale + tl.zeros_like(x)), -QMAX), QMAX)
-        if IS_INT8:
-            y = tl.where(y >= 0, tl.floor(y + 0.5), -tl.floor(0.5 - y))
+        if ONE_PASS:
+            x = x0
         else:
-            # Round to the E4M3 grid in fp32 (nearest-even) so the final cast is exact: the
-            # spacing below |y| is 2^(e-3) for exponent e >= -6 (2^-9 for subnormals);
-            # adding 1.5 * 2^23 rounds y / spacing (< 16) to an integer.
+            x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
+        y = tl.minimum(tl.maximum(x * inv, -QMAX), QMAX)
+        if IS_INT8:  # half away from zero
+            y = tl.where(y >= 0, tl.floor(y + 0.5), -tl.floor(0.5 - y))
+            q = y.to(q_ptr.dtype.element_ty)
+        elif HW_CAST:  # the GPU's cvt.rn (nearest-even) to E4M3: one instruction per two values
+            q = y.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+        else:
+            # Interpreter: round to the E4M3 grid in fp32 first, so the result does not depend
+            # on how the interpreter casts. The spacing below |y| is 2^(e-3) for exponent e >= -6 (2^-9 for
+            # subnormals); scaling by its exact power-of-two inverse and adding 1.5 * 2^23
+            # rounds y / spacing (< 16) to an integer.
             e = tl.maximum(((y.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)
-            step = ((e + 124) << 23).to(tl.float32, bitcast=True)
-            y = ((y * tl.div_rn(1.0 + tl.zeros_like(step), step) + 12582912.0) - 12582912.0) * step
-        tl.store(q_ptr + row * stride_qm + offs, y.to(q_ptr.dtype.element_ty), mask=offs < K)
+            step = ((e + 124) << 23).to(tl.float32, bitcast=True)      # 2^(e-3)
+            inv_step = ((130 - e) << 23).to(tl.float32, bitcast=True)  # 2^(3-e)
+            y = ((y * inv_step + 12582912.0) - 12582912.0) * step
+            q = y.to(q_ptr.dtype.element_ty)
+        tl.store(q_ptr + row * stride_qm + offs, q, mask=offs < K)
 
 
 _scaled_mm = lazy_jit(_scaled_mm_kernel)
@@ -133,6 +151,8 @@ def qmax_of(dtype: torch.dtype) -> float:
 def quantize_act_ref(x: torch.Tensor, qdtype: torch.dtype, scale: "torch.Tensor | None" = None):
     """Reference activation quantization. ``x`` [M, K] -> (q [M, K] ``qdtype``, scale fp32 [M] or [1]).
 
+    ``q = round(clamp(x * (1 / scale), -QMAX, QMAX))`` (the reciprocal IEEE-rounded once per row).
+
     ``scale`` None: dynamic per-token; else the static per-tensor scale (numel 1).
     """
     qmax = qmax_of(qdtype)
@@ -142,18 +162,25 @@ def quantize_act_ref(x: torch.Tensor, qdtype: torch.dtype, scale: "torch.Tensor 
         # a tensor divisor: torch divides by a Python scalar as a multiply by its reciprocal
         # on CUDA (1 ulp off IEEE division, which the Triton kernel does)
         scale = amax / torch.full_like(amax, qmax)
-        y = xf / scale[:, None]
     else:
         scale = scale.float().reshape(1)
-        y = xf / scale
+    # x times the IEEE reciprocal of the scale (one division per row, not per element: the
+    # kernel's arithmetic, bit for bit)
+    y = xf * (torch.ones_like(scale) / scale).reshape(-1, 1)
     y = y.clamp(-qmax, qmax)
     if qdtype == torch.int8:
         y = torch.where(y >= 0, torch.floor(y + 0.5), -torch.floor(0.5 - y))
     return y.to(qdtype), scale
 
 
-def quantize_act(x: torch.Tensor, qdtype: torch.dtype, scale: "torch.Tensor | None" = None):
-    """Triton activation quantization (one pass per token); same contract as :func:`quantize_act_ref`."""
+def quantize_act(x: torch.Tensor, qdtype: torch.dtype, scale: "torch.Tensor | None" = None,
+                 max_block: int = 16384, num_warps: int = 0):
+    """Triton activation quantization, one program per token; same contract as :func:`quantize_act_ref`.
+
+    A row of up to ``max_block`` (power of two) elements is read once and kept in registers;
+    longer rows are read twice (amax, then quantize) in ``max_block`` chunks. ``num_warps``
+    0 = by block size. (Both are launch knobs for ``benchmarks/probe_fp8.py --quant-sweep``.)
+    """
     x = x.contiguous()
     m, k = x.shape
     q = torch.empty((m, k), dtype=qdtype, device=x.device)
@@ -161,9 +188,13 @@ def quantize_act(x: torch.Tensor, qdtype: torch.dtype, scale: "torch.Tensor | No
     s = scale.float().reshape(1).contiguous() if static else torch.empty(m, dtype=torch.float32, device=x.device)
     if m == 0:
         return q, s
-    block = min(4096, max(16, 1 << (k - 1).bit_length()))
+    pow2 = max(16, 1 << (k - 1).bit_length())
+    block = min(max_block, pow2)  # by default Llama-3-8B's widths (4096, 14336) take one pass
     _quant_act[(m,)](x, q, s, k, x.stride(0), q.stride(0), EPS, QMAX=qmax_of(qdtype),
-                     IS_INT8=qdtype == torch.int8, STATIC=static, BLOCK=block, num_warps=4 if block <= 1024 else 8)
+                     IS_INT8=qdtype == torch.int8, STATIC=static, BLOCK=block, ONE_PASS=pow2 <= block,
+                     HW_CAST=x.is_cuda,
+                     # swept on the H200 (probe_fp8.py --quant-sweep): 4 warps up to 4096, then 8
+                     num_warps=num_warps or (4 if block <= 4096 else 8))
     return q, s
 
 
