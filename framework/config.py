@@ -15,6 +15,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
+#: section -> the field a bare string stands for (``quantization: fp8`` = ``{method: fp8}``)
+SHORTHAND = {"quantization": "method", "attention": "backend", "scheduler": "name", "speculative": "method"}
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
 
@@ -166,6 +170,16 @@ class RequestChoicesConfig(_Section):
         return self
 
 
+def _expand_shorthand(data: Any) -> Any:
+    """``{"quantization": "fp8"}`` -> ``{"quantization": {"method": "fp8"}}`` (see SHORTHAND)."""
+    if isinstance(data, dict):
+        data = dict(data)
+        for sec, field in SHORTHAND.items():
+            if isinstance(data.get(sec), str):
+                data[sec] = {field: data[sec]}
+    return data
+
+
 class EngineConfig(_Section):
     """The whole engine configuration.
 
@@ -181,6 +195,11 @@ class EngineConfig(_Section):
     speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     request_choices: RequestChoicesConfig = Field(default_factory=RequestChoicesConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, data: Any) -> Any:
+        return _expand_shorthand(data)
 
     @model_validator(mode="after")
     def _check_parallel(self) -> "EngineConfig":
@@ -202,11 +221,16 @@ class EngineConfig(_Section):
         ``overrides`` keys are flat names (``max_num_seqs``, see :data:`FLAT_FIELDS`)
         or dotted paths (``scheduler.settings.foo``). None values are ignored.
         """
-        data: dict[str, Any] = load_file(file) if file else {}
+        data: dict[str, Any] = _expand_shorthand(load_file(file)) if file else {}
         for key, value in (overrides or {}).items():
             if value is None:
                 continue
             path = FLAT_FIELDS.get(key, key).split(".")
+            if isinstance(value, dict) and len(path) == 2 and SHORTHAND.get(path[0]) == path[1]:
+                # LLM(quantization={"method": "fp8", "settings": {...}}): the whole section
+                sec = data.get(path[0])
+                data[path[0]] = {**(sec if isinstance(sec, dict) else {}), **value}
+                continue
             if len(path) == 1:
                 raise ValueError(f"unknown config option {key!r}; known flat options: "
                                  f"{', '.join(sorted(FLAT_FIELDS))}")

@@ -112,6 +112,30 @@ def test_workload_too_long_is_a_clear_error(capsys):
     assert "max_model_len" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flag,value,msg", [
+    ("--peak-tflops", "0", "must be > 0"), ("--mem-bw-tbps", "-1", "must be > 0"),
+    ("--peak-tflops", "nan", "must be > 0"), ("--roofline-req-s", "0", "must be > 0"),
+    ("--input-len", "-32", "must be > 0"), ("--output-len", "0", "must be > 0"),
+    ("--num-warmup-prompts", "-1", "must be >= 0"), ("--hf-batch-size", "0", "must be > 0"),
+    ("--num-prompts", "x", "expected an integer")])
+def test_bad_flags_refused_before_the_engine_starts(capsys, flag, value, msg):
+    with pytest.raises(SystemExit) as e:  # argparse: the flag is named, nothing is built
+        main(["bench", "throughput", "--model", STORIES, flag, value])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}" in err and msg in err, err
+
+
+@pytest.mark.parametrize("which", ["throughput", "latency"])
+def test_unwritable_output_json_refused_up_front(tmp_path, capsys, which):
+    (tmp_path / "afile").write_text("x")
+    for bad, msg in ((tmp_path / "afile" / "x.json", "cannot create its directory"), (tmp_path, "is a directory")):
+        assert main(["bench", which, "--model", STORIES, "--num-prompts" if which == "throughput" else "--batch-size",
+                     "1", "--output-json", str(bad), "--disable-tqdm"]) == 2
+        err = capsys.readouterr().err
+        assert "--output-json" in err and msg in err, err
+
+
 def test_variable_lengths_deterministic_and_bounded():
     a = sample_lengths("variable", 256, 0, 0, seed=0, min_len=100, max_len=1024)
     assert a == sample_lengths("variable", 256, 0, 0, seed=0, min_len=100, max_len=1024)

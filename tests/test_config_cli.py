@@ -108,6 +108,25 @@ def test_override_errors_name_field(tmp_path):
         EngineConfig.from_sources(path, {"nosuchsection.x": 1})
 
 
+def test_section_shorthand_in_files_and_keywords(tmp_path):
+    """``quantization: fp8`` (as the README words it) and friends: a bare string stands for the
+    section's main field; a dict keyword (``LLM(quantization={...})``) sets the whole section."""
+    (tmp_path / "c.yaml").write_text("quantization: int8\nscheduler: fcfs\nattention: torch_ref\n")
+    cfg = EngineConfig.from_sources(tmp_path / "c.yaml", {"model": STORIES_MODEL,
+                                                         "quantization.settings.backend": "reference"})
+    assert (cfg.quantization.method, cfg.quantization.settings) == ("int8", {"backend": "reference"})
+    assert (cfg.scheduler.name, cfg.attention.backend) == ("fcfs", "torch_ref")
+    cfg = EngineConfig.from_sources(tmp_path / "c.yaml", {"model": STORIES_MODEL,
+                                                         "quantization": {"settings": {"fast_accum": False}}})
+    assert (cfg.quantization.method, cfg.quantization.settings) == ("int8", {"fast_accum": False})
+    cfg = EngineConfig.from_sources(None, {"model": STORIES_MODEL, "quantization": {"method": "fp8"}})
+    assert cfg.quantization.method == "fp8"
+    with pytest.raises(ValidationError, match=r"quantization\.bogus"):
+        EngineConfig.from_sources(None, {"model": STORIES_MODEL, "quantization": {"method": "fp8", "bogus": 1}})
+    with pytest.raises(ValidationError, match=r"quantization\n.*valid dictionary"):
+        EngineConfig.model_validate({"model": {"model": STORIES_MODEL}, "quantization": 5})
+
+
 def test_file_top_level_errors(tmp_path):
     (tmp_path / "list.yaml").write_text("- a\n- b\n")
     with pytest.raises(ValueError, match="mapping"):

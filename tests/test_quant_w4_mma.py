@@ -312,6 +312,11 @@ def test_triton_backend_off_cuda_is_refused_at_load(monkeypatch):
         (why,) = cfg.validate(torch.float16, cpu)
         assert "quantization.settings.backend 'triton' needs a CUDA device, or TRITON_INTERPRET=1" in why
     assert AWQConfig(hf, AWQSettings(backend="reference")).validate(torch.float16, cpu) == []
+    # backend torch (cuBLAS GEMM) quantizes activations with a Triton kernel: refused alike
+    from kvforge_plugins.quant.fp8 import FP8Config, FP8Settings
+    for cfg in (Int8Config(None, Int8Settings(backend="torch")), FP8Config(None, FP8Settings(backend="torch"))):
+        why = cfg.validate(torch.float16, cpu)
+        assert any("quantization.settings.backend 'torch' needs a CUDA device" in w for w in why), why
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert AWQConfig(hf, AWQSettings(backend="triton")).validate(torch.float16, cpu) == []
 

@@ -52,8 +52,8 @@ def cmd_latency(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
     import numpy as np
     from tqdm.auto import tqdm
 
-    from kvforge.bench.throughput import (ModelShape, detokenize_ok, report_header, roofline, synchronize,
-                                          write_json)
+    from kvforge.bench.throughput import (ModelShape, check_output_path, detokenize_ok, report_header, roofline,
+                                          synchronize, write_json)
     from kvforge.engine.sampling_params import SamplingParams
     from kvforge.entrypoints.cli import engine_overrides
     from kvforge.entrypoints.llm import LLM
@@ -62,6 +62,7 @@ def cmd_latency(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.num_iters_warmup < 0:
         raise ValueError(f"--num-iters-warmup must be >= 0, got {args.num_iters_warmup}")
+    check_output_path(args.output_json)
     llm = LLM(config=args.config, **engine_overrides(args))
     engine = llm.llm_engine
     seed = engine.config.model.seed  # --seed (or the config file's) seeds the workload too

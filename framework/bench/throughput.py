@@ -26,6 +26,7 @@ import argparse
 import datetime as _dt
 import gc
 import json
+import os
 import math
 import platform
 import shlex
@@ -194,6 +195,46 @@ def report_header(args: argparse.Namespace, parser: argparse.ArgumentParser, pro
                 "max_model_len": parts.max_model_len, "num_gpu_blocks": getattr(parts.allocator, "num_blocks", None)}}}
 
 
+def _bounded(kind: type, lo: float, strict: bool):
+    """argparse ``type=``: a finite number > lo (strict) or >= lo, so a bad flag is refused
+    up front with argparse's own message naming it."""
+    def parse(text: str):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, "
+                                             f"got {text!r}") from None
+        if v != v or v in (float("inf"), float("-inf")) or (v <= lo if strict else v < lo):
+            raise argparse.ArgumentTypeError(f"must be {'>' if strict else '>='} {lo:g}, got {text}")
+        return v
+    return parse
+
+
+positive_int = _bounded(int, 0, True)
+nonneg_int = _bounded(int, 0, False)
+positive_float = _bounded(float, 0, True)
+
+
+def check_output_path(path: str | None, flag: str = "--output-json") -> None:
+    """Refuse an output file that cannot be written, before any benchmark time is spent.
+
+    Raises:
+        ValueError: naming ``flag``: the path is a directory, or its directory cannot be
+            created or written.
+    """
+    if not path:
+        return
+    p = Path(path)
+    if p.is_dir():
+        raise ValueError(f"{flag} {path}: is a directory; give a file path")
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"{flag} {path}: cannot create its directory ({e.strerror or e})") from None
+    if not os.access(p.parent, os.W_OK):
+        raise ValueError(f"{flag} {path}: directory {p.parent} is not writable")
+
+
 def write_json(path: str | None, data: dict) -> None:
     if path:
         p = Path(path)
@@ -222,9 +263,9 @@ def detokenize_ok(llm: Any, want: bool) -> bool:
 
 def add_roofline_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("roofline")
-    g.add_argument("--peak-tflops", type=float, default=H200_PEAK_TFLOPS,
+    g.add_argument("--peak-tflops", type=positive_float, default=H200_PEAK_TFLOPS,
                    help=f"dense GEMM peak, TFLOP/s (default: {H200_PEAK_TFLOPS}, measured bf16 on an H200)")
-    g.add_argument("--mem-bw-tbps", type=float, default=H200_MEM_BW_TBPS,
+    g.add_argument("--mem-bw-tbps", type=positive_float, default=H200_MEM_BW_TBPS,
                    help=f"memory bandwidth, TB/s (default: {H200_MEM_BW_TBPS}, measured device copy on an H200)")
 
 
@@ -241,25 +282,25 @@ def add_throughput_parser(bench_sub: argparse._SubParsersAction) -> None:
     w = p.add_argument_group("workload")
     w.add_argument("--dataset", "--dataset-name", dest="dataset", choices=DATASETS, default="random",
                    help="random: fixed lengths (or +-range-ratio); variable: lengths uniform in [min-len, max-len]")
-    w.add_argument("--input-len", type=int, default=1024, help="prompt tokens (default: 1024)")
-    w.add_argument("--output-len", type=int, default=128, help="generated tokens per prompt (default: 128)")
-    w.add_argument("--num-prompts", type=int, default=1000, help="requests (default: 1000)")
+    w.add_argument("--input-len", type=positive_int, default=1024, help="prompt tokens (default: 1024)")
+    w.add_argument("--output-len", type=positive_int, default=128, help="generated tokens per prompt (default: 128)")
+    w.add_argument("--num-prompts", type=positive_int, default=1000, help="requests (default: 1000)")
     w.add_argument("--range-ratio", "--random-range-ratio", dest="range_ratio", type=float, default=0.0,
                    help="lengths uniform in [N*(1-r), N*(1+r)] (default: 0)")
     w.add_argument("--min-len", type=int, help="variable: smallest input and output length")
     w.add_argument("--max-len", type=int, help="variable: largest input and output length")
     w.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default; HF baseline matches)")
-    w.add_argument("--num-warmup-prompts", type=int, default=16, help="warm-up batch size (default: 16; 0 = none)")
+    w.add_argument("--num-warmup-prompts", type=nonneg_int, default=16, help="warm-up batch size (default: 16; 0 = none)")
     w.add_argument("--disable-detokenize", action="store_true", help="return token ids only")
     w.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
     w.add_argument("--output-json", help="write the results here")
     b = p.add_argument_group("baseline")
     b.add_argument("--baseline", choices=("hf",),
                    help="also run Hugging Face transformers generate on the same prompts")
-    b.add_argument("--hf-batch-size", "--hf-max-batch-size", dest="hf_batch_size", type=int, default=128,
+    b.add_argument("--hf-batch-size", "--hf-max-batch-size", dest="hf_batch_size", type=positive_int, default=128,
                    help="HF static batch size (default: 128)")
     add_roofline_flags(p)
-    p.add_argument("--roofline-req-s", type=float, help="use this roofline (requests/s) instead of the computed one")
+    p.add_argument("--roofline-req-s", type=positive_float, help="use this roofline (requests/s) instead of the computed one")
     p.set_defaults(func=lambda a, _p=p: cmd_throughput(a, _p))
 
 
@@ -268,8 +309,7 @@ def cmd_throughput(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
     from kvforge.engine.sampling_params import SamplingParams
     from kvforge.entrypoints.cli import engine_overrides
     from kvforge.entrypoints.llm import LLM
-    if args.num_warmup_prompts < 0 or args.hf_batch_size < 1:
-        raise ValueError("--num-warmup-prompts must be >= 0 and --hf-batch-size >= 1")
+    check_output_path(args.output_json)
     llm = LLM(config=args.config, **engine_overrides(args))
     engine = llm.llm_engine
     seed = engine.config.model.seed  # --seed (or the config file's) seeds the workload too

@@ -231,9 +231,10 @@ def float8_reasons() -> list[str]:
 
 
 def triton_backend_reasons(backend: str, device: torch.device) -> list[str]:
-    """``backend: triton`` off CUDA runs only under the Triton interpreter (empty if it can run)."""
-    if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        return ["quantization.settings.backend 'triton' needs a CUDA device, or TRITON_INTERPRET=1 to run "
+    """An explicit kernel backend (``triton``; ``torch``, whose activation quantization is a
+    Triton kernel) off CUDA runs only under the Triton interpreter (empty if it can run)."""
+    if backend not in ("auto", "reference") and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return [f"quantization.settings.backend {backend!r} needs a CUDA device, or TRITON_INTERPRET=1 to run "
                 "the Triton interpreter on the CPU (slow: for tests); use backend 'auto' or 'reference' here"]
     return []
 
