@@ -205,8 +205,11 @@ def test_generate_batch_with_one_bad_prompt_queues_nothing(llm, good):
 
     # Bad params for one prompt of the batch (per-prompt SamplingParams list).
     params = [_sp() for _ in prompts]
-    params[rng.randrange(1, len(params))] = _sp(logit_bias={VOCAB + 3: 1.0})
+    bad = rng.randrange(1, len(params))
+    params[bad] = _sp(logit_bias={VOCAB + 3: 1.0})
     _check_isolated(llm, good, lambda: llm.generate(prompts, params, use_tqdm=False), "logit_bias")
+    with pytest.raises(ValueError, match=rf"^prompts\[{bad}\]: logit_bias"):  # which prompt, then why
+        llm.generate(prompts, params, use_tqdm=False)
 
 
 def test_generate_bad_batch_leaves_engine_idle(llm):

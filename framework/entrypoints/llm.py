@@ -79,8 +79,14 @@ class LLM:
         engine = self.llm_engine
         ids = [f"llm-{next(self._counter)}" for _ in prompts]
         # Validate the whole batch first: a bad prompt queues nothing.
-        prepared = [engine.prepare_request(rid, prompt, sp, priority=pr)
-                    for rid, prompt, sp, pr in zip(ids, prompts, params, prios)]
+        prepared = []
+        for i, (rid, prompt, sp, pr) in enumerate(zip(ids, prompts, params, prios)):
+            try:
+                prepared.append(engine.prepare_request(rid, prompt, sp, priority=pr))
+            except ValueError as e:
+                if len(prompts) == 1:
+                    raise
+                raise ValueError(f"prompts[{i}]: {e}") from None
         for p in prepared:
             engine.enqueue(p)
         finished: dict[str, RequestOutput] = {}
