@@ -2,6 +2,7 @@
 
     python benchmarks/bench_attention.py [--dtype bfloat16] [--block-size 16] [--block-m 64] [--block-n 0]
     python benchmarks/bench_attention.py --sweep-prefill   # prefill tile / warps / stages grid
+    python benchmarks/bench_attention.py --block-m 128 --prefill-block-n 128 --prefill-warps 8 --prefill-stages 3
 
 Cases (each checked against ``torch_ref`` before it is timed):
   * decode: 64 requests x 4096-token context, Hq=32, Hkv=8, D=128, paged block 16.
@@ -133,6 +134,7 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--block-m", type=int, default=64, help="prefill query tile (TritonPagedSettings)")
     ap.add_argument("--block-n", type=int, default=0, help="K/V tile tokens, 0 = auto")
+    ap.add_argument("--prefill-block-n", type=int, default=0, help="prefill kernel K/V tile (0 = --block-n's)")
     ap.add_argument("--prefill-warps", type=int, default=0, help="prefill kernel num_warps (0 = auto)")
     ap.add_argument("--prefill-stages", type=int, default=0, help="prefill kernel num_stages (0 = auto)")
     ap.add_argument("--sweep-prefill", action="store_true",
@@ -143,6 +145,7 @@ def main() -> None:
     dtype = getattr(torch, a.dtype)
     tol = 2e-2 if dtype == torch.bfloat16 else 4e-3
     backend = TritonPagedBackend(TritonPagedSettings(prefill_block_m=a.block_m, kv_block_n=a.block_n,
+                                                     prefill_block_n=a.prefill_block_n,
                                                      prefill_num_warps=a.prefill_warps,
                                                      prefill_num_stages=a.prefill_stages))
     hq, hkv, d, bs = 32, 8, 128, a.block_size

@@ -225,7 +225,8 @@ def write_choices(rows: list[dict]) -> None:
     for r in rows:
         t = r["seconds"]
         for kind in ("fp8", "int8"):
-            tt_, to = t[f"{kind}-triton"], t[f"{kind}-torch"]
+            # fp8: the plugin's default torch path is _scaled_mm with fast_accum
+            tt_, to = t[f"{kind}-triton"], t["fp8-torch-fast" if kind == "fp8" else f"{kind}-torch"]
             entries[gpu][kind][key(r["M"], r["N"], r["K"])] = "torch" if to == to and to < tt_ else "triton"
     print(f"\nwrote W8A8 choices to {write_table(entries)}")
 

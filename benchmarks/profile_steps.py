@@ -44,8 +44,9 @@ def _run(engine, steps: int, title: str, rows: int) -> None:
 
 def _steady(engine, a) -> None:
     sp = SamplingParams(temperature=0, max_tokens=a.output_len, ignore_eos=True)
+    span = max(1, engine.vocab_size - 5)
     for i in range(a.steady):
-        engine.add_request(f"s{i}", {"prompt_token_ids": [(7 * i + j) % 30000 + 5 for j in range(a.input_len)]}, sp)
+        engine.add_request(f"s{i}", {"prompt_token_ids": [(7 * i + j) % span + 5 for j in range(a.input_len)]}, sp)
     for _ in range(a.skip_steps):
         engine.step()
     torch.cuda.synchronize()

@@ -218,3 +218,36 @@ def test_device_refusals(monkeypatch):
     assert "float8" in common.float8_reasons()[0]
     with pytest.raises(ValueError, match="float8"):
         fp8.FP8Config(None, fp8.FP8Settings())
+
+
+def test_fp8_fast_accum_refused_by_cublas_falls_back_to_fp32_accumulation(monkeypatch):
+    """cuBLAS has no fast-accumulation algorithm for some shapes (row-wise scales + bias at
+    M <= 16, K = 14336 on torch 2.11 / H200): that shape retries with fp32 accumulation, is
+    remembered, and never reaches the Triton fallback or an error."""
+    from kvforge_plugins.quant import w8a8
+    from kvforge_plugins.quant.kernels.scaled_mm import quantize_act_ref, scaled_mm_ref
+    calls = []
+
+    def fake_torch_mm(qa, sa, qw, ws, out_dtype, bias=None, use_fast_accum=False):
+        calls.append(use_fast_accum)
+        if use_fast_accum:
+            raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED")
+        return scaled_mm_ref(qa, sa, qw, ws, out_dtype, bias)
+
+    def no_triton(*a, **k):
+        raise AssertionError("fell back to Triton")
+
+    monkeypatch.setattr(w8a8, "quantize_act", quantize_act_ref)
+    monkeypatch.setattr(w8a8, "scaled_mm_torch", fake_torch_mm)
+    monkeypatch.setattr(w8a8, "scaled_mm_triton", no_triton)
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    method = w8a8.W8A8LinearMethod(torch.float8_e4m3fn, False, False, w8a8.W8A8Settings(backend="torch"))
+    layer = torch.nn.Module()
+    layer.weight = torch.nn.Parameter(torch.randn(48, 64, generator=gen), requires_grad=False)
+    method.process_weights_after_loading(layer)
+    bias = torch.randn(48, generator=gen)
+    x = torch.randn(3, 64, generator=gen)
+    want = scaled_mm_ref(*quantize_act_ref(x, torch.float8_e4m3fn), layer.weight, layer.weight_scale, x.dtype, bias)
+    for _ in range(2):
+        assert torch.equal(method._gpu(x, None, layer, bias), want)
+    assert calls == [True, False, False]  # refused once, then fp32 accumulation straight away

@@ -105,6 +105,7 @@ class W8A8LinearMethod(LinearMethod):
         self.online_per_channel = online_per_channel
         self.kind = "int8" if qdtype == torch.int8 else "fp8"
         self._torch_failed: set[tuple] = set()
+        self._no_fast_accum: set[tuple] = set()  # shapes cuBLASLt has no fast-accumulation algorithm for
 
     def create_weights(self, layer, input_size, output_sizes, params_dtype):
         n = sum(output_sizes)
@@ -168,9 +169,18 @@ class W8A8LinearMethod(LinearMethod):
         choice = choose(self.kind, m, n, k, x2.device) if backend == "auto" else backend
         key = (m if m <= 16 else -1, n, k, x2.dtype)
         if choice == "torch" and key not in self._torch_failed:
+            fast = self.settings.fast_accum and key not in self._no_fast_accum
             try:
-                return scaled_mm_torch(qa, sa, layer.weight, layer.weight_scale, x2.dtype, bias,
-                                       use_fast_accum=self.settings.fast_accum)
+                try:
+                    return scaled_mm_torch(qa, sa, layer.weight, layer.weight_scale, x2.dtype, bias,
+                                           use_fast_accum=fast)
+                except RuntimeError:
+                    if not fast:
+                        raise
+                    # e.g. row-wise scales + bias at M <= 16, K = 14336 (torch 2.11, H200):
+                    # CUBLAS_STATUS_NOT_SUPPORTED with fast accumulation only
+                    self._no_fast_accum.add(key)
+                    return scaled_mm_torch(qa, sa, layer.weight, layer.weight_scale, x2.dtype, bias)
             except RuntimeError as e:  # e.g. row-wise scaling with fp16 output on this torch
                 if backend == "torch":
                     raise
