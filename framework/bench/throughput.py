@@ -26,8 +26,8 @@ import argparse
 import datetime as _dt
 import gc
 import json
-import os
 import math
+import os
 import platform
 import shlex
 import sys
