@@ -237,6 +237,10 @@ def test_generate_bad_batch_leaves_engine_idle(llm):
     ({"scheduler.settings.foo": 1}, ["scheduler.settings.foo"]),
     ({"cache.settings.foo": 1}, ["cache.settings", "foo"]),
     ({"attention.settings.foo": 1}, ["attention.settings", "foo"]),
+    # a named backend's settings are checked even where the backend cannot run (triton_paged
+    # cannot on stories260K: head_size 8); the message is about the setting, not the device
+    ({"attention_backend": "triton_paged", "attention.settings.prefill_num_warps": 3},
+     ["attention.settings.prefill_num_warps", "power of two"]),
     ({"scheduler.nosuch": 1}, ["scheduler.nosuch"]),
     ({"max_num_seqs": 0}, ["scheduler.max_num_seqs"]),
     ({"block_size": -16}, ["cache.block_size"]),

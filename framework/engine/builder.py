@@ -257,6 +257,9 @@ def build_engine_parts(config: EngineConfig, registry: Registry) -> EngineParts:
     if config.scheduler.max_num_batched_tokens is None:
         config.scheduler.max_num_batched_tokens = max(2048, max_model_len)
 
+    if config.attention.backend != "auto":  # a named backend's settings are checked even where it cannot run
+        validate_plugin_settings(registry.get("attention", config.attention.backend), config.attention.settings,
+                                 "attention.settings")
     check_capabilities(config, registry, hf_config, dtype, device)  # before any weight is read
     if config.scheduler.async_scheduling is None:
         config.scheduler.async_scheduling = device.type == "cuda"
