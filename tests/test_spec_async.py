@@ -182,7 +182,9 @@ def test_seeded_outputs_equal_decoding_without_speculation(drafter):
                                           seed=rng.randrange(1 << 30), n=1 + i % 2, max_tokens=rng.randint(20, 50),
                                           ignore_eos=True, logprobs=1))
               for i, p in enumerate(prompts[:3])]
-    mates = [(f"m{i}", p, SamplingParams(temperature=0.8, max_tokens=rng.randint(5, 40)))
+    # mates end before any seeded request (<= 15 < 20 tokens), so every mixed run has steps
+    # with only the 4 seeded sequences left, which speculate
+    mates = [(f"m{i}", p, SamplingParams(temperature=0.8, max_tokens=rng.randint(5, 15)))
              for i, p in enumerate(prompts[3:])]
     ref, _ = _run(seeded, async_scheduling=False)
     for async_scheduling, batch in ((False, seeded + mates), (True, seeded + mates), (True, seeded)):
