@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 #: section -> the field a bare string stands for (``quantization: fp8`` = ``{method: fp8}``)
@@ -32,6 +32,19 @@ class ModelConfig(_Section):
     seed: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"
     enforce_eager: bool = Field(False, description="Never capture CUDA graphs (debugging, profiling).")
+    cuda_graph_sizes: int | list[int] | None = Field(
+        None, description="Decode batch sizes captured as CUDA graphs (vLLM's option): one value N = 1, 2, 4 and "
+        "every multiple of 8 up to N; a list = exactly those sizes; default N = max_num_seqs. The largest "
+        "batch, min(max_num_seqs, 512), is always captured; a batch replays the smallest captured size that "
+        "holds it (the other rows are padding).")
+
+    @field_validator("cuda_graph_sizes")
+    @classmethod
+    def _check_graph_sizes(cls, v):
+        sizes = [v] if isinstance(v, int) else v
+        if sizes is not None and (not sizes or any(s < 1 for s in sizes)):
+            raise ValueError("must be a positive integer or a non-empty list of positive integers")
+        return v
     max_logprobs: int = Field(20, ge=0, description="Largest logprobs / prompt_logprobs a request may ask for.")
 
 

@@ -211,8 +211,7 @@ def test_stories_greedy_identical_across_backends_and_graphs(dtype):
             assert got == ref, (name, eager)
 
 
-@cuda
-def test_tiny_llama_greedy_identical_across_backends_and_graphs(tmp_path):
+def _tiny_llama(path) -> str:
     import shutil
 
     from transformers import AutoModelForCausalLM, LlamaConfig
@@ -223,9 +222,15 @@ def test_tiny_llama_greedy_identical_across_backends_and_graphs(tmp_path):
     with torch.no_grad():
         for p in hf.parameters():
             p.normal_(0, 0.2)
-    hf.save_pretrained(tmp_path, safe_serialization=True)
+    hf.save_pretrained(path, safe_serialization=True)
     for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(os.path.join(MODEL, f), tmp_path)
+        shutil.copy(os.path.join(MODEL, f), path)
+    return str(path)
+
+
+@cuda
+def test_tiny_llama_greedy_identical_across_backends_and_graphs(tmp_path):
+    _tiny_llama(tmp_path)
     # fp32: with random weights near-tied logits are common, and fp16 rounding differences
     # between correct kernels legitimately flip them; fp16/bf16 numerics are covered above.
     ref, _ = _greedy(str(tmp_path), dtype="float32", attention_backend="torch_ref", enforce_eager=True)
@@ -235,3 +240,21 @@ def test_tiny_llama_greedy_identical_across_backends_and_graphs(tmp_path):
             assert chosen == name
             same = sum(a == b for a, b in zip(got, ref))
             assert same == len(ref), (name, eager, same)
+
+
+@cuda
+def test_padded_graph_sizes_match_eager(tmp_path):
+    """13 running requests replay the 16-row graph (3 padding rows), fewer the 4- or 16-row
+    one (``cuda_graph_sizes: [4, 16]``): tokens equal the eager run's."""
+    from kvforge import LLM, SamplingParams
+    model = _tiny_llama(tmp_path)
+    prompts = [f"Once upon a time {i}" for i in range(13)]
+    outs = {}
+    for eager in (True, False):
+        llm = LLM(model, dtype="float32", attention_backend="triton_paged", enforce_eager=eager,
+                  cuda_graph_sizes=[4, 16], max_num_seqs=16)
+        got = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), use_tqdm=False)
+        outs[eager] = [o.outputs[0].token_ids for o in got]
+        if not eager:
+            assert [b.size for b in llm.llm_engine.runner.graphs.buckets] == [4, 16]
+    assert outs[False] == outs[True]

@@ -22,7 +22,20 @@ from kvforge.interfaces import AttentionBackend, AttentionInputs, ForwardMetadat
 
 log = logging.getLogger("kvforge")
 
-DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+def capture_sizes(spec: "int | list[int] | None", max_batch: int) -> tuple[int, ...]:
+    """Decode batch sizes to capture (``model.cuda_graph_sizes``), each <= ``max_batch``, with
+    ``max_batch`` itself always included (a larger batch runs eagerly).
+
+    ``None`` or one value N: 1, 2, 4 and every multiple of 8 up to min(N, max_batch), as vLLM
+    captures; a step of n decodes pads to the next multiple of 8, so at most 7 padding rows
+    run the GEMMs (coarser buckets padded a 193-request batch to 256). A list: those sizes.
+    """
+    if spec is None or isinstance(spec, int):
+        top = min(max_batch, spec or max_batch)
+        sizes = {1, 2, 4} | set(range(8, top + 1, 8)) | {top}
+    else:
+        sizes = set(spec)
+    return tuple(sorted({s for s in sizes if s < max_batch} | {max_batch}))
 
 
 class _Bucket:
@@ -57,13 +70,14 @@ class CudaGraphRunner:
 
     def __init__(self, model: Model, backend: AttentionBackend, kv_caches: list[torch.Tensor], max_batch: int,
                  max_model_len: int, block_size: int, scratch_block: int, device: torch.device,
-                 buckets: tuple[int, ...] = DEFAULT_BUCKETS, max_mixed_tokens: int = 0) -> None:
+                 buckets: "tuple[int, ...] | None" = None, max_mixed_tokens: int = 0) -> None:
         self.model = model
         self.backend = backend
         self.kv_caches = kv_caches
         self.device = device
         self.max_blocks = -(-max_model_len // block_size)
-        sizes = sorted({b for b in buckets if b < max_batch} | {max_batch})
+        sizes = capture_sizes(None, max_batch) if buckets is None else sorted({b for b in buckets if b < max_batch}
+                                                                              | {max_batch})
         self.buckets = [_Bucket(b, self.max_blocks, block_size, max_model_len, scratch_block, device) for b in sizes]
         self.pool = None
         # Mixed prefill/decode steps of up to max_mixed_tokens tokens (0 = decode graphs only).
