@@ -34,15 +34,16 @@ class ModelConfig(_Section):
     enforce_eager: bool = Field(False, description="Never capture CUDA graphs (debugging, profiling).")
     cuda_graph_sizes: int | list[int] | None = Field(
         None, description="Decode batch sizes captured as CUDA graphs (vLLM's option): one value N = 1, 2, 4 and "
-        "every multiple of 8 up to N; a list = exactly those sizes; default N = max_num_seqs. The largest "
-        "batch, min(max_num_seqs, 512), is always captured; a batch replays the smallest captured size that "
-        "holds it (the other rows are padding).")
+        "every multiple of 8 up to N, and N; a list = exactly those sizes; default N = max_num_seqs (at most "
+        "512). A batch replays the smallest captured size that holds it (the other rows are padding); a batch "
+        "above the largest runs eagerly.")
 
-    @field_validator("cuda_graph_sizes")
+    @field_validator("cuda_graph_sizes", mode="before")
     @classmethod
     def _check_graph_sizes(cls, v):
-        sizes = [v] if isinstance(v, int) else v
-        if sizes is not None and (not sizes or any(s < 1 for s in sizes)):
+        sizes = [v] if not isinstance(v, list) else v
+        if v is not None and (not sizes or any(isinstance(s, bool) or not isinstance(s, int) or s < 1
+                                                 for s in sizes)):
             raise ValueError("must be a positive integer or a non-empty list of positive integers")
         return v
     max_logprobs: int = Field(20, ge=0, description="Largest logprobs / prompt_logprobs a request may ask for.")
@@ -235,15 +236,22 @@ class EngineConfig(_Section):
         or dotted paths (``scheduler.settings.foo``). None values are ignored.
         """
         data: dict[str, Any] = _expand_shorthand(load_file(file)) if file else {}
-        for key, value in (overrides or {}).items():
-            if value is None:
+        items = [(k, v) for k, v in (overrides or {}).items() if v is not None]
+        # LLM(quantization={"method": "fp8", "settings": {...}}): the section's fields merged over
+        # the file's, its settings key by key (as dotted overrides merge); applied before the
+        # flat and dotted overrides, so those win whatever the keyword order.
+        for key, value in items:
+            if (name := _section_keyword(key, value)) is not None:
+                sec = dict(data[name]) if isinstance(data.get(name), dict) else {}
+                for k, v in value.items():
+                    if k == "settings" and isinstance(v, dict) and isinstance(sec.get(k), dict):
+                        v = {**sec[k], **v}
+                    sec[k] = v
+                data[name] = sec
+        for key, value in items:
+            if _section_keyword(key, value) is not None:
                 continue
-            path = FLAT_FIELDS.get(key, key).split(".")
-            if isinstance(value, dict) and len(path) == 2 and SHORTHAND.get(path[0]) == path[1]:
-                # LLM(quantization={"method": "fp8", "settings": {...}}): the whole section
-                sec = data.get(path[0])
-                data[path[0]] = {**(sec if isinstance(sec, dict) else {}), **value}
-                continue
+            path = _override_path(key).split(".")
             if len(path) == 1:
                 raise ValueError(f"unknown config option {key!r}; known flat options: "
                                  f"{', '.join(sorted(FLAT_FIELDS))}")
@@ -254,6 +262,22 @@ class EngineConfig(_Section):
                     raise ValueError(f"config option {key!r}: {part!r} is not a section")
             node[path[-1]] = value
         return cls.model_validate(data)
+
+
+def _section_keyword(key: str, value: Any) -> str | None:
+    """The section a dict value for flat ``key`` sets (``quantization={...}``: "quantization"), else None."""
+    path = _override_path(key).split(".")
+    if isinstance(value, dict) and len(path) == 2 and SHORTHAND.get(path[0]) == path[1]:
+        return path[0]
+    return None
+
+
+def _override_path(key: str) -> str:
+    """Dotted config path of an override key: a flat name, a section name standing for its
+    main field (``attention`` -> ``attention.backend``, see SHORTHAND), or a dotted path."""
+    if key in FLAT_FIELDS:
+        return FLAT_FIELDS[key]
+    return f"{key}.{SHORTHAND[key]}" if key in SHORTHAND else key
 
 
 def load_file(path: str | Path) -> dict[str, Any]:

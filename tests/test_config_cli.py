@@ -121,6 +121,23 @@ def test_section_shorthand_in_files_and_keywords(tmp_path):
     assert (cfg.quantization.method, cfg.quantization.settings) == ("int8", {"fast_accum": False})
     cfg = EngineConfig.from_sources(None, {"model": STORIES_MODEL, "quantization": {"method": "fp8"}})
     assert cfg.quantization.method == "fp8"
+    # section names work as keywords / --set keys too
+    cfg = EngineConfig.from_sources(None, {"model": STORIES_MODEL, "attention": "torch_ref", "speculative": "ngram",
+                                           "num_speculative_tokens": 2})
+    assert (cfg.attention.backend, cfg.speculative.method) == ("torch_ref", "ngram")
+    # a section keyword merges its settings into the file's, and flat / dotted options win
+    # over it whatever the keyword order
+    (tmp_path / "q.yaml").write_text("quantization: {method: fp8, settings: {backend: reference, fast_accum: false}}\n")
+    cfg = EngineConfig.from_sources(tmp_path / "q.yaml", {"model": STORIES_MODEL,
+                                                         "quantization": {"settings": {"fast_accum": True}}})
+    assert cfg.quantization.settings == {"backend": "reference", "fast_accum": True}
+    for kw in ({"max_num_seqs": 4, "scheduler": {"name": "fcfs", "max_num_seqs": 8}},
+               {"scheduler": {"name": "fcfs", "max_num_seqs": 8}, "max_num_seqs": 4}):
+        cfg = EngineConfig.from_sources(None, {"model": STORIES_MODEL, **kw})
+        assert (cfg.scheduler.name, cfg.scheduler.max_num_seqs) == ("fcfs", 4), kw
+    cfg = EngineConfig.from_sources(None, {"model": STORIES_MODEL, "quantization.settings.backend": "reference",
+                                           "quantization": {"method": "fp8", "settings": {"fast_accum": False}}})
+    assert cfg.quantization.settings == {"backend": "reference", "fast_accum": False}
     with pytest.raises(ValidationError, match=r"quantization\.bogus"):
         EngineConfig.from_sources(None, {"model": STORIES_MODEL, "quantization": {"method": "fp8", "bogus": 1}})
     with pytest.raises(ValidationError, match=r"quantization\n.*valid dictionary"):

@@ -27,10 +27,10 @@ import datetime as _dt
 import gc
 import json
 import math
-import os
 import platform
 import shlex
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -205,7 +205,8 @@ def _bounded(kind: type, lo: float, strict: bool):
             raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, "
                                              f"got {text!r}") from None
         if v != v or v in (float("inf"), float("-inf")) or (v <= lo if strict else v < lo):
-            raise argparse.ArgumentTypeError(f"must be {'>' if strict else '>='} {lo:g}, got {text}")
+            raise argparse.ArgumentTypeError(f"must be {'>' if strict else '>='} {lo:g}"
+                                             f"{' and finite' if kind is float else ''}, got {text}")
         return v
     return parse
 
@@ -231,8 +232,15 @@ def check_output_path(path: str | None, flag: str = "--output-json") -> None:
         p.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ValueError(f"{flag} {path}: cannot create its directory ({e.strerror or e})") from None
-    if not os.access(p.parent, os.W_OK):
-        raise ValueError(f"{flag} {path}: directory {p.parent} is not writable")
+    try:  # really open it: os.access says yes to root for almost anything (/proc, read-only files)
+        if p.exists():
+            with open(p, "a"):
+                pass
+        else:
+            with tempfile.NamedTemporaryFile(dir=p.parent):
+                pass
+    except OSError as e:
+        raise ValueError(f"{flag} {path}: cannot be written ({e.strerror or e})") from None
 
 
 def write_json(path: str | None, data: dict) -> None:

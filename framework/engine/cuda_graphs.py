@@ -23,36 +23,55 @@ from kvforge.interfaces import AttentionBackend, AttentionInputs, ForwardMetadat
 log = logging.getLogger("kvforge")
 
 def capture_sizes(spec: "int | list[int] | None", max_batch: int) -> tuple[int, ...]:
-    """Decode batch sizes to capture (``model.cuda_graph_sizes``), each <= ``max_batch``, with
-    ``max_batch`` itself always included (a larger batch runs eagerly).
+    """Decode batch sizes to capture (``model.cuda_graph_sizes``), each <= ``max_batch``; a
+    batch larger than the largest runs eagerly (as in vLLM).
 
-    ``None`` or one value N: 1, 2, 4 and every multiple of 8 up to min(N, max_batch), as vLLM
-    captures; a step of n decodes pads to the next multiple of 8, so at most 7 padding rows
-    run the GEMMs (coarser buckets padded a 193-request batch to 256). A list: those sizes.
+    ``None``: 1, 2, 4 and every multiple of 8 up to ``max_batch``, and ``max_batch`` itself;
+    one value N: the same pattern up to min(N, max_batch), N included; a list: those sizes
+    (those above ``max_batch`` dropped). With the pattern a step of n decodes pads to the next
+    multiple of 8: at most 7 padding rows run the GEMMs (coarser buckets padded a
+    193-request batch to 256).
     """
-    if spec is None or isinstance(spec, int):
-        top = min(max_batch, spec or max_batch)
-        sizes = {1, 2, 4} | set(range(8, top + 1, 8)) | {top}
-    else:
-        sizes = set(spec)
-    return tuple(sorted({s for s in sizes if s < max_batch} | {max_batch}))
+    if spec is None:
+        return tuple(sorted({s for s in (1, 2, 4, *range(8, max_batch + 1, 8)) if s < max_batch} | {max_batch}))
+    if isinstance(spec, int):
+        top = min(max_batch, spec)
+        return tuple(sorted({s for s in (1, 2, 4, *range(8, top + 1, 8)) if s < top} | {top}))
+    return tuple(sorted({s for s in spec if s <= max_batch}))
 
 
-class _Bucket:
-    def __init__(self, size: int, max_blocks: int, block_size: int, max_model_len: int, scratch_block: int,
-                 device: torch.device) -> None:
+class _StaticInputs:
+    """One set of static input buffers for the largest bucket; every bucket's graph reads a
+    leading slice of them (steps run one after another on one stream, so a slice is never
+    refilled while a graph that reads it is queued before the copy). One set instead of one
+    per bucket keeps the block tables at max_batch x max_blocks however many sizes are
+    captured (at a 128k context, 32 KiB per row)."""
+
+    def __init__(self, size: int, max_blocks: int, block_size: int, scratch_block: int, device: torch.device) -> None:
         i32 = dict(dtype=torch.int32, device=device)
-        self.size = size
-        self.scratch_block = scratch_block
         self.input_ids = torch.zeros(size, dtype=torch.int64, device=device)
         self.positions = torch.zeros(size, dtype=torch.int64, device=device)
         self.slot_mapping = torch.full((size,), scratch_block * block_size, dtype=torch.int64, device=device)
         self.block_table = torch.full((size, max_blocks), scratch_block, **i32)
         self.context_lens = torch.zeros(size, **i32)
         self.seq_lens = torch.ones(size, **i32)
+        self.query_start_loc = torch.arange(size + 1, **i32)
+
+
+class _Bucket:
+    def __init__(self, size: int, static: _StaticInputs, block_size: int, max_model_len: int,
+                 scratch_block: int) -> None:
+        self.size = size
+        self.scratch_block = scratch_block
+        self.input_ids = static.input_ids[:size]
+        self.positions = static.positions[:size]
+        self.slot_mapping = static.slot_mapping[:size]
+        self.block_table = static.block_table[:size]
+        self.context_lens = static.context_lens[:size]
+        self.seq_lens = static.seq_lens[:size]
         self.inputs = AttentionInputs(
-            query_start_loc=torch.arange(size + 1, **i32), context_lens=self.context_lens, seq_lens=self.seq_lens,
-            block_table=self.block_table, slot_mapping=self.slot_mapping, max_query_len=1,
+            query_start_loc=static.query_start_loc[:size + 1], context_lens=self.context_lens,
+            seq_lens=self.seq_lens, block_table=self.block_table, slot_mapping=self.slot_mapping, max_query_len=1,
             max_seq_len=max_model_len, query_lens_cpu=[1] * size, context_lens_cpu=[0] * size,
             block_size=block_size)
         self.graph: torch.cuda.CUDAGraph | None = None
@@ -76,9 +95,10 @@ class CudaGraphRunner:
         self.kv_caches = kv_caches
         self.device = device
         self.max_blocks = -(-max_model_len // block_size)
-        sizes = capture_sizes(None, max_batch) if buckets is None else sorted({b for b in buckets if b < max_batch}
-                                                                              | {max_batch})
-        self.buckets = [_Bucket(b, self.max_blocks, block_size, max_model_len, scratch_block, device) for b in sizes]
+        sizes = sorted(b for b in (capture_sizes(None, max_batch) if buckets is None else set(buckets))
+                       if 1 <= b <= max_batch)
+        static = _StaticInputs(sizes[-1], self.max_blocks, block_size, scratch_block, device) if sizes else None
+        self.buckets = [_Bucket(b, static, block_size, max_model_len, scratch_block) for b in sizes]
         self.pool = None
         # Mixed prefill/decode steps of up to max_mixed_tokens tokens (0 = decode graphs only).
         from kvforge.engine.cuda_graphs_mixed import DEFAULT_MIXED_TOKENS, MixedBucket
