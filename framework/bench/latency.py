@@ -52,8 +52,8 @@ def cmd_latency(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
     import numpy as np
     from tqdm.auto import tqdm
 
-    from kvforge.bench.throughput import (ModelShape, check_output_path, detokenize_ok, report_header, roofline,
-                                          synchronize, write_json)
+    from kvforge.bench.args import check_output_path
+    from kvforge.bench.throughput import ModelShape, detokenize_ok, report_header, roofline, synchronize, write_json
     from kvforge.engine.sampling_params import SamplingParams
     from kvforge.entrypoints.cli import engine_overrides
     from kvforge.entrypoints.llm import LLM

@@ -30,11 +30,12 @@ import math
 import platform
 import shlex
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
+
+from kvforge.bench.args import check_output_path, nonneg_int, positive_float, positive_int
 
 # Measured on the project's H200 (issue 3): device copy bandwidth and dense bf16 GEMM throughput.
 H200_MEM_BW_TBPS = 4.27
@@ -193,54 +194,6 @@ def report_header(args: argparse.Namespace, parser: argparse.ArgumentParser, pro
             "config": {**parts.config.model_dump(mode="json"), "resolved": {
                 **parts.choices, "dtype": str(parts.dtype).replace("torch.", ""), "device": str(parts.device),
                 "max_model_len": parts.max_model_len, "num_gpu_blocks": getattr(parts.allocator, "num_blocks", None)}}}
-
-
-def _bounded(kind: type, lo: float, strict: bool):
-    """argparse ``type=``: a finite number > lo (strict) or >= lo, so a bad flag is refused
-    up front with argparse's own message naming it."""
-    def parse(text: str):
-        try:
-            v = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, "
-                                             f"got {text!r}") from None
-        if v != v or v in (float("inf"), float("-inf")) or (v <= lo if strict else v < lo):
-            raise argparse.ArgumentTypeError(f"must be {'>' if strict else '>='} {lo:g}"
-                                             f"{' and finite' if kind is float else ''}, got {text}")
-        return v
-    return parse
-
-
-positive_int = _bounded(int, 0, True)
-nonneg_int = _bounded(int, 0, False)
-positive_float = _bounded(float, 0, True)
-
-
-def check_output_path(path: str | None, flag: str = "--output-json") -> None:
-    """Refuse an output file that cannot be written, before any benchmark time is spent.
-
-    Raises:
-        ValueError: naming ``flag``: the path is a directory, or its directory cannot be
-            created or written.
-    """
-    if not path:
-        return
-    p = Path(path)
-    if p.is_dir():
-        raise ValueError(f"{flag} {path}: is a directory; give a file path")
-    try:
-        p.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ValueError(f"{flag} {path}: cannot create its directory ({e.strerror or e})") from None
-    try:  # really open it: os.access says yes to root for almost anything (/proc, read-only files)
-        if p.exists():
-            with open(p, "a"):
-                pass
-        else:
-            with tempfile.NamedTemporaryFile(dir=p.parent):
-                pass
-    except OSError as e:
-        raise ValueError(f"{flag} {path}: cannot be written ({e.strerror or e})") from None
 
 
 def write_json(path: str | None, data: dict) -> None:
