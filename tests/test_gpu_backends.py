@@ -244,16 +244,17 @@ def test_tiny_llama_greedy_identical_across_backends_and_graphs(tmp_path):
 
 @cuda
 def test_padded_graph_sizes_match_eager(tmp_path):
-    """13 running requests replay the 16-row graph (3 padding rows), fewer the 4- or 16-row
-    one (``cuda_graph_sizes: [4, 16]``): tokens equal the eager run's."""
+    """``cuda_graph_sizes: [4, 16]``: as requests finish (13 -> 1 running) decode steps replay
+    the 16-row graph with 3..11 padding rows, then the 4-row one; tokens equal the eager run's."""
     from kvforge import LLM, SamplingParams
     model = _tiny_llama(tmp_path)
     prompts = [f"Once upon a time {i}" for i in range(13)]
+    params = [SamplingParams(temperature=0, max_tokens=10 + 3 * i, ignore_eos=True) for i in range(13)]
     outs = {}
     for eager in (True, False):
         llm = LLM(model, dtype="float32", attention_backend="triton_paged", enforce_eager=eager,
                   cuda_graph_sizes=[4, 16], max_num_seqs=16)
-        got = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), use_tqdm=False)
+        got = llm.generate(prompts, params, use_tqdm=False)
         outs[eager] = [o.outputs[0].token_ids for o in got]
         if not eager:
             assert [b.size for b in llm.llm_engine.runner.graphs.buckets] == [4, 16]
