@@ -38,6 +38,12 @@ def head_slices(group: int) -> int:
     return -(-group // heads_per_program(group))
 
 
+def nvrtc_options(dtype: torch.dtype, head_dim: int, group: int, block_size: int) -> tuple[str, ...]:
+    """NVRTC options of one compiled variant (pure: the CPU compile check uses it too)."""
+    return ("-std=c++17", "--use_fast_math", f"-DKV_DTYPE={_DT[dtype]}", f"-DHEAD_DIM={head_dim}",
+            f"-DGROUP={group}", f"-DHEADS={heads_per_program(group)}", f"-DBLOCK_SIZE={block_size}")
+
+
 class Kernels:
     """Compiles lazily; raises RuntimeError with the NVRTC log on a compile failure."""
 
@@ -51,8 +57,7 @@ class Kernels:
         key = (dtype, head_dim, group, block_size)
         mod = self._mods.get(key)
         if mod is None:
-            opts = ("-std=c++17", "--use_fast_math", f"-DKV_DTYPE={_DT[dtype]}", f"-DHEAD_DIM={head_dim}",
-                    f"-DGROUP={group}", f"-DHEADS={heads_per_program(group)}", f"-DBLOCK_SIZE={block_size}")
+            opts = nvrtc_options(dtype, head_dim, group, block_size)
             try:
                 m = self.cupy.RawModule(code=_SRC, options=opts)
                 mod = (m.get_function("fd_partial"), m.get_function("fd_merge"))

@@ -20,6 +20,14 @@ _LOCK = threading.Lock()
 _DEFINES = (("NB", 1), ("TW", 4), ("WARPS", 4), ("S", 2), ("XS", 0), ("SCALE_A", 0), ("MINB", 1), ("LDW", 0), ("GCC", 0))
 
 
+def nvrtc_options(dtype: torch.dtype, cfg: "dict | None" = None) -> tuple[str, ...]:
+    """NVRTC options of one compiled variant: the dtype and the ``_DEFINES`` (``cfg`` overrides
+    their defaults). Pure: the CPU compile check (tests/test_cuda_sources_compile.py) uses it."""
+    cfg = cfg or {}
+    return ("-std=c++17", f"-DW4_BF16={int(dtype == torch.bfloat16)}",
+            *(f"-D{f}={int(cfg.get(f, d))}" for f, d in _DEFINES))
+
+
 class W4MmaKernels:
     """Compiles lazily; raises RuntimeError with NVRTC's log on a compile failure."""
 
@@ -36,8 +44,7 @@ class W4MmaKernels:
         with _LOCK:
             fn = self._mods.get(key)
             if fn is None:
-                opts = ("-std=c++17", f"-DW4_BF16={int(dtype == torch.bfloat16)}",
-                        *(f"-D{f}={v}" for (f, _), v in zip(_DEFINES, key[3:])))
+                opts = nvrtc_options(dtype, cfg)
                 try:
                     with self.cupy.cuda.Device(index):  # a module is loaded into one device's context
                         fn = self.cupy.RawModule(code=_SRC, options=opts).get_function(name)

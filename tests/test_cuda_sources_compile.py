@@ -1,0 +1,83 @@
+"""The CUDA C++ kernels the GPU compiles at run time (through CuPy / NVRTC) compile here,
+on a CPU-only machine, with the options the device uses: NVRTC from the
+``nvidia-cuda-nvrtc-cu12`` wheel (a dev dependency) needs no GPU and no driver. Compiled for
+sm_90 (the H200) to PTX and to a cubin, so ptxas runs too. This catches a broken kernel
+before any device time is spent on it; the numerics are tested on the GPU
+(tests/test_gpu_backends.py, tests/test_quant_w4_mma.py)."""
+from __future__ import annotations
+
+import json
+import platform
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from nvrtc_compile import Nvrtc, find_nvrtc
+
+ROOT = Path(__file__).resolve().parent.parent
+W4_SRC = (ROOT / "plugins/quant/kernels/w4_mma.cu").read_text()
+FD_SRC = (ROOT / "plugins/attention/flash_decode/kernels.cu").read_text()
+
+
+@pytest.fixture(scope="module")
+def nvrtc():
+    path = find_nvrtc()
+    if path is None and (torch.cuda.is_available() or platform.system() != "Linux" or platform.machine() != "x86_64"):
+        # a GPU host compiles these kernels natively in its GPU tests; the wheel is Linux x86-64 only
+        pytest.skip("no nvidia-cuda-nvrtc wheel on this host")
+    assert path, "nvidia-cuda-nvrtc-cu12 is a dev dependency on Linux x86-64 (pip install -e '.[dev]')"
+    return Nvrtc(path)
+
+
+def _compile(nvrtc, src: str, name: str, opts: tuple[str, ...], entries: tuple[str, ...]) -> None:
+    for arch in ("-arch=compute_90", "-arch=sm_90"):
+        ok, log, out = nvrtc.compile(src, name, opts + (arch,))
+        assert ok, f"{name} {opts} {arch}:\n{log}"
+        assert "warning" not in log.lower(), f"{name} {opts} {arch}:\n{log}"
+        if arch.endswith("compute_90"):
+            ptx = out.decode(errors="replace")
+            for e in entries:
+                assert re.search(rf"\.entry\s+{e}\b", ptx), f"{name}: no kernel {e} in the PTX"
+
+
+def _w4_configs() -> list[dict]:
+    """The defaults, and every tuned config of the shipped choices table (what the H200 runs),
+    each with and without the group chunks compiled in (GCC)."""
+    table = json.loads((ROOT / "plugins/quant/kernels/gemm_choices.json").read_text())
+    tuned = [{k: v for k, v in cfg.items() if k not in ("schema", "waves")}
+             for gpu in table.values() for cfg in gpu.get("w4_mma", {}).values()]
+    out = []
+    for cfg in [{}] + tuned:
+        for gcc in (0, 2):
+            c = {**cfg, "GCC": gcc}
+            if c not in out:
+                out.append(c)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_w4_mma_kernels_compile(nvrtc, dtype):
+    from kvforge_plugins.quant.kernels.w4_mma_jit import nvrtc_options
+    configs = _w4_configs()
+    assert len(configs) > 2, "the shipped choices table has no w4_mma configs"
+    for cfg in configs:
+        _compile(nvrtc, W4_SRC, "w4_mma.cu", nvrtc_options(dtype, cfg), ("w4_mma_gemm", "w4_mma_dequant"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_flash_decode_kernels_compile(nvrtc, dtype):
+    from kvforge_plugins.attention.flash_decode.jit import nvrtc_options
+    cases = [(d, g, 16) for d in (64, 128, 256) for g in (1, 4, 8)] + [(128, 4, 32)]
+    for head_dim, group, block_size in cases:
+        if dtype == torch.float32 and head_dim > 128:
+            continue  # refused by flash_decode's validate()
+        _compile(nvrtc, FD_SRC, "kernels.cu", nvrtc_options(dtype, head_dim, group, block_size),
+                 ("fd_partial", "fd_merge"))
+
+
+def test_a_broken_kernel_is_reported(nvrtc):
+    ok, log, _ = nvrtc.compile('extern "C" __global__ void k(int* x) { x[0] = undefined_name; }', "bad.cu",
+                               ("-arch=compute_90",))
+    assert not ok and "undefined_name" in log
