@@ -32,14 +32,20 @@ def nvrtc():
 
 
 def _compile(nvrtc, src: str, name: str, opts: tuple[str, ...], entries: tuple[str, ...]) -> None:
-    for arch in ("-arch=compute_90", "-arch=sm_90"):
-        ok, log, out = nvrtc.compile(src, name, opts + (arch,))
+    """PTX (every entry present) and an sm_90 cubin through ptxas, whose report must show no
+    register spills: these kernels are written to keep their tiles in registers, and a spill
+    is a performance bug the GPU tests would not notice."""
+    for arch in (("-arch=compute_90",), ("-arch=sm_90", "--ptxas-options=-v")):
+        ok, log, out = nvrtc.compile(src, name, opts + arch)
         assert ok, f"{name} {opts} {arch}:\n{log}"
         assert "warning" not in log.lower(), f"{name} {opts} {arch}:\n{log}"
-        if arch.endswith("compute_90"):
+        if arch[0].endswith("compute_90"):
             ptx = out.decode(errors="replace")
             for e in entries:
                 assert re.search(rf"\.entry\s+{e}\b", ptx), f"{name}: no kernel {e} in the PTX"
+        else:
+            spills = [int(b) for b in re.findall(r"(\d+) bytes spill stores", log)]
+            assert len(spills) == len(entries) and not any(spills), f"{name} {opts}: spills\n{log}"
 
 
 def _w4_configs() -> list[dict]:
