@@ -21,6 +21,7 @@ import logging
 from typing import Literal
 
 import torch
+from pydantic import Field
 
 from .common import QuantSettings, add_param, tensor_name, use_kernels
 from .kernels import HAS_TRITON
@@ -35,13 +36,15 @@ class W8A8Settings(QuantSettings):
     """``backend``: ``auto`` (per-shape table, see ``kernels/choices.py``), ``triton``,
     ``torch`` (cuBLAS ``_scaled_mm`` / ``_int_mm``) or ``reference`` (dequantize + matmul)."""
 
-    backend: Literal["auto", "triton", "torch", "reference"] = "auto"
+    backend: Literal["auto", "triton", "torch", "reference"] = Field(
+        "auto", description="GEMM: auto (per shape, measured table), triton, torch (cuBLAS) or reference")
     #: FP8 ``torch._scaled_mm(use_fast_accum=...)``: on Hopper the tensor cores keep the running
-    #: sum in their own reduced-precision accumulator instead of promoting it to fp32 (~10%
+    #: sum in their own reduced-precision accumulator instead of promoting it to fp32 (4-15%
     #: faster at prefill sizes, measured in BENCHMARKS.md; relative error ~1e-2 at K = 14336
     #: vs ~2.5e-3). On by default, as in vLLM, whose CUTLASS FP8 kernels for sm90 use the
     #: ``FP8FastAccum`` schedules; ``false`` for fp32 accumulation.
-    fast_accum: bool = True
+    fast_accum: bool = Field(True, description="FP8 on cuBLAS: Hopper's fast accumulation (as vLLM); false = "
+                                              "fp32 accumulation, 4-15% slower at prefill sizes")
 
 
 def _load_weight_scale(param: torch.nn.Parameter, t: torch.Tensor, shard: int | None) -> None:

@@ -53,13 +53,17 @@ class TritonPagedSettings(BaseModel):
     """
 
     model_config = ConfigDict(extra="forbid")
-    prefill_block_m: int = 64
-    kv_block_n: int = 0
-    prefill_block_n: int = 0
-    prefill_num_warps: int = Field(0, ge=0, le=16)
-    prefill_num_stages: int = Field(0, ge=0, le=6)
-    split_kv_target_tiles: int = Field(16, ge=0)
-    split_kv_min_keys: int = Field(512, ge=16)
+    prefill_block_m: int = Field(64, description="queries per prefill tile: a power of two in [16, 256]")
+    kv_block_n: int = Field(0, description="keys per K/V tile, decode and prefill: 0 (by head size) or a power "
+                                           "of two in [16, 256]")
+    prefill_block_n: int = Field(0, description="keys per K/V tile of the prefill kernel: 0 (kv_block_n's) or a "
+                                                "power of two in [16, 256]")
+    prefill_num_warps: int = Field(0, ge=0, le=16, description="prefill kernel warps: 0 (by tile size) or a power "
+                                                               "of two up to 16")
+    prefill_num_stages: int = Field(0, ge=0, le=6, description="prefill kernel pipeline stages: 0 (2) or 1-6")
+    split_kv_target_tiles: int = Field(16, ge=0, description="split long key ranges when a step has fewer "
+                                                             "prefill tiles than this (0: never)")
+    split_kv_min_keys: int = Field(512, ge=16, description="shortest key range a split leaves (>= 16)")
 
     @field_validator("prefill_block_m")
     @classmethod
