@@ -48,6 +48,11 @@ def _check_header(d: dict, bench: str) -> None:
     env = d["environment"]
     for k in ("torch", "triton", "transformers", "device", "device_name"):
         assert k in env, k
+    assert _pos(d["engine_start_s"])
+    if env["device"] == "cuda":  # graphs are on by default there
+        assert d["cuda_graph_sizes"], "a CUDA run reported no captured graph sizes"
+    else:
+        assert d["cuda_graph_sizes"] == []
 
 
 def test_throughput_stories_with_hf_baseline(tmp_path):

@@ -63,7 +63,9 @@ def cmd_latency(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
     if args.num_iters_warmup < 0:
         raise ValueError(f"--num-iters-warmup must be >= 0, got {args.num_iters_warmup}")
     check_output_path(args.output_json)
+    t_start = time.perf_counter()
     llm = LLM(config=args.config, **engine_overrides(args))
+    startup_s = time.perf_counter() - t_start
     engine = llm.llm_engine
     seed = engine.config.model.seed  # --seed (or the config file's) seeds the workload too
     if args.input_len + args.output_len > engine.max_model_len:
@@ -121,7 +123,7 @@ def cmd_latency(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
            "latency_over_floor": med / floor["latency_s"],
            "tpot_over_floor": tpot / floor["tpot_s"] if tpot is not None and floor["tpot_s"] else None,
            "tpot_over_weights_read_floor": tpot / floor["tpot_weights_read_s"] if tpot is not None else None}
-    report = {"benchmark": "latency", **report_header(args, parser, "kvforge bench latency", llm),
+    report = {"benchmark": "latency", **report_header(args, parser, "kvforge bench latency", llm, startup_s),
               "workload": {"batch_size": args.batch_size, "input_len": args.input_len, "output_len": args.output_len,
                            "num_iters": args.num_iters, "num_iters_warmup": args.num_iters_warmup, "seed": seed,
                            "temperature": args.temperature, "ignore_eos": True, "detokenize": detok},

@@ -185,10 +185,15 @@ def command_line(args: argparse.Namespace, parser: argparse.ArgumentParser, prog
     return shlex.join(parts)
 
 
-def report_header(args: argparse.Namespace, parser: argparse.ArgumentParser, prog: str, llm: Any) -> dict:
-    """``command``, ``argv``, ``date``, ``environment`` and engine ``config`` of a benchmark run."""
+def report_header(args: argparse.Namespace, parser: argparse.ArgumentParser, prog: str, llm: Any,
+                  startup_s: float | None = None) -> dict:
+    """``command``, ``argv``, ``date``, ``environment``, engine ``config`` and start-up of a run:
+    ``engine_start_s`` (seconds to build the engine: load, warm-up, graph capture) and the
+    decode batch sizes captured as CUDA graphs (``cuda_graph_sizes``, empty when eager)."""
     parts = llm.llm_engine.parts
+    graphs = getattr(getattr(llm.llm_engine, "runner", None), "graphs", None)
     return {"command": command_line(args, parser, prog), "argv": sys.argv,
+            "engine_start_s": startup_s, "cuda_graph_sizes": [b.size for b in getattr(graphs, "buckets", [])],
             "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             "environment": environment(parts.device),
             "config": {**parts.config.model_dump(mode="json"), "resolved": {
@@ -271,7 +276,9 @@ def cmd_throughput(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
     from kvforge.entrypoints.cli import engine_overrides
     from kvforge.entrypoints.llm import LLM
     check_output_path(args.output_json)
+    t_start = time.perf_counter()
     llm = LLM(config=args.config, **engine_overrides(args))
+    startup_s = time.perf_counter() - t_start
     engine = llm.llm_engine
     seed = engine.config.model.seed  # --seed (or the config file's) seeds the workload too
     reqs = make_requests(args.dataset, args.num_prompts, args.input_len, args.output_len, engine.vocab_size,
@@ -316,7 +323,7 @@ def cmd_throughput(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
     else:
         roof["source"] = "computed (kvforge.bench.throughput.roofline)"
     roof["fraction_of_roofline"] = res["requests_per_second"] / roof["requests_per_s"]
-    report = {"benchmark": "throughput", **report_header(args, parser, "kvforge bench throughput", llm),
+    report = {"benchmark": "throughput", **report_header(args, parser, "kvforge bench throughput", llm, startup_s),
               "workload": {"dataset": args.dataset, "seed": seed, "temperature": args.temperature,
                            "ignore_eos": True, "detokenize": detok, "range_ratio": args.range_ratio,
                            "min_len": args.min_len, "max_len": args.max_len, **summarize(reqs)},
