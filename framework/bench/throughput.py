@@ -189,11 +189,14 @@ def report_header(args: argparse.Namespace, parser: argparse.ArgumentParser, pro
                   startup_s: float | None = None) -> dict:
     """``command``, ``argv``, ``date``, ``environment``, engine ``config`` and start-up of a run:
     ``engine_start_s`` (seconds to build the engine: load, warm-up, graph capture) and the
-    decode batch sizes captured as CUDA graphs (``cuda_graph_sizes``, empty when eager)."""
+    decode batch sizes captured as CUDA graphs (``cuda_graph_sizes``: empty when eager, None
+    when the model runs in worker processes, which capture their own)."""
     parts = llm.llm_engine.parts
     graphs = getattr(getattr(llm.llm_engine, "runner", None), "graphs", None)
+    in_workers = parts.config.parallel.world_size > 1 or parts.config.parallel.data_parallel_size > 1
+    sizes = None if in_workers else [b.size for b in graphs.buckets] if graphs else []
     return {"command": command_line(args, parser, prog), "argv": sys.argv,
-            "engine_start_s": startup_s, "cuda_graph_sizes": [b.size for b in getattr(graphs, "buckets", [])],
+            "engine_start_s": startup_s, "cuda_graph_sizes": sizes,
             "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             "environment": environment(parts.device),
             "config": {**parts.config.model_dump(mode="json"), "resolved": {

@@ -158,11 +158,10 @@ class Worker:
                       and not self.state.expert_parallel and bool(self.attn_spec.capabilities.get("cuda_graphs"))
                       and getattr(self.model, "supports_cuda_graphs", True))
         if use_graphs:
-            from kvforge.engine.cuda_graphs import CudaGraphRunner, capture_sizes
-            max_batch = min(cfg.scheduler.max_num_seqs, 512)
+            from kvforge.engine.cuda_graphs import CudaGraphRunner, decode_capture
+            max_batch, sizes = decode_capture(cfg)
             self.graphs = CudaGraphRunner(self.model, self.backend, self.kv_caches, max_batch, self.max_model_len, bs,
-                                          scratch_block=num_blocks, device=self.device,
-                                          buckets=capture_sizes(cfg.model.cuda_graph_sizes, max_batch))
+                                          scratch_block=num_blocks, device=self.device, buckets=sizes)
             self.graphs.capture()
         if self.is_output_rank and self.state.pp_size == 1:
             from kvforge.distributed.worker_sampling import WorkerSampler

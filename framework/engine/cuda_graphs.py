@@ -32,12 +32,20 @@ def capture_sizes(spec: "int | list[int] | None", max_batch: int) -> tuple[int, 
     multiple of 8: at most 7 padding rows run the GEMMs (coarser buckets padded a
     193-request batch to 256).
     """
-    if spec is None:
-        return tuple(sorted({s for s in (1, 2, 4, *range(8, max_batch + 1, 8)) if s < max_batch} | {max_batch}))
-    if isinstance(spec, int):
-        top = min(max_batch, spec)
-        return tuple(sorted({s for s in (1, 2, 4, *range(8, top + 1, 8)) if s < top} | {top}))
-    return tuple(sorted({s for s in spec if s <= max_batch}))
+    if isinstance(spec, list):
+        return tuple(sorted({s for s in spec if s <= max_batch}))
+    top = max_batch if spec is None else min(max_batch, spec)
+    return tuple(sorted({s for s in (1, 2, 4, *range(8, top + 1, 8)) if s < top} | {top}))
+
+
+#: the largest decode batch captured whatever max_num_seqs (larger ones run eagerly)
+MAX_CAPTURE_BATCH = 512
+
+
+def decode_capture(config) -> tuple[int, tuple[int, ...]]:
+    """(largest decode batch captured, the sizes captured) for an ``EngineConfig``."""
+    max_batch = min(config.scheduler.max_num_seqs, MAX_CAPTURE_BATCH)
+    return max_batch, capture_sizes(config.model.cuda_graph_sizes, max_batch)
 
 
 class _StaticInputs:

@@ -64,7 +64,7 @@ def build_drafter(config: EngineConfig, registry: Registry, spec: PluginSpec, se
         kv_caches = stack.kv_caches(num_blocks + int(graphs), config.cache.block_size)
         runner = ModelRunner(stack.model, stack.backend, allocator, kv_caches, stack.device)
         if graphs:  # the draft's k - 1 single-token steps are pure decodes: replay graphs
-            from kvforge.engine.cuda_graphs import CudaGraphRunner, capture_sizes
+            from kvforge.engine.cuda_graphs import CudaGraphRunner, decode_capture
             # Its first forward per proposal feeds the last accepted tokens (up to k + 1 per
             # request): a mixed step, captured too where the backend allows (run eagerly, an 8B
             # self-draft measured 8.7-9.0 ms TPOT at batch 1 on the H200; captured, 5.8 ms).
@@ -73,11 +73,10 @@ def build_drafter(config: EngineConfig, registry: Registry, spec: PluginSpec, se
                 mixed = min(config.scheduler.max_num_batched_tokens,
                             config.scheduler.max_num_seqs * (1 + config.speculative.num_speculative_tokens))
             try:
-                max_batch = min(config.scheduler.max_num_seqs, 512)
+                max_batch, sizes = decode_capture(config)
                 runner.graphs = CudaGraphRunner(stack.model, stack.backend, kv_caches, max_batch, max_model_len,
                                                 config.cache.block_size, scratch_block=num_blocks,
-                                                device=stack.device, max_mixed_tokens=mixed,
-                                                buckets=capture_sizes(config.model.cuda_graph_sizes, max_batch))
+                                                device=stack.device, max_mixed_tokens=mixed, buckets=sizes)
                 runner.graphs.capture()
             except Exception:  # a draft without graphs is slower, never wrong
                 log.exception("draft model: CUDA graph capture failed; its decode steps run eagerly")

@@ -65,13 +65,12 @@ class UniProcExecutor(Executor):
                     scratch_block=parts.allocator.num_blocks,
                     max_sample_rows=cfg.scheduler.max_num_seqs * (1 + cfg.speculative.num_speculative_tokens))
         if parts.use_cuda_graphs:
-            from kvforge.engine.cuda_graphs import CudaGraphRunner
-            from kvforge.engine.cuda_graphs import capture_sizes
-            max_batch = min(cfg.scheduler.max_num_seqs, 512)
+            from kvforge.engine.cuda_graphs import CudaGraphRunner, decode_capture
+            max_batch, sizes = decode_capture(cfg)
             self.runner.graphs = CudaGraphRunner(
                 parts.model, parts.backend, parts.kv_caches, max_batch,
                 parts.max_model_len, cfg.cache.block_size, scratch_block=parts.allocator.num_blocks,
-                device=parts.device, buckets=capture_sizes(cfg.model.cuda_graph_sizes, max_batch),
+                device=parts.device, buckets=sizes,
                 max_mixed_tokens=cfg.scheduler.max_num_batched_tokens
                 if parts.attn_capabilities.get("mixed_cuda_graphs") else 0)
             self.runner.graphs.capture()

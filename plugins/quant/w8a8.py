@@ -39,12 +39,12 @@ class W8A8Settings(QuantSettings):
     backend: Literal["auto", "triton", "torch", "reference"] = Field(
         "auto", description="GEMM: auto (per shape, measured table), triton, torch (cuBLAS) or reference")
     #: FP8 ``torch._scaled_mm(use_fast_accum=...)``: on Hopper the tensor cores keep the running
-    #: sum in their own reduced-precision accumulator instead of promoting it to fp32 (4-15%
-    #: faster at prefill sizes, measured in BENCHMARKS.md; relative error ~1e-2 at K = 14336
+    #: sum in their own reduced-precision accumulator instead of promoting it to fp32 (fp32
+    #: takes 1-17% longer at M >= 512, measured in BENCHMARKS.md; relative error ~1e-2 at K = 14336
     #: vs ~2.5e-3). On by default, as in vLLM, whose CUTLASS FP8 kernels for sm90 use the
     #: ``FP8FastAccum`` schedules; ``false`` for fp32 accumulation.
     fast_accum: bool = Field(True, description="FP8 on cuBLAS: Hopper's fast accumulation (as vLLM); false = "
-                                              "fp32 accumulation, 4-15% slower at prefill sizes")
+                                              "fp32 accumulation, 1-17% slower at prefill sizes")
 
 
 def _load_weight_scale(param: torch.nn.Parameter, t: torch.Tensor, shard: int | None) -> None:
@@ -172,21 +172,19 @@ class W8A8LinearMethod(LinearMethod):
         choice = choose(self.kind, m, n, k, x2.device) if backend == "auto" else backend
         key = (m if m <= 16 else -1, n, k, x2.dtype)
         if choice == "torch" and key not in self._torch_failed:
-            fast = self.settings.fast_accum and key not in self._no_fast_accum
-            try:
+            fast_first = self.settings.fast_accum and key not in self._no_fast_accum
+            for fast in ((True, False) if fast_first else (False,)):
                 try:
                     return scaled_mm_torch(qa, sa, layer.weight, layer.weight_scale, x2.dtype, bias,
                                            use_fast_accum=fast)
-                except RuntimeError:
-                    if not fast:
-                        raise
-                    # e.g. row-wise scales + bias at M <= 16, K = 14336 (torch 2.11, H200):
-                    # CUBLAS_STATUS_NOT_SUPPORTED with fast accumulation only
-                    self._no_fast_accum.add(key)
-                    return scaled_mm_torch(qa, sa, layer.weight, layer.weight_scale, x2.dtype, bias)
-            except RuntimeError as e:  # e.g. row-wise scaling with fp16 output on this torch
-                if backend == "torch":
-                    raise
-                self._torch_failed.add(key)
-                log.info("%s: torch GEMM refused %s (%s); using Triton", self.kind, key, e)
+                except RuntimeError as e:
+                    # fast: cuBLAS may have no such algorithm for the shape (row-wise scales + bias at
+                    # M <= 16, K = 14336 on torch 2.11 / H200); fp32: e.g. row-wise scaling with fp16 output
+                    err = e
+                    if fast:
+                        self._no_fast_accum.add(key)
+            if backend == "torch":
+                raise err
+            self._torch_failed.add(key)
+            log.info("%s: torch GEMM refused %s (%s); using Triton", self.kind, key, err)
         return scaled_mm_triton(qa, sa, layer.weight, layer.weight_scale, x2.dtype, bias)
