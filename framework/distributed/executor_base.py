@@ -26,11 +26,11 @@ from abc import abstractmethod
 from typing import Any
 
 import torch
-from torch.profiler import record_function
 
 from kvforge.distributed.protocol import encode_step
 from kvforge.distributed.worker_sampling import ParamsTable
 from kvforge.engine.executor import Executor
+from kvforge.engine.profiling import span
 
 log = logging.getLogger("kvforge.distributed")
 
@@ -219,7 +219,7 @@ class DistributedExecutor(Executor):
         if self.dead is not None:
             return
         try:
-            with record_function("kvforge.send_tokens"):
+            with span("kvforge.send_tokens"):
                 self._send_tokens(tokens.cpu().numpy())
         except BaseException as e:
             self._mark_dead(e)
@@ -305,7 +305,7 @@ class DistributedExecutor(Executor):
 
     def _finish_execute(self, handle: Any, plan):
         from kvforge.engine.model_runner import ExecuteOutput
-        with record_function("kvforge.recv_step"):
+        with span("kvforge.recv_step"):
             res = self._recv_step(handle)
         out = res[self.output_rank]
         k = plan.num_sample_rows
@@ -318,7 +318,7 @@ class DistributedExecutor(Executor):
         if data is not None:
             logits = torch.from_numpy(data if data.flags.writeable else data.copy()).to(self.device)
         elif n:
-            with record_function("kvforge.copy_logits"):
+            with span("kvforge.copy_logits"):
                 logits = self._out_buf[slot, :n].to(self.device, copy=True)
                 if self.device.type == "cuda":
                     torch.cuda.current_stream(self.device).synchronize()  # read before the buffer is reused

@@ -16,12 +16,11 @@ import torch
 import transformers.configuration_utils  # noqa: F401 - heavy lazy imports, done once by a forkserver
 import transformers.models.auto.configuration_auto  # noqa: F401
 import transformers.utils.type_validators  # noqa: F401 - (what every model config module imports)
-from torch.profiler import record_function
 from transformers import AutoConfig
 
 from kvforge.distributed import parallel_state as ps
 from kvforge.distributed.communication import pp_isend, pp_recv
-from kvforge.engine.profiling import TraceProfiler
+from kvforge.engine.profiling import TraceProfiler, span
 from kvforge.distributed.protocol import StepMessage, build_micro_batches
 
 log = logging.getLogger("kvforge.worker")
@@ -197,18 +196,18 @@ class Worker:
         st = self.state
         par = self.config.parallel
         num_mb = (par.pipeline_micro_batches or st.pp_size) if st.pp_size > 1 else 1
-        # The ranges name the phases in a profile (engine/profiling.py); ~1 us each otherwise.
-        with record_function("kvforge.build_inputs"):
+        # The ranges name the phases in a profile (engine/profiling.py); no-ops when not profiling.
+        with span("kvforge.build_inputs"):
             mbs = build_micro_batches(msg, num_mb, self.config.cache.block_size, self.device)
         if len(msg.ph_pos):
-            with record_function("kvforge.wait_tokens"):
+            with span("kvforge.wait_tokens"):
                 self._fill_placeholders(msg, mbs)  # from this GPU (ph_on_device) or the driver
         n_rows = len(msg.rows)
         logits = None
         if st.pp_size == 1:
             mb = mbs[0]
             hidden = None
-            with record_function("kvforge.forward"):
+            with span("kvforge.forward"):
                 if self.graphs is not None and mb.inputs.max_query_len == 1:
                     hidden = self.graphs.run(mb.input_ids, mb.positions, mb.inputs)
                 if hidden is None:
@@ -226,7 +225,7 @@ class Worker:
             return (0, None, 0)
         if self.out_buf is not None and n_rows <= self.out_buf.shape[1]:
             slot, self._slot = self._slot, 1 - self._slot
-            with record_function("kvforge.logits_out"):
+            with span("kvforge.logits_out"):
                 self.out_buf[slot, :n_rows].copy_(logits)
                 if self.device.type == "cuda":
                     torch.cuda.current_stream(self.device).synchronize()
@@ -268,7 +267,7 @@ class Worker:
         ws = msg.sample
         k = len(ws.handles)
         pending, error = None, None
-        with record_function("kvforge.sample"):
+        with span("kvforge.sample"):
             if self.sampler is not None:
                 try:
                     self.sampler.update(ws)
@@ -299,7 +298,7 @@ class Worker:
             if not st.is_first_stage:
                 buf = pp_recv((2, mb.num_tokens, h), self.dtype, st.pp_rank - 1, self.device)
                 inter = {"hidden_states": buf[0], "residual": buf[1]}
-            with record_function("kvforge.forward"):
+            with span("kvforge.forward"):
                 meta = ForwardMetadata(self.backend.build_metadata(mb.inputs), self.kv_caches)
                 out = self.model(mb.input_ids, mb.positions, meta, intermediate_tensors=inter)
             if not st.is_last_stage:

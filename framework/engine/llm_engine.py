@@ -7,13 +7,12 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 import torch
-from torch.profiler import record_function
 
 from kvforge.config import EngineConfig
 from kvforge.engine.builder import EngineParts, build_engine_parts
 from kvforge.engine.output_processor import OutputProcessor
 from kvforge.engine.outputs import RequestOutput
-from kvforge.engine.profiling import TraceProfiler, resolve_dir
+from kvforge.engine.profiling import TraceProfiler, resolve_dir, span
 from kvforge.engine.request import Request, RequestStatus, apply_stop_string, drop_placeholders
 from kvforge.engine.request_choices import validate_request_choices
 from kvforge.engine.sampler import Sampler, compute_prompt_logprobs
@@ -258,7 +257,7 @@ class LLMEngine:
             self.spec.propose(groups)
         results = self._pending
         self._pending = []
-        with record_function("kvforge.schedule"):  # phase ranges for start_profile traces
+        with span("kvforge.schedule"):  # phase ranges for start_profile traces
             so = self.scheduler.schedule()
         touched: dict[str, None] = {}
         for req in so.finished:
@@ -274,7 +273,7 @@ class LLMEngine:
             self.runner.swap(so.swap_out, to_cpu=True)
         if so.scheduled:
             try:
-                with record_function("kvforge.execute"):
+                with span("kvforge.execute"):
                     ex = self.runner.execute(so)
                 self._record_prompt_logprobs(ex)
                 if ex.sample_requests:
@@ -282,7 +281,7 @@ class LLMEngine:
                     if self.spec is not None:
                         new = self.spec.sample(ex, so, self.sampler)
                     else:
-                        with record_function("kvforge.sample"):
+                        with span("kvforge.sample"):
                             sout = self.sampler(ex.logits, ex.sample_requests)
                         for i, req in enumerate(ex.sample_requests):
                             new[req.request_id] = ([sout.sampled_token_ids[i]], [sout.logprobs[i]],

@@ -45,9 +45,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.profiler import record_function
 
 from kvforge.engine.outputs import RequestOutput
+from kvforge.engine.profiling import span
 from kvforge.engine.request import (
     PLACEHOLDER_TOKEN_ID,
     Request,
@@ -109,7 +109,7 @@ class OverlapStepper:
             prev = self.inflight = None
         if prev is not None and prev.pending is not None and not getattr(e.runner, "accepts_late_tokens", False):
             prev = self.inflight = self._complete(prev, touched)  # its tokens go into the next step's message
-        with record_function("kvforge.schedule"):
+        with span("kvforge.schedule"):
             so = e.scheduler.schedule()
         for req in so.finished:
             touched[req.parent_id] = None
@@ -120,10 +120,10 @@ class OverlapStepper:
             if prev is not None and prev.pending is not None:  # workers take no other call meanwhile
                 prev = self.inflight = self._complete(prev, touched)
             e.runner.swap(so.swap_out, to_cpu=True)
-        with record_function("kvforge.launch"):
+        with span("kvforge.launch"):
             launched = self._launch(so, prev, touched)
         if prev is not None:
-            with record_function("kvforge.complete"):
+            with span("kvforge.complete"):
                 prev = self._complete(prev, touched)  # (workers: N's logits, sampled; tokens sent on)
         if launched is not None and launched.pending is not None \
                 and (e._needs_history or launched.pending.has_prompt_logits):
@@ -131,7 +131,7 @@ class OverlapStepper:
             # next output: receive and sample before this step's placeholders exist.
             launched = self._complete(launched, touched)
         if prev is not None:
-            with record_function("kvforge.process"):
+            with span("kvforge.process"):
                 self._process(prev, touched)
         if so.scheduled:
             placeholder = [PLACEHOLDER_TOKEN_ID]
