@@ -117,6 +117,7 @@ def test_async_tp_abort_while_a_step_is_in_flight(on_worker):
         assert aborted.finish_reason == "abort", tag
         assert -1 not in aborted.token_ids, f"{tag}: a placeholder token leaked into an aborted output"
         assert aborted.token_ids == ref["r5"].outputs[0].token_ids[:len(aborted.token_ids)], tag
+        assert (engine.executor.num_steps_sampled_on_worker > 0) == on_worker, tag  # no silent fallback
         _free(engine, tag)
     finally:
         engine.executor.shutdown()
@@ -266,6 +267,7 @@ def test_async_tp_preemption_keeps_outputs(mode, on_worker):
         got = _run(engine, reqs)
         _same(got, ref, f"[{mode}]")
         assert engine.scheduler.stats()["num_preemptions"] > 0, f"[{mode}]: nothing was preempted"
+        assert (engine.executor.num_steps_sampled_on_worker > 0) == on_worker, f"[{mode}]"
         _free(engine, f"[{mode}]")
     finally:
         engine.executor.shutdown()

@@ -40,6 +40,9 @@ class _FakeWorker:
     def echo(self, value):
         return value
 
+    def stamp(self):
+        return time.monotonic()  # CLOCK_MONOTONIC: comparable across processes on one host
+
     def boom(self):
         raise KeyError("nope")
 
@@ -82,14 +85,18 @@ def test_large_reply_and_large_step_do_not_deadlock(worker):
 
 
 def test_replies_keep_call_order_and_the_loop_reads_while_a_copy_is_pending(worker):
-    _call(worker, "execute", {"reply_bytes": 3, "delay": 1.0})  # tokens reach the host in 1 s
+    _call(worker, "echo", 0)
+    assert worker.recv() == ("ok", 0)  # the child is up: its start-up is not timed below
     t0 = time.monotonic()
-    _call(worker, "echo", 7)
+    _call(worker, "execute", {"reply_bytes": 3, "delay": 1.0})  # tokens reach the host in 1 s
+    _call(worker, "stamp")
     _call(worker, "boom")
     _call(worker, "execute", {"reply_bytes": 5, "delay": 0.0})
     got = [worker.recv() for _ in range(4)]
     assert got[0] == ("ok", ("sampled", b"xxx")) and time.monotonic() - t0 >= 0.9
-    assert got[1] == ("ok", 7)
+    # the loop handled the next call while the first step's tokens were still on their way
+    # (a loop that waited for them before reading on would have stamped after t0 + 1 s)
+    assert got[1][0] == "ok" and got[1][1] - t0 < 0.5, got[1][1] - t0
     assert got[2][0] == "error" and got[2][1] == "KeyError"
     assert got[3] == ("ok", ("sampled", b"x" * 5))
     _call(worker, "shutdown")

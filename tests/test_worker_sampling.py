@@ -45,27 +45,30 @@ def test_worker_mirror_refuses_unknown_handles():
 
 
 def test_worker_samples_like_the_driver():
-    """Same rows through the driver's Sampler and through the table + WorkerSampler."""
-    v = 40
+    """Same rows through the driver's Sampler and through the table + WorkerSampler, at four
+    output positions. Flat logits over 1000 ids: the seeded noise decides the tokens, so a
+    worker that ignored a seed, the completion index or the position would differ."""
+    v = 1000
     g = torch.Generator().manual_seed(int(torch.randint(0, 1 << 30, ()).item()))
-    logits = torch.randn(5, v, generator=g) * 3
     seeded = SamplingParams(temperature=0.9, top_p=0.8, seed=1234, max_tokens=20, logprobs=3)
-    reqs = [
-        _req("a", SamplingParams(temperature=0, max_tokens=20)),
-        _req("b", seeded, index=0, out=4),
-        _req("c", seeded, index=1, out=2),                                          # n=2: other noise
-        _req("d", SamplingParams(temperature=0, min_tokens=5, max_tokens=20), out=1),  # EOS (2) banned
-        _req("e", SamplingParams(temperature=0.7, top_k=5, min_p=0.05, seed=9, max_tokens=20,
-                                 logit_bias={3: 4.0})),
-    ]
-    logits[3, 2] = 50.0  # EOS would win without min_tokens
-    counts = [len(r.output_token_ids) for r in reqs]
-    ref = Sampler(v, torch.Generator().manual_seed(0)).sample_async(logits.clone(), reqs, counts).result()
-    ws = ParamsTable().encode(reqs, counts)
-    worker = WorkerSampler(v, torch.device("cpu"), seed=0)
-    worker.update(ws)
-    got = worker.sample(logits.clone(), ws).result()
-    assert got.sampled_token_ids == ref.sampled_token_ids
-    assert got.sampled_token_ids[3] != 2
-    assert np.allclose(got.sampled_logprobs, ref.sampled_logprobs, atol=1e-6)
+    for shift in range(4):
+        logits = torch.randn(5, v, generator=g)
+        reqs = [
+            _req("a", SamplingParams(temperature=0, max_tokens=20), out=shift),
+            _req("b", seeded, index=0, out=4 + shift),
+            _req("c", seeded, index=1, out=4 + shift),                                       # n=2: other noise
+            _req("d", SamplingParams(temperature=0, min_tokens=5, max_tokens=20), out=1),  # EOS (2) banned
+            _req("e", SamplingParams(temperature=0.7, top_k=5, min_p=0.05, seed=9, max_tokens=20,
+                                     logit_bias={3: 4.0}), out=shift),
+        ]
+        logits[3, 2] = 50.0  # EOS would win without min_tokens
+        counts = [len(r.output_token_ids) for r in reqs]
+        ref = Sampler(v, torch.Generator().manual_seed(0)).sample_async(logits.clone(), reqs, counts).result()
+        ws = ParamsTable().encode(reqs, counts)
+        worker = WorkerSampler(v, torch.device("cpu"), seed=0)
+        worker.update(ws)
+        got = worker.sample(logits.clone(), ws).result()
+        assert got.sampled_token_ids == ref.sampled_token_ids, shift
+        assert got.sampled_token_ids[3] != 2
+        assert np.allclose(got.sampled_logprobs, ref.sampled_logprobs, atol=1e-6)
     assert got.logprobs[1].keys() == ref.logprobs[1].keys()
