@@ -8,10 +8,10 @@ import os
 import pickle
 import signal
 import time
-import traceback
 import weakref
 from multiprocessing.connection import wait as mp_wait
 
+from kvforge.distributed.reply_sender import error_reply
 from kvforge.engine.outputs import RequestOutput
 
 log = logging.getLogger("kvforge.distributed")
@@ -138,7 +138,7 @@ def _replica_main(config: dict, index: int, visible_gpus: str | None, conn) -> N
         server = ReplicaServer(config, index)
         conn.send(("ok", None))
     except BaseException as e:  # noqa: BLE001
-        conn.send(("error", type(e).__name__, str(e), traceback.format_exc()))
+        conn.send(error_reply(e))
         os._exit(0)
     while True:
         try:
@@ -148,7 +148,7 @@ def _replica_main(config: dict, index: int, visible_gpus: str | None, conn) -> N
         try:
             reply = ("ok", getattr(server, method)(*args))
         except BaseException as e:  # noqa: BLE001
-            reply = ("error", type(e).__name__, str(e), traceback.format_exc())
+            reply = error_reply(e)
         try:
             conn.send(reply)
         except (OSError, BrokenPipeError):

@@ -8,6 +8,7 @@ captures CUDA graphs) -> :meth:`execute` per step -> :meth:`shutdown`.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any
 
@@ -42,10 +43,9 @@ class SampledStep:
         if self.error is not None:
             return ("sample_error", self.error)
         dev = self.pending.token_ids.device
-        if dev.type == "cuda":
-            with torch.cuda.device(dev):  # the caller's thread may have another current device
-                return ("sampled", self.pending.result())
-        return ("sampled", self.pending.result())
+        # the caller's thread may have another current device
+        with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
+            return ("sampled", self.pending.result())
 
 
 class Worker:

@@ -266,7 +266,8 @@ def build_engine_parts(config: EngineConfig, registry: Registry) -> EngineParts:
     if config.parallel.all_reduce == "symm_mem" and device.type != "cuda":
         raise ValueError(f"parallel.all_reduce: 'symm_mem' needs CUDA GPUs (model.device resolves to "
                          f"{device.type}); use 'nccl' or 'auto'")
-    if config.parallel.all_reduce == "symm_mem" and dtype not in (torch.bfloat16, torch.float32):
+    from kvforge.distributed.symm_mem_allreduce import DTYPES as SYMM_MEM_DTYPES
+    if config.parallel.all_reduce == "symm_mem" and dtype not in SYMM_MEM_DTYPES:
         raise ValueError(f"parallel.all_reduce: 'symm_mem' needs bfloat16 or float32 activations (model.dtype "
                          f"resolves to {dtype}); use 'nccl' or 'auto'")
     if config.parallel.data_parallel_size > 1:

@@ -37,6 +37,7 @@ from kvforge.engine.sampling_ops import (
     apply_top_k_top_p_min_p,
     exponential_race_sample,
     logprobs_with_ranks,
+    long_tensor,
     pad_token_lists,
 )
 
@@ -60,10 +61,6 @@ class SamplerOutput:
     sampled_token_ids: list[int]
     logprobs: list[dict[int, Logprob] | None]
     sampled_logprobs: list[float]
-
-
-def _long(values: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
 
 
 def _float(values: list[float], device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -144,9 +141,9 @@ class Sampler:
         else:
             tokens = torch.empty(n, dtype=torch.int64, device=device)
             if greedy_rows:
-                g_idx = _long(greedy_rows, device)
+                g_idx = long_tensor(greedy_rows, device)
                 tokens.index_copy_(0, g_idx, work.index_select(0, g_idx).argmax(dim=-1))
-            r_idx = None if len(random_rows) == n else _long(random_rows, device)
+            r_idx = None if len(random_rows) == n else long_tensor(random_rows, device)
             sub = work if r_idx is None else work.index_select(0, r_idx)
             sampled = self._sample(sub, [requests[i] for i in random_rows], device,
                                    [len(requests[i].output_token_ids) if num_generated is None else num_generated[i]
@@ -206,18 +203,18 @@ class Sampler:
                 fp_rows.append(i)
 
         if bias_r:
-            apply_logit_bias(work, _long(bias_r, device), _long(bias_c, device), _float(bias_v, device))
+            apply_logit_bias(work, long_tensor(bias_r, device), long_tensor(bias_c, device), _float(bias_v, device))
         if mask_r:
-            apply_token_mask(work, _long(mask_r, device), _long(mask_c, device))
+            apply_token_mask(work, long_tensor(mask_r, device), long_tensor(mask_c, device))
         if rep_rows:
             ids = pad_token_lists([requests[i].all_token_ids for i in rep_rows], vocab, device)
             pen = _float([requests[i].sampling_params.repetition_penalty for i in rep_rows], device)
-            apply_repetition_penalty(work, _long(rep_rows, device), ids, pen)
+            apply_repetition_penalty(work, long_tensor(rep_rows, device), ids, pen)
         if fp_rows:
             ids = pad_token_lists([list(requests[i].output_token_ids) for i in fp_rows], vocab, device)
             freq = _float([requests[i].sampling_params.frequency_penalty for i in fp_rows], device)
             pres = _float([requests[i].sampling_params.presence_penalty for i in fp_rows], device)
-            apply_frequency_presence_penalties(work, _long(fp_rows, device), ids, freq, pres)
+            apply_frequency_presence_penalties(work, long_tensor(fp_rows, device), ids, freq, pres)
 
     def _sample(self, work: torch.Tensor, requests: list[Request], device: torch.device,
                 num_generated: list[int]) -> torch.Tensor:
@@ -229,7 +226,7 @@ class Sampler:
         vocab = work.shape[1]
         work = apply_temperature(work, _float([sp.temperature for sp in params], device))
         ks = [sp.top_k if 0 < sp.top_k < vocab else 0 for sp in params]
-        top_k = _long(ks, device) if any(ks) else None
+        top_k = long_tensor(ks, device) if any(ks) else None
         top_p = _float([sp.top_p for sp in params], device, torch.float64) \
             if any(sp.top_p < 1.0 for sp in params) else None
         min_p = _float([sp.min_p for sp in params], device) if any(sp.min_p > 0.0 for sp in params) else None
@@ -252,7 +249,7 @@ class Sampler:
         sampled_lp = raw.gather(1, tokens.unsqueeze(1)).squeeze(1) - torch.logsumexp(raw, dim=-1)
         if not lp_rows:
             return PendingSamplerOutput(tokens, [sampled_lp], params, [])
-        idx = _long(lp_rows, device)
+        idx = long_tensor(lp_rows, device)
         num_top = max(params[i].logprobs for i in lp_rows)
         tok_lp, tok_rank, top_ids, top_lp, top_rank = logprobs_with_ranks(
             raw.index_select(0, idx), tokens.index_select(0, idx), num_top)
@@ -325,7 +322,7 @@ def compute_prompt_logprobs(logits: torch.Tensor, target_ids: list[int], num_log
         raise ValueError(f"logits has {logits.shape[0]} rows but {len(target_ids)} target ids")
     if not target_ids:
         return []
-    targets = _long(list(target_ids), logits.device)
+    targets = long_tensor(list(target_ids), logits.device)
     out: list[dict[int, Logprob]] = []
     # Chunk over positions so long prompts do not materialise a second full [P, V] tensor.
     for start in range(0, len(target_ids), _PROMPT_CHUNK):

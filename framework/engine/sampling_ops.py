@@ -38,6 +38,12 @@ __all__ = [
 _NEG_INF = float("-inf")
 
 
+def long_tensor(values, device: torch.device) -> torch.Tensor:
+    """int64 tensor on ``device`` from host values, uploaded without waiting for the stream (a
+    plain ``torch.tensor(..., device=cuda)`` is a blocking copy)."""
+    return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
+
+
 def pad_token_lists(token_lists: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
     """Pack ragged token-id lists into one int64 tensor ``[len(token_lists), max_len]``.
 
@@ -46,7 +52,7 @@ def pad_token_lists(token_lists: list[list[int]], pad: int, device: torch.device
     """
     width = max(1, max((len(t) for t in token_lists), default=0))
     rows = [t + [pad] * (width - len(t)) for t in token_lists]
-    return torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
+    return long_tensor(rows, device)
 
 
 def apply_logit_bias(logits: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor,
@@ -205,8 +211,7 @@ def exponential_race_sample(probs: torch.Tensor, generators: list[torch.Generato
         if shared:
             draw = torch.empty(len(shared), vocab_size, dtype=probs.dtype, device=probs.device)
             draw.exponential_(generator=default_generator)
-            # (non_blocking: a plain torch.tensor(..., device=cuda) would wait for the stream)
-            idx = torch.tensor(shared, dtype=torch.int64).to(probs.device, non_blocking=True)
+            idx = long_tensor(shared, probs.device)
             noise.index_copy_(0, idx, draw)
         for i, g in enumerate(generators):
             if g is not None:
