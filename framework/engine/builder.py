@@ -176,7 +176,7 @@ def build_model_stack(registry: Registry, hf_config, model_spec: PluginSpec, mod
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
     req = AttentionRequirements(dtype, head_dim, num_heads, num_kv_heads, block_size, dtype,
                                 getattr(hf_config, "sliding_window", None))
-    attn_spec, rejected = choose_attention(registry, attention.backend, req, device)
+    attn_spec, rejected = choose_attention(registry, attention.backend, req, device, attention.settings)
     attn_settings = validate_plugin_settings(attn_spec, attention.settings, "attention.settings")
     backend: AttentionBackend = attn_spec.factory(attn_settings)
     if rejected:
@@ -257,9 +257,6 @@ def build_engine_parts(config: EngineConfig, registry: Registry) -> EngineParts:
     if config.scheduler.max_num_batched_tokens is None:
         config.scheduler.max_num_batched_tokens = max(2048, max_model_len)
 
-    if config.attention.backend != "auto":  # a named backend's settings are checked even where it cannot run
-        validate_plugin_settings(registry.get("attention", config.attention.backend), config.attention.settings,
-                                 "attention.settings")
     check_capabilities(config, registry, hf_config, dtype, device)  # before any weight is read
     if config.scheduler.async_scheduling is None:
         config.scheduler.async_scheduling = device.type == "cuda"

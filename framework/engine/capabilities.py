@@ -149,7 +149,8 @@ def resolve_specs(config: "EngineConfig", registry: "Registry", hf_config, dtype
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
     req = AttentionRequirements(dtype, head_dim, num_heads, num_kv_heads, config.cache.block_size, dtype,
                                 getattr(hf_config, "sliding_window", None))
-    specs["attention"], _ = choose_attention(registry, config.attention.backend, req, device)
+    specs["attention"], _ = choose_attention(registry, config.attention.backend, req, device,
+                                             config.attention.settings)
     return specs
 
 

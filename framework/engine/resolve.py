@@ -47,16 +47,21 @@ def resolve_dtype(name: str, hf_config) -> torch.dtype:
     return d if d in _DTYPES.values() else torch.float32
 
 
-def choose_attention(registry: Registry, name: str, req: AttentionRequirements,
-                     device: torch.device) -> tuple[PluginSpec, dict[str, list[str]]]:
+def choose_attention(registry: Registry, name: str, req: AttentionRequirements, device: torch.device,
+                     settings: dict[str, Any] | None = None) -> tuple[PluginSpec, dict[str, list[str]]]:
     """Pick the backend named ``name``, or for ``auto`` the highest-priority one whose
-    ``validate`` returns no reasons. Returns (spec, rejected name -> reasons).
+    ``validate`` returns no reasons. Returns (spec, rejected name -> reasons). A named
+    backend's ``settings`` (``attention.settings``) are checked first, so a bad setting is
+    reported as such even where the backend cannot run.
 
     Raises:
-        ValueError: the named backend cannot run here, or no backend can (reasons listed).
+        ValueError: invalid settings, the named backend cannot run here, or no backend can
+            (reasons listed).
     """
     if name != "auto":
         spec = registry.get("attention", name)
+        if settings is not None:
+            validate_plugin_settings(spec, settings, "attention.settings")
         reasons = spec.factory.validate(req, device)
         if reasons:
             raise ValueError(f"attention.backend {name!r} cannot run here: {'; '.join(reasons)}")
