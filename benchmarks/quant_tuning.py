@@ -66,12 +66,16 @@ def mma_candidates(m: int) -> list[dict]:
     """mma-layout W4A16 configs worth timing at M tokens (keys: ``w4_mma.CONFIGS``); each
     distinct set of compile-time constants is one NVRTC compile."""
     if m <= 16:  # (first session-8 sweep: S = 1, MINB = 4 and TW 4 or 1-2 at small N won)
-        return [dict(TW=tw, WARPS=wa, S=1, waves=wv, MINB=mb, LDW=ld) for tw, wa, wv, mb, ld in (
-            (4, 4, 4, 4, 0), (4, 4, 4, 4, 1), (4, 4, 2, 4, 1), (4, 4, 4, 1, 1), (2, 8, 2, 1, 0), (2, 8, 2, 1, 1),
-            (1, 8, 2, 1, 0), (1, 8, 2, 1, 1), (2, 8, 4, 2, 1))]
-    return [dict(TW=tw, WARPS=wa, S=st, XS=xs, SCALE_A=True, waves=wv) for tw, wa, st, xs, wv in (
-        (1, 4, 1, 0, 2), (1, 4, 2, 0, 2), (1, 8, 1, 1, 2), (1, 8, 2, 0, 2), (2, 4, 1, 0, 2), (1, 4, 1, 1, 4),
-        (1, 4, 1, 0, 1), (2, 8, 1, 1, 2))]
+        return [dict(TW=tw, WARPS=wa, S=1, waves=wv, MINB=mb, LDW=ld, CPA=cp) for tw, wa, wv, mb, ld, cp in (
+            (4, 4, 4, 4, 0, 0), (4, 4, 4, 4, 1, 0), (4, 4, 2, 4, 1, 0), (4, 4, 4, 1, 1, 0), (2, 8, 2, 1, 0, 0),
+            (2, 8, 2, 1, 1, 0), (1, 8, 2, 1, 0, 0), (1, 8, 2, 1, 1, 0), (2, 8, 4, 2, 1, 0),
+            # cp.async stages (session 11)
+            (4, 4, 4, 1, 1, 3), (4, 4, 4, 1, 1, 4), (4, 4, 2, 1, 1, 4), (4, 4, 4, 1, 1, 6), (2, 8, 2, 1, 1, 4),
+            (2, 8, 4, 1, 1, 4), (4, 8, 2, 1, 1, 3), (1, 8, 2, 1, 1, 4), (4, 4, 4, 1, 0, 4))]
+    return [dict(TW=tw, WARPS=wa, S=st, XS=xs, SCALE_A=True, waves=wv, CPA=cp) for tw, wa, st, xs, wv, cp in (
+        (1, 4, 1, 0, 2, 0), (1, 4, 2, 0, 2, 0), (1, 8, 1, 1, 2, 0), (1, 8, 2, 0, 2, 0), (2, 4, 1, 0, 2, 0),
+        (1, 4, 1, 1, 4, 0), (1, 4, 1, 0, 1, 0), (2, 8, 1, 1, 2, 0),
+        (1, 8, 1, 1, 2, 4), (2, 4, 1, 1, 2, 4), (4, 4, 1, 1, 2, 3), (2, 4, 1, 0, 2, 3))]
 
 
 def tune_wna16(shapes, ms, cudagraph: bool, layout: str = "pairs") -> None:

@@ -55,7 +55,9 @@ def _w4_configs() -> list[dict]:
     tuned = [{k: v for k, v in cfg.items() if k not in ("schema", "waves")}
              for gpu in table.values() for cfg in gpu.get("w4_mma", {}).values()]
     out = []
-    for cfg in [{}] + tuned:
+    cp_async = [dict(TW=4, WARPS=4, CPA=4, LDW=1), dict(NB=2, TW=4, WARPS=4, CPA=3),  # and the cp.async stages
+                dict(NB=8, TW=1, WARPS=8, CPA=4, XS=1, SCALE_A=1)]
+    for cfg in [{}] + tuned + cp_async:
         for gcc in (0, 2):
             c = {**cfg, "GCC": gcc}
             if c not in out:

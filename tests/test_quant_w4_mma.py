@@ -162,7 +162,8 @@ def test_gpu_kernel(dtype, k, n, group, gen):
     ps, pz = pack_mma_groups(s, z, dtype)
     words, ps, pz, w_ref = pack_mma(q).cuda(), ps.cuda(), pz.cuda(), w_ref.cuda()
     configs = [None, dict(split_k=1), dict(WARPS=1, TW=1, S=3, XS=1), dict(WARPS=2, TW=2, SCALE_A=True, XS=1),
-               dict(TW=4, S=1, waves=1), dict(XS=1, MINB=2)]
+               dict(TW=4, S=1, waves=1), dict(XS=1, MINB=2), dict(TW=4, WARPS=4, CPA=4, LDW=1),
+               dict(TW=1, WARPS=8, CPA=3, XS=1, SCALE_A=True), dict(TW=2, WARPS=2, CPA=8, split_k=1)]
     for m in (1, 3, 8, 9, 16, 17, 33, 64, 65, 130):
         x = torch.randn(m, k, device="cuda", dtype=dtype)
         ref = x.float() @ w_ref
@@ -263,12 +264,36 @@ def test_gemm_refuses_bad_groups_and_configs(gen):
         w4_mma.mma_gemm(x, words, ps, pz, group_size=64, n=64, config=dict(NB=1))
     with pytest.raises(ValueError, match="TW in 1/2/4"):
         w4_mma.mma_gemm(x, words, ps, pz, group_size=64, n=64, config=dict(TW=3))
+    with pytest.raises(ValueError, match="CPA 0 or 2..8"):  # one stage cannot overlap anything
+        w4_mma.mma_gemm(x, words, ps, pz, group_size=64, n=64, config=dict(CPA=1))
+
+
+def test_gemm_refuses_stages_past_shared_memory(gen, monkeypatch):
+    """CPA stages that do not fit the device's shared memory are refused before launch; an
+    x slice (XS) that does not fit beside them is dropped instead (each warp then loads x)."""
+    import w4_mma_emulate
+    fake = w4_mma_emulate.install(monkeypatch, smem_limit=40 * 1024)
+    q, s, z, w_ref = _quant(2048, 64, 64, gen)
+    ps, pz = pack_mma_groups(s, z, torch.bfloat16)
+    x = torch.randn(16, 2048, generator=gen).bfloat16()
+    big = dict(NB=2, TW=4, WARPS=4, CPA=4)  # 4 stages x 11 units x 128 threads x 16 B = 88 KB
+    assert w4_mma.stage_bytes({**w4_mma.CONFIGS[16], **big}) == 4 * 11 * 128 * 16
+    with pytest.raises(ValueError, match="needs 90112 bytes of shared memory for its CPA stages"):
+        w4_mma.mma_gemm(x, pack_mma(q), ps, pz, group_size=64, n=64, config=big)
+    assert not fake.calls
+    # stages 12 KB + the x slice 16 x (2048 + 8) x 2 B = 64 KB: over; without XS the stages take 28 KB
+    fits = dict(NB=2, TW=1, WARPS=4, CPA=2, XS=1, split_k=1)
+    y = w4_mma.mma_gemm(x, pack_mma(q), ps, pz, group_size=64, n=64, config=fits)
+    assert fake.calls[-1]["cfg"]["XS"] == 0 and fake.calls[-1]["smem"] == 2 * 7 * 128 * 16
+    ref = x.double() @ w_ref.double()
+    assert ((y.double() - ref).abs().max() / ref.abs().max()).item() <= BOUND[torch.bfloat16]
 
 
 # The kernels' index arithmetic replayed on the CPU (tests/w4_mma_emulate.py): every load
 # bounds- and alignment-checked, each stage holding the chunk being computed, split-K partials
 # summed in a random arrival order. (K, N, group, M, config): odd N / 64, uneven last splits,
-# TW 1/2 with tile0 != 0, XS, S up to 4, SCALE_A, per-channel groups, the dequantize path.
+# TW 1/2 with tile0 != 0, XS, S up to 4, SCALE_A, per-channel groups, the dequantize path, and
+# cp.async stages (CPA 2-8: more stages than a split has chunks, with and without XS).
 EMULATED = [
     (512, 192, 64, 3, None),
     (512, 320, 128, 17, None),
@@ -281,6 +306,10 @@ EMULATED = [
     (1152, 128, 384, 8, dict(TW=2, WARPS=4, S=2, XS=1, SCALE_A=True, split_k=2)),
     (512, 192, 64, 64, None),
     (512, 192, 64, 65, None),
+    (640, 192, 128, 5, dict(TW=4, WARPS=2, CPA=3, split_k=3)),
+    (768, 320, 256, 17, dict(TW=2, WARPS=4, CPA=4, XS=1, SCALE_A=True)),
+    (1152, 448, 384, 9, dict(TW=1, WARPS=3, CPA=2, SCALE_A=False, split_k=2)),
+    (576, 128, 576, 1, dict(TW=2, WARPS=1, CPA=8)),
 ]
 
 

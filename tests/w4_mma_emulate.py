@@ -55,6 +55,12 @@ def gemm_emu(cfg, dtype, x_bits, M, stride_x, wq, sc, zp, N, KC, gc_rt, cps, spl
     """``w4_mma_gemm`` on flat arrays (x as uint16 bits, words uint32, scales fp32, zeros
     uint16 bits) with the kernel's launch constants ``cfg``; returns y [M * N] float64."""
     TW, NB, WARPS, S, XS, SA = (int(cfg[k]) for k in ("TW", "NB", "WARPS", "S", "XS", "SCALE_A"))
+    CPA = int(cfg.get("CPA", 0))
+    if CPA:  # the stages' 16-byte units: one owner each, inside the bytes the host asked for
+        units = TW + (0 if XS else 2 * NB) + (TW + 1) // 2 + 1
+        addr = {((s * units + u) * 32 * WARPS + tid) * 16 for s in range(CPA) for u in range(units)
+                for tid in range(32 * WARPS)}
+        assert len(addr) == CPA * units * 32 * WARPS and max(addr) + 16 <= w4_mma.stage_bytes(cfg)
     GCC = gc_rt if gc_rt <= 8 else 0
     GC = GCC if GCC > 0 else gc_rt
     units = (N // 16) // TW
@@ -103,7 +109,6 @@ def gemm_emu(cfg, dtype, x_bits, M, stride_x, wq, sc, zp, N, KC, gc_rt, cps, spl
                 for b in range(NB):
                     row = np.minimum(b * 8 + g, M - 1)
                     xp.append(row * xpitch + 16 * t - cbeg * 64 if XS else row * stride_x + 16 * t)
-                st = [None] * S
 
                 def load(c):
                     d = {"c": c}
@@ -115,57 +120,73 @@ def gemm_emu(cfg, dtype, x_bits, M, stride_x, wq, sc, zp, N, KC, gc_rt, cps, spl
                         d["s"] = SC.get(rec, 2 * TW, align=min(16, 8 * TW))
                         d["z"] = Z.get(rec, 2 * TW, align=min(16, 4 * TW))
                     return d
-                for s in range(S - 1):
-                    if cbeg + s < cend:
-                        st[s] = load(cbeg + s)
+
+                def chunks():  # (c, the stage holding chunk c) in the kernel's order of loads
+                    if CPA:  # cp.async ring: chunk c + CPA - 1 goes to the stage chunk c - 1 used
+                        ring = [None] * CPA
+                        for s in range(CPA - 1):
+                            if cbeg + s < cend:
+                                ring[s] = load(cbeg + s)
+                        slot = 0
+                        for c in range(cbeg, cend):
+                            if c + CPA - 1 < cend:
+                                ring[(slot - 1) % CPA] = load(c + CPA - 1)
+                            yield c, ring[slot]
+                            slot = (slot + 1) % CPA
+                        return
+                    st = [None] * S
+                    for s in range(S - 1):
+                        if cbeg + s < cend:
+                            st[s] = load(cbeg + s)
+                    for c0 in range(cbeg, cend, S):
+                        for s in range(S):
+                            c = c0 + s
+                            if S == 1 and c < cend:
+                                st[0] = load(c)
+                            elif S > 1 and c + S - 1 < cend:
+                                st[(s + S - 1) % S] = load(c + S - 1)
+                            if c < cend:
+                                yield c, st[s]
                 zb = sf = sa = tmp = None
-                for c0 in range(cbeg, cend, S):
-                    for s in range(S):
-                        c = c0 + s
-                        if S == 1 and c < cend:
-                            st[0] = load(c)
-                        elif S > 1 and c + S - 1 < cend:
-                            st[(s + S - 1) % S] = load(c + S - 1)
-                        if c < cend:
-                            cur = st[s]
-                            assert cur["c"] == c, "stage holds another chunk"
-                            if XS:
-                                cur["x"] = [XSM.get(xp[b] + c * 64, 16, align=16) for b in range(NB)]
-                            if (c - cbeg) % GC == 0:
-                                assert "s" in cur, "scales not loaded at group start"
-                                zv = bits_to_f(cur["z"], dtype) - bias  # [32, 2TW]
-                                zb = zv
-                                if SA:
-                                    sa = rnd(cur["s"], dtype)
-                                else:
-                                    sf = cur["s"].astype(np.float64)
-                                    tmp = np.zeros_like(acc)
-                            xv = [bits_to_f(cur["x"][b], dtype) for b in range(NB)]  # [32, 16]
-                            for a in range(TW):
-                                for i in range(4):
-                                    w = cur["w"][a][:, i].astype(np.int64)
-                                    A = np.zeros((16, 16))
-                                    for j in range(4):
-                                        r = j & 1
-                                        for h in range(2):
-                                            qv = (w >> (4 * j + 16 * h)) & 15
-                                            v = qv - zb[:, 2 * a + r]
-                                            if SA:
-                                                v = rnd(v * sa[:, 2 * a + r], dtype)
-                                            A[g + 8 * r, 2 * t + 8 * (j >> 1) + h] = v
-                                    for b in range(NB):
-                                        B = np.zeros((16, 8))
-                                        base = 8 * (i >> 1) + 4 * (i & 1)
-                                        for rr in range(2):
-                                            for h in range(2):
-                                                B[2 * t + 8 * rr + h, g] = xv[b][:, base + 2 * rr + h]
-                                        D = A @ B
-                                        tgt = acc if SA else tmp
-                                        for f in range(4):
-                                            tgt[a, b, f] += D[g + 8 * (f >> 1), 2 * t + (f & 1)]
-                            if not SA and (c - cbeg) % GC == GC - 1:
+                for c, cur in chunks():
+                    assert cur["c"] == c, "stage holds another chunk"
+                    if XS:
+                        cur["x"] = [XSM.get(xp[b] + c * 64, 16, align=16) for b in range(NB)]
+                    if (c - cbeg) % GC == 0:
+                        assert "s" in cur, "scales not loaded at group start"
+                        zv = bits_to_f(cur["z"], dtype) - bias  # [32, 2TW]
+                        zb = zv
+                        if SA:
+                            sa = rnd(cur["s"], dtype)
+                        else:
+                            sf = cur["s"].astype(np.float64)
+                            tmp = np.zeros_like(acc)
+                    xv = [bits_to_f(cur["x"][b], dtype) for b in range(NB)]  # [32, 16]
+                    for a in range(TW):
+                        for i in range(4):
+                            w = cur["w"][a][:, i].astype(np.int64)
+                            A = np.zeros((16, 16))
+                            for j in range(4):
+                                r = j & 1
+                                for h in range(2):
+                                    qv = (w >> (4 * j + 16 * h)) & 15
+                                    v = qv - zb[:, 2 * a + r]
+                                    if SA:
+                                        v = rnd(v * sa[:, 2 * a + r], dtype)
+                                    A[g + 8 * r, 2 * t + 8 * (j >> 1) + h] = v
+                            for b in range(NB):
+                                B = np.zeros((16, 8))
+                                base = 8 * (i >> 1) + 4 * (i & 1)
+                                for rr in range(2):
+                                    for h in range(2):
+                                        B[2 * t + 8 * rr + h, g] = xv[b][:, base + 2 * rr + h]
+                                D = A @ B
+                                tgt = acc if SA else tmp
                                 for f in range(4):
-                                    acc[:, :, f] += sf.T.reshape(TW, 2, 32)[:, f >> 1][:, None, :] * tmp[:, :, f]
+                                    tgt[a, b, f] += D[g + 8 * (f >> 1), 2 * t + (f & 1)]
+                    if not SA and (c - cbeg) % GC == GC - 1:
+                        for f in range(4):
+                            acc[:, :, f] += sf.T.reshape(TW, 2, 32)[:, f >> 1][:, None, :] * tmp[:, :, f]
                 accs[warp] = acc
             # epilogue
             for warp, acc in accs.items():
@@ -230,8 +251,8 @@ class FakeKernels:
 
     def gemm(self, x, words, scales, zeros, out, ws, cnt, *, n, group_chunks, chunks_per_split, splits, cfg, smem=0):
         m, k = x.shape
-        if cfg["XS"]:
-            assert smem == m * (chunks_per_split * 64 + 8) * x.element_size()
+        xs = m * (chunks_per_split * 64 + 8) * x.element_size() if cfg["XS"] else 0
+        assert smem == xs + w4_mma.stage_bytes(cfg)
         if splits > 1:
             assert ws.shape == (splits, m, n) and cnt.numel() >= -(-((n // 16) // cfg["TW"]) // cfg["WARPS"])
         # x as a flat view from its data pointer: storage from x's first element

@@ -15,7 +15,8 @@
 // SCALE_A (1: the group scale multiplies the dequantized operand; 0: each group's product, in
 // fp32), MINB (CTAs per SM the register allocation must allow), LDW (1: weight loads bypass
 // L1 and prefetch 256 bytes into L2), GCC (64-wide chunks per scale group when it is a
-// compile-time constant, else 0).
+// compile-time constant, else 0), CPA (0: operands through registers as S says; P > 1: a
+// P-stage cp.async pipeline in shared memory, P - 1 chunks in flight without holding registers).
 //
 // Layout (w4_mma.py has the packer): 64-row blocks of N ("nblk"), 64-wide chunks of K. Chunk
 // c of nblk is 512 int32 words, [tile T (16 rows)][lane][MMA i]: lane = 4g + t holds, for the
@@ -152,6 +153,168 @@ __device__ __forceinline__ void load_stage(Stage& st, const uint4* wp, const dt*
     }
 }
 
+// The accumulators and the current group's dequantization constants of a lane.
+struct Acc {
+    float acc[TW][NB][4];
+    unsigned zb[TW][2];  // -(BIAS + z) pairs: w - (BIAS + z) = q - z, exact
+#if SCALE_A
+    unsigned sa[TW][2];
+#else
+    float sf[TW][2];
+    float tmp[TW][NB][4];  // the group's product before its scale
+#endif
+};
+
+// One 64-wide K chunk: dequantize the lane's weight words into A fragments, TW * 4 * NB MMAs.
+// gstart / gend: the chunk opens / closes a scale group.
+__device__ __forceinline__ void compute_chunk(Acc& A, const Stage& cur, bool gstart, bool gend) {
+    if (gstart) {  // a group starts: its zeros / scales, a fresh product
+#pragma unroll
+        for (int a = 0; a < TW; ++a)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                A.zb[a][r] = dup2(cur.z[2 * a + r] ^ 0x8000);
+#if SCALE_A
+                A.sa[a][r] = dup2(f_to_dt(cur.s[2 * a + r]));
+#else
+                A.sf[a][r] = cur.s[2 * a + r];
+#endif
+            }
+#if !SCALE_A
+        FOR_FRAGS A.tmp[a][b][f] = 0.f;
+#endif
+    }
+#pragma unroll
+    for (int a = 0; a < TW; ++a)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const unsigned w = word_of(cur.w[a], i);
+            unsigned fr[4];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {  // register j: row n0 (j even) or n1 (j odd)
+                fr[j] = fma2(pair_bits(w, j), ONE2, A.zb[a][j & 1]);
+#if SCALE_A
+                fr[j] = fma2(fr[j], A.sa[a][j & 1], NEG_ZERO2);
+#endif
+            }
+#pragma unroll
+            for (int b = 0; b < NB; ++b) {
+                const uint4& xa = cur.x[b][i >> 1];  // MMA i: x registers 2i, 2i + 1
+                const unsigned b0 = (i & 1) ? xa.z : xa.x, b1 = (i & 1) ? xa.w : xa.y;
+#if SCALE_A
+                mma(A.acc[a][b], fr, b0, b1);
+#else
+                mma(A.tmp[a][b], fr, b0, b1);
+#endif
+            }
+        }
+#if !SCALE_A
+    if (gend) {  // the group ends: scale its product in
+        FOR_FRAGS A.acc[a][b][f] += A.sf[a][f >> 1] * A.tmp[a][b][f];
+    }
+#endif
+}
+
+// XS: the lane's x runs of chunk c from the CTA's shared copy.
+__device__ __forceinline__ void x_from_smem(Stage& cur, const dt* const* xp, int c) {
+#pragma unroll
+    for (int b = 0; b < NB; ++b) {
+        const uint4* q = reinterpret_cast<const uint4*>(xp[b] + (size_t)c * 64);
+        cur.x[b][0] = q[0];
+        cur.x[b][1] = q[1];
+    }
+}
+
+#ifndef CPA
+#define CPA 0
+#endif
+#define NT (WARPS * 32)
+#if CPA
+// CPA stages in shared memory, filled by cp.async (Marlin's multi-stage pipeline, here per
+// thread): unit u of stage s of thread tid is 16 bytes at ((s * UNITS + u) * NT + tid) * 16,
+// so a warp's 16-byte reads of one unit are 512 contiguous bytes (no bank conflict). A thread
+// reads back only what it copied itself, so its own cp.async.wait_group orders them: no CTA
+// barrier. Units: TW weight vectors, 2 * NB x runs (unless XS), the scales (8 * TW bytes),
+// the zeros (4 * TW bytes).
+#define U_X TW
+#define U_S (U_X + (XS ? 0 : 2 * NB))
+#define U_Z (U_S + (TW + 1) / 2)
+#define UNITS (U_Z + 1)
+#if CPA < 2
+#error "CPA needs at least 2 stages"
+#endif
+#endif
+
+__device__ __forceinline__ unsigned smem_u32(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+template <int BYTES>  // .ca: x and the group records are re-read by the CTA's other warps
+__device__ __forceinline__ void cp_async_ca(unsigned dst, const void* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" ::"r"(dst), "l"(src), "n"(BYTES) : "memory");
+}
+__device__ __forceinline__ void cp_async_weights(unsigned dst, const void* src) {  // .cg: read once, not into L1
+#if LDW
+    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+#else
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+#endif
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int PENDING>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(PENDING) : "memory"); }
+
+#if CPA
+// Start the copies of chunk c's operands into the stage at `st` (this thread's unit 0).
+__device__ __forceinline__ void issue_stage(unsigned st, const uint4* wp, const dt* const* xp, const float* sc,
+                                            const dt* zp, size_t rec0, size_t rec_step, int c, int GC) {
+#pragma unroll
+    for (int a = 0; a < TW; ++a) cp_async_weights(st + a * NT * 16, wp + (size_t)c * 128 + a * 32);
+#if !XS
+#pragma unroll
+    for (int b = 0; b < NB; ++b) {
+        cp_async_ca<16>(st + (U_X + 2 * b) * NT * 16, xp[b] + (size_t)c * 64);
+        cp_async_ca<16>(st + (U_X + 2 * b + 1) * NT * 16, xp[b] + (size_t)c * 64 + 8);
+    }
+#endif
+    if (c % GC == 0) {
+        const size_t rec = rec0 + (size_t)(c / GC) * rec_step;
+        if (TW == 4) {
+            cp_async_ca<16>(st + U_S * NT * 16, sc + rec);
+            cp_async_ca<16>(st + (U_S + 1) * NT * 16, sc + rec + 4);
+        } else {
+            cp_async_ca<8 * TW>(st + U_S * NT * 16, sc + rec);
+        }
+        cp_async_ca<4 * TW>(st + U_Z * NT * 16, zp + rec);
+    }
+}
+
+__device__ __forceinline__ uint4 lds128(unsigned a) {
+    uint4 v;
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(a));
+    return v;
+}
+
+// The landed stage at `st` into registers (the group records only where a group starts).
+__device__ __forceinline__ void read_stage(Stage& cur, unsigned st, bool gstart) {
+#pragma unroll
+    for (int a = 0; a < TW; ++a) cur.w[a] = lds128(st + a * NT * 16);
+#if !XS
+#pragma unroll
+    for (int b = 0; b < NB; ++b) {
+        cur.x[b][0] = lds128(st + (U_X + 2 * b) * NT * 16);
+        cur.x[b][1] = lds128(st + (U_X + 2 * b + 1) * NT * 16);
+    }
+#endif
+    if (gstart) {
+        uint4 s[2], z = lds128(st + U_Z * NT * 16);
+        s[0] = lds128(st + U_S * NT * 16);
+        s[1] = TW == 4 ? lds128(st + (U_S + 1) * NT * 16) : s[0];
+#pragma unroll
+        for (int i = 0; i < 2 * TW; ++i) cur.s[i] = __uint_as_float(word_of(s[i >> 2], i & 3));
+#pragma unroll
+        for (int i = 0; i < 2 * TW; ++i) cur.z[i] = (dt)(word_of(z, i >> 1) >> (16 * (i & 1)));
+    }
+}
+#endif
+
 // Copy x[0:M, cbeg*64 : cend*64) into shared memory (row pitch xpitch), then a CTA barrier.
 __device__ __forceinline__ void fill_x(dt* xs, const dt* x, int M, long long stride_x, int xpitch, int cbeg,
                                        int cend) {
@@ -191,14 +354,16 @@ w4_mma_gemm(const dt* __restrict__ x, int M, long long stride_x, const uint4* __
     const int splits = gridDim.y, split = blockIdx.y;
     const int cbeg = split * cps, cend = min(cbeg + cps, KC);
     const bool live = nblk < NBLK;
-#if XS
+#if XS || CPA
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    dt* xs = reinterpret_cast<dt*>(smem_raw);  // x[0:M, cbeg*64 : cend*64), row pitch xpitch
-    const int xpitch = cps * 64 + 8;           // +16 bytes: lanes g and g + 1 hit different banks
 #endif
-
-    float acc[TW][NB][4];
-    FOR_FRAGS acc[a][b][f] = 0.f;
+#if CPA  // the stages first; this thread's unit 0 of stage 0 (shared-space byte address)
+    const unsigned ring = smem_u32(smem_raw) + threadIdx.x * 16;
+#endif
+#if XS  // then x[0:M, cbeg*64 : cend*64), row pitch xpitch
+    dt* xs = reinterpret_cast<dt*>(smem_raw + CPA * UNITS * NT * 16);
+    const int xpitch = cps * 64 + 8;  // +16 bytes: lanes g and g + 1 hit different banks
+#endif
 
     const uint4* wp = wq + (size_t)nblk * KC * 128 + tile0 * 32 + lane;
     // this lane's entries of a (group, nblk, g) record: (tile0 + a, r) at 2 * (tile0 + a) + r
@@ -211,23 +376,46 @@ w4_mma_gemm(const dt* __restrict__ x, int M, long long stride_x, const uint4* __
 #else
         xp[b] = x + (size_t)min(b * 8 + g, M - 1) * stride_x + 16 * t;
 #endif
+    Acc A;
+    FOR_FRAGS A.acc[a][b][f] = 0.f;
+#if CPA
+    if (live) {  // prologue: chunks cbeg .. cbeg + CPA - 2 in flight (one commit group each)
+#pragma unroll
+        for (int s = 0; s < CPA - 1; ++s) {
+            if (cbeg + s < cend) issue_stage(ring + s * UNITS * NT * 16, wp, xp, sc, zp, rec0, rec_step, cbeg + s, GC);
+            cp_async_commit();
+        }
+    }
+#else
     Stage st[S];
     if (live) {  // prologue: chunks cbeg .. cbeg + S - 2 in flight
 #pragma unroll
         for (int s = 0; s < S - 1; ++s)
             if (cbeg + s < cend) load_stage(st[s], wp, xp, sc, zp, rec0, rec_step, cbeg + s, GC);
     }
+#endif
 #if XS
     fill_x(xs, x, M, stride_x, xpitch, cbeg, cend);  // every thread: it ends in a CTA barrier
 #endif
     if (live) {
-        unsigned zb[TW][2];  // the current group's -(BIAS + z) pairs: w - (BIAS + z) = q - z, exact
-#if SCALE_A
-        unsigned sa[TW][2];
-#else
-        float sf[TW][2];
-        float tmp[TW][NB][4];
+#if CPA
+        int slot = 0;  // the stage holding chunk c; chunk c + CPA - 1 goes to the one before it
+        for (int c = cbeg; c < cend; ++c) {
+            const int prev = slot == 0 ? CPA - 1 : slot - 1;  // consumed by the previous chunk
+            if (c + CPA - 1 < cend) issue_stage(ring + prev * UNITS * NT * 16, wp, xp, sc, zp, rec0, rec_step, c + CPA - 1, GC);
+            cp_async_commit();
+            cp_async_wait<CPA - 1>();  // this thread's copies of chunk c have landed
+            const bool gstart = (c - cbeg) % GC == 0;
+            Stage cur;
+            read_stage(cur, ring + slot * UNITS * NT * 16, gstart);
+#if XS
+            x_from_smem(cur, xp, c);
 #endif
+            compute_chunk(A, cur, gstart, (c - cbeg) % GC == GC - 1);
+            slot = slot == CPA - 1 ? 0 : slot + 1;
+        }
+        cp_async_wait<0>();  // no copy may land after the CTA ends (empty groups complete at once)
+#else
         for (int c0 = cbeg; c0 < cend; c0 += S) {
 #pragma unroll
             for (int s = 0; s < S; ++s) {
@@ -237,63 +425,14 @@ w4_mma_gemm(const dt* __restrict__ x, int M, long long stride_x, const uint4* __
                 else if (S > 1 && c + S - 1 < cend)  // keep S - 1 chunks in flight
                     load_stage(st[(s + S - 1) % S], wp, xp, sc, zp, rec0, rec_step, c + S - 1, GC);
                 if (c < cend) {
-                    Stage& cur = st[s];
 #if XS
-#pragma unroll
-                    for (int b = 0; b < NB; ++b) {
-                        const uint4* q = reinterpret_cast<const uint4*>(xp[b] + (size_t)c * 64);
-                        cur.x[b][0] = q[0];
-                        cur.x[b][1] = q[1];
-                    }
+                    x_from_smem(st[s], xp, c);
 #endif
-                    if ((c - cbeg) % GC == 0) {  // a group starts: its zeros / scales, a fresh product
-#pragma unroll
-                        for (int a = 0; a < TW; ++a)
-#pragma unroll
-                            for (int r = 0; r < 2; ++r) {
-                                zb[a][r] = dup2(cur.z[2 * a + r] ^ 0x8000);
-#if SCALE_A
-                                sa[a][r] = dup2(f_to_dt(cur.s[2 * a + r]));
-#else
-                                sf[a][r] = cur.s[2 * a + r];
-#endif
-                            }
-#if !SCALE_A
-                        FOR_FRAGS tmp[a][b][f] = 0.f;
-#endif
-                    }
-#pragma unroll
-                    for (int a = 0; a < TW; ++a)
-#pragma unroll
-                        for (int i = 0; i < 4; ++i) {
-                            const unsigned w = word_of(cur.w[a], i);
-                            unsigned fr[4];
-#pragma unroll
-                            for (int j = 0; j < 4; ++j) {  // register j: row n0 (j even) or n1 (j odd)
-                                fr[j] = fma2(pair_bits(w, j), ONE2, zb[a][j & 1]);
-#if SCALE_A
-                                fr[j] = fma2(fr[j], sa[a][j & 1], NEG_ZERO2);
-#endif
-                            }
-#pragma unroll
-                            for (int b = 0; b < NB; ++b) {
-                                const uint4& xa = cur.x[b][i >> 1];  // MMA i: x registers 2i, 2i + 1
-                                const unsigned b0 = (i & 1) ? xa.z : xa.x, b1 = (i & 1) ? xa.w : xa.y;
-#if SCALE_A
-                                mma(acc[a][b], fr, b0, b1);
-#else
-                                mma(tmp[a][b], fr, b0, b1);
-#endif
-                            }
-                        }
-#if !SCALE_A
-                    if ((c - cbeg) % GC == GC - 1) {  // the group ends: scale its product in
-                        FOR_FRAGS acc[a][b][f] += sf[a][f >> 1] * tmp[a][b][f];
-                    }
-#endif
+                    compute_chunk(A, st[s], (c - cbeg) % GC == 0, (c - cbeg) % GC == GC - 1);
                 }
             }
         }
+#endif
     }
 
     // accumulator f of (tile a, token block b): row nbase + 16a + 8 * (f >> 1), token 8b + 2t + (f & 1)
@@ -301,11 +440,11 @@ w4_mma_gemm(const dt* __restrict__ x, int M, long long stride_x, const uint4* __
 #define FRAG_TOK (8 * b + 2 * t + (f & 1))
 #define FRAG_ROW (nbase + 16 * a + 8 * (f >> 1))
     if (splits == 1) {
-        if (live) store_out(acc, out, stride_o, M, nbase, t);
+        if (live) store_out(A.acc, out, stride_o, M, nbase, t);
         return;
     }
     if (live) {
-        FOR_FRAGS if (FRAG_TOK < M) ws[((size_t)split * M + FRAG_TOK) * N + FRAG_ROW] = acc[a][b][f];
+        FOR_FRAGS if (FRAG_TOK < M) ws[((size_t)split * M + FRAG_TOK) * N + FRAG_ROW] = A.acc[a][b][f];
     }
     __threadfence();  // this thread's partials are visible device-wide before the count
     __syncthreads();
@@ -318,12 +457,12 @@ w4_mma_gemm(const dt* __restrict__ x, int M, long long stride_x, const uint4* __
     if (!last || !live) return;
     __threadfence();
     // split order (deterministic); one split's loads all in flight at once, not one by one
-    FOR_FRAGS acc[a][b][f] = 0.f;
+    FOR_FRAGS A.acc[a][b][f] = 0.f;
     for (int k = 0; k < splits; ++k) {
         const float* wk = ws + (size_t)k * M * N;
-        FOR_FRAGS if (FRAG_TOK < M) acc[a][b][f] += __ldcg(wk + (size_t)FRAG_TOK * N + FRAG_ROW);
+        FOR_FRAGS if (FRAG_TOK < M) A.acc[a][b][f] += __ldcg(wk + (size_t)FRAG_TOK * N + FRAG_ROW);
     }
-    store_out(acc, out, stride_o, M, nbase, t);
+    store_out(A.acc, out, stride_o, M, nbase, t);
 #undef FRAG_TOK
 #undef FRAG_ROW
 }

@@ -41,7 +41,8 @@ MAX_FUSED_M = 64
 #: Launch config per M bucket (the compile-time constants of ``w4_mma.cu``): NB token blocks of
 #: 8, TW 16-row tiles per warp, WARPS per CTA, S register stages, XS (x slice in shared memory;
 #: dropped where it does not fit), SCALE_A (group scale in the operand instead of a second
-#: accumulator), MINB, LDW (weight loads bypass L1); ``waves``: split K until about waves x
+#: accumulator), MINB, LDW (weight loads bypass L1), CPA (0, or cp.async stages in shared
+#: memory: the weights and x of CPA - 1 chunks in flight per thread); ``waves``: split K until about waves x
 #: SMs CTAs; GCC (chunks per group) is set per call. Tuned entries (choices
 #: table kind "w4_mma", ``bench_quant.py --tune``) override these.
 CONFIGS = {  # M <= 16: the winners at 14336 x 14336 on the H200 (BENCHMARKS.md, eighth session)
@@ -167,13 +168,18 @@ def mma_gemm(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: 
         tuned = lookup("w4_mma", m, n, k, x.device) or {}
         config = {key: v for key, v in tuned.items() if key != "schema"} if tuned.get("schema") == TABLE_SCHEMA else {}
     cfg = {**CONFIGS[bucket(m)], **config}
-    if 8 * cfg["NB"] < m or cfg["TW"] not in (1, 2, 4) or cfg["WARPS"] < 1 or cfg["S"] < 1:
+    if 8 * cfg["NB"] < m or cfg["TW"] not in (1, 2, 4) or cfg["WARPS"] < 1 or cfg["S"] < 1 \
+            or cfg.get("CPA", 0) not in (0, *range(2, 9)):
         raise ValueError(f"w4 mma GEMM: config {cfg} does not cover M {m} (needs 8 * NB >= M, TW in 1/2/4, "
-                         "WARPS >= 1, S >= 1)")
+                         "WARPS >= 1, S >= 1, CPA 0 or 2..8)")
     ctas_n, cps, splits = plan(m, n, k, group_size, cfg, _num_sms(x.device.index or 0))
-    smem = m * (cps * 64 + 8) * x.element_size() if cfg["XS"] else 0
-    if smem and smem > _smem_limit(x.device):  # (the device query only for configs that ask for it)
-        cfg["XS"], smem = 0, 0
+    xs = m * (cps * 64 + 8) * x.element_size() if cfg["XS"] else 0
+    if (xs or cfg.get("CPA")) and xs + stage_bytes(cfg) > _smem_limit(x.device):  # (query only when asked)
+        cfg["XS"], xs = 0, 0  # the x slice does not fit beside the stages: each warp loads x itself
+    smem = xs + stage_bytes(cfg)
+    if smem and smem > _smem_limit(x.device):
+        raise ValueError(f"w4 mma GEMM: config {cfg} needs {smem} bytes of shared memory for its CPA stages, "
+                         f"more than the device's {_smem_limit(x.device)}")
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     ws = cnt = out
     if splits > 1:
@@ -182,6 +188,15 @@ def mma_gemm(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: 
     kernels().gemm(x, words, scales, zeros, out, ws, cnt, n=n, group_chunks=group_size // 64, chunks_per_split=cps,
                    splits=splits, cfg=cfg, smem=smem)
     return out
+
+
+def stage_bytes(cfg: dict) -> int:
+    """Shared memory of the cp.async stages (``CPA``; 0 without): per stage and thread, 16-byte
+    units for TW weight vectors, 2 * NB x runs (unless XS), the scales and the zeros."""
+    if not cfg.get("CPA"):
+        return 0
+    units = cfg["TW"] + (0 if cfg["XS"] else 2 * cfg["NB"]) + (cfg["TW"] + 1) // 2 + 1
+    return cfg["CPA"] * units * 32 * cfg["WARPS"] * 16
 
 
 def _smem_limit(device: torch.device) -> int:
