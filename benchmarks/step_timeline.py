@@ -1,0 +1,124 @@
+"""Where the offline workload's wall time goes, step by step: every engine step of a whole run
+(N prompts queued at once, as ``kvforge bench throughput``) timed on the device timeline, with
+its shape, then summed by kind: prefill-only, mixed (prefill chunks + decodes), decode-only.
+
+Each step's time is the gap between CUDA events recorded after consecutive ``engine.step()``
+calls (``kvforge bench calibrate``'s method), so the times add up to the run's wall time,
+including any device idle time while the host prepares a step.
+
+    python benchmarks/step_timeline.py --model /tmp/l3 --load-format dummy --num-prompts 1000
+    python benchmarks/step_timeline.py ... --json out.json   # every step: shape and seconds
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from kvforge import SamplingParams
+from kvforge.bench.cost_model import step_shape
+from kvforge.engine.llm_engine import LLMEngine
+
+
+def run(engine, prompts: int, input_len: int, output_len: int) -> list[tuple[dict, float]]:
+    """(shape as a dict, seconds) of every step until all ``prompts`` are done."""
+    sched, orig = engine.scheduler, engine.scheduler.schedule
+    shapes: list = []
+
+    def schedule():
+        so = orig()
+        shapes.append(step_shape(so))
+        return so
+
+    sp = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    span = max(1, engine.vocab_size - 5)
+    for i in range(prompts):
+        engine.add_request(f"t{i}", {"prompt_token_ids": [(7 * i + j) % span + 5 for j in range(input_len)]}, sp)
+    cuda = engine.parts.device.type == "cuda"  # (off CUDA: host clock; the CPU test runs it so)
+
+    def mark():
+        if not cuda:
+            return time.perf_counter()
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        return e
+
+    if cuda:
+        torch.cuda.synchronize()
+    marks, call_shapes = [mark()], []
+    sched.schedule = schedule
+    try:
+        while engine.has_unfinished_requests():
+            engine.step()
+            marks.append(mark())
+            call_shapes.append(shapes[-1].__dict__ if shapes else None)
+            shapes.clear()
+    finally:
+        sched.schedule = orig
+    if cuda:
+        torch.cuda.synchronize()
+    gaps = [a.elapsed_time(b) / 1e3 if cuda else b - a for a, b in zip(marks, marks[1:])]
+    return list(zip(call_shapes, gaps))
+
+
+def kind(shape: "dict | None") -> str:
+    if shape is None:
+        return "no schedule (async tail)"
+    if shape["num_decode_seqs"] == 0:
+        return "prefill only"
+    return "mixed" if shape["num_prefill_tokens"] else "decode only"
+
+
+def summarize(steps: list[tuple[dict, float]], wall: float) -> None:
+    total = sum(t for _, t in steps)
+    print(f"{len(steps)} steps, {total:.2f} s on the device timeline ({wall:.2f} s wall)")
+    for k in ("prefill only", "mixed", "decode only", "no schedule (async tail)"):
+        ts = [(s, t) for s, t in steps if kind(s) == k]
+        if not ts:
+            continue
+        sec = sum(t for _, t in ts)
+        tok = sum(s["num_batched_tokens"] for s, _ in ts if s)
+        dec = sum(s["num_decode_seqs"] for s, _ in ts if s)
+        print(f"  {k:25s} {len(ts):5d} steps {sec:7.2f} s ({100 * sec / total:4.1f}%)  median "
+              f"{1e3 * statistics.median(t for _, t in ts):7.2f} ms  tokens {tok:8d} (decodes {dec})")
+    # decode-only steps by batch size: how full they are
+    dec = [(s["num_decode_seqs"], t) for s, t in steps if kind(s) == "decode only"]
+    if dec:
+        for lo, hi in ((1, 64), (65, 192), (193, 10 ** 9)):
+            sel = [t for b, t in dec if lo <= b <= hi]
+            if sel:
+                print(f"    decode only, batch {lo}-{min(hi, 10 ** 4)}: {len(sel)} steps, {sum(sel):.2f} s, "
+                      f"median {1e3 * statistics.median(sel):.2f} ms")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--load-format", default="auto")
+    p.add_argument("--num-prompts", type=int, default=1000)
+    p.add_argument("--input-len", type=int, default=1024)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--warmup-prompts", type=int, default=64, help="a short run first (compiles, graphs)")
+    p.add_argument("--json", help="write every step's shape and seconds here")
+    a = p.parse_args()
+    kw = {k: v for k, v in (("max_num_seqs", a.max_num_seqs), ("max_num_batched_tokens", a.max_num_batched_tokens))
+          if v is not None}
+    engine = LLMEngine.from_kwargs(a.model, load_format=a.load_format, **kw)
+    run(engine, a.warmup_prompts, a.input_len, 8)
+    t0 = time.perf_counter()
+    steps = run(engine, a.num_prompts, a.input_len, a.output_len)
+    wall = time.perf_counter() - t0
+    print(f"{a.num_prompts} x {a.input_len} in / {a.output_len} out: {a.num_prompts / wall:.2f} requests/s")
+    summarize(steps, wall)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump([{"shape": s, "seconds": t} for s, t in steps], f)
+
+
+if __name__ == "__main__":
+    main()
