@@ -49,15 +49,16 @@ def _compile(nvrtc, src: str, name: str, opts: tuple[str, ...], entries: tuple[s
 
 
 def _w4_configs() -> list[dict]:
-    """The defaults, and every tuned config of the shipped choices table (what the H200 runs),
-    each with and without the group chunks compiled in (GCC)."""
+    """The defaults, every tuned config of the shipped choices table (what the H200 runs) and
+    the configs the GPU tests and the emulation run, each with and without the group chunks
+    compiled in (GCC)."""
     table = json.loads((ROOT / "plugins/quant/kernels/gemm_choices.json").read_text())
     tuned = [{k: v for k, v in cfg.items() if k not in ("schema", "waves")}
              for gpu in table.values() for cfg in gpu.get("w4_mma", {}).values()]
     out = []
-    cp_async = [dict(TW=4, WARPS=4, CPA=4, LDW=1), dict(NB=2, TW=4, WARPS=4, CPA=3),  # and the cp.async stages
-                dict(NB=8, TW=1, WARPS=8, CPA=4, XS=1, SCALE_A=1)]
-    for cfg in [{}] + tuned + cp_async:
+    from test_quant_w4_mma import EMULATED, GPU_CONFIGS  # what the GPU and the emulation run: every #if branch
+    extra = GPU_CONFIGS + [c for *_, c in EMULATED if c]
+    for cfg in [{}] + tuned + extra:
         for gcc in (0, 2):
             c = {**cfg, "GCC": gcc}
             if c not in out:

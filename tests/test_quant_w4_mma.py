@@ -152,6 +152,13 @@ def test_layout_refusals_on_cpu(gen):
 # GPU
 # ---------------------------------------------------------------------------------------------
 
+#: launch configs the GPU test runs beside the defaults (tests/test_cuda_sources_compile.py
+#: compiles each of them on the CPU too, so a broken #if branch shows up before device time)
+GPU_CONFIGS = [dict(split_k=1), dict(WARPS=1, TW=1, S=3, XS=1), dict(WARPS=2, TW=2, SCALE_A=True, XS=1),
+               dict(TW=4, S=1, waves=1), dict(XS=1, MINB=2), dict(TW=4, WARPS=4, CPA=4, LDW=1),
+               dict(TW=1, WARPS=8, CPA=3, XS=1, SCALE_A=True), dict(TW=2, WARPS=2, CPA=8, split_k=1)]
+
+
 @cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("k,n,group", [(1024, 2048, 128), (512, 192, 64), (768, 320, 256), (1024, 256, 1024)])
@@ -161,9 +168,7 @@ def test_gpu_kernel(dtype, k, n, group, gen):
     q, s, z, w_ref = _quant(k, n, group, gen)
     ps, pz = pack_mma_groups(s, z, dtype)
     words, ps, pz, w_ref = pack_mma(q).cuda(), ps.cuda(), pz.cuda(), w_ref.cuda()
-    configs = [None, dict(split_k=1), dict(WARPS=1, TW=1, S=3, XS=1), dict(WARPS=2, TW=2, SCALE_A=True, XS=1),
-               dict(TW=4, S=1, waves=1), dict(XS=1, MINB=2), dict(TW=4, WARPS=4, CPA=4, LDW=1),
-               dict(TW=1, WARPS=8, CPA=3, XS=1, SCALE_A=True), dict(TW=2, WARPS=2, CPA=8, split_k=1)]
+    configs = [None] + GPU_CONFIGS
     for m in (1, 3, 8, 9, 16, 17, 33, 64, 65, 130):
         x = torch.randn(m, k, device="cuda", dtype=dtype)
         ref = x.float() @ w_ref

@@ -243,6 +243,9 @@ __device__ __forceinline__ void x_from_smem(Stage& cur, const dt* const* xp, int
 #if CPA < 2
 #error "CPA needs at least 2 stages"
 #endif
+#define STAGE_BYTES (CPA * UNITS * NT * 16)
+#else
+#define STAGE_BYTES 0
 #endif
 
 __device__ __forceinline__ unsigned smem_u32(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
@@ -361,7 +364,7 @@ w4_mma_gemm(const dt* __restrict__ x, int M, long long stride_x, const uint4* __
     const unsigned ring = smem_u32(smem_raw) + threadIdx.x * 16;
 #endif
 #if XS  // then x[0:M, cbeg*64 : cend*64), row pitch xpitch
-    dt* xs = reinterpret_cast<dt*>(smem_raw + CPA * UNITS * NT * 16);
+    dt* xs = reinterpret_cast<dt*>(smem_raw + STAGE_BYTES);
     const int xpitch = cps * 64 + 8;  // +16 bytes: lanes g and g + 1 hit different banks
 #endif
 
