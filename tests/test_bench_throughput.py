@@ -192,3 +192,38 @@ def test_make_dummy_model_llama3_shape_and_roofline(tmp_path):
     # batch-1 decode: the weights-read floor is ~15 GB / 4.27 TB/s ~ 3.5 ms per token.
     r1 = roofline(shape, [32], [129], dtype_bytes=2, max_num_seqs=256)
     assert 3.3e-3 < r1["decode_s"] / r1["decode_steps"] < 3.9e-3
+
+
+def test_loaded_weight_bytes_counts_each_storage_once_and_skips_the_input_table():
+    import torch
+    from kvforge.bench.throughput import loaded_weight_bytes
+
+    class Tiny(torch.nn.Module):
+        def __init__(self, tied: bool):
+            super().__init__()
+            self.embed_tokens = torch.nn.Embedding(100, 8)               # 3200 B (fp32)
+            self.proj = torch.nn.Linear(8, 8, bias=False)                # 256 B
+            self.register_buffer("scale", torch.ones(8, dtype=torch.float16))  # 16 B
+            self.lm_head = torch.nn.Linear(8, 100, bias=False)           # 3200 B
+            if tied:
+                self.lm_head.weight = self.embed_tokens.weight
+
+    assert loaded_weight_bytes(Tiny(tied=False)) == 256 + 16 + 3200  # the lookup table is not read whole
+    assert loaded_weight_bytes(Tiny(tied=True)) == 256 + 16 + 3200   # the shared table counts once, as the head
+
+
+def test_latency_roofline_reads_a_quantized_models_own_bytes(tmp_path):
+    """With int8 weights the batch-1 floor counts the loaded int8 weights and their scales, not
+    the checkpoint dtype's bytes."""
+    cfg = json.loads((Path(STORIES) / "config.json").read_text())
+    shape = ModelShape.from_hf_config(cfg)
+    base = ["bench", "latency", "--model", STORIES, "--input-len", "8", "--output-len", "4", "--batch-size", "1",
+            "--num-iters", "1", "--num-iters-warmup", "0", "--dtype", "float32"]
+    plain = _run(base, tmp_path / "plain.json")["floor"]
+    assert plain["step_weight_bytes"] == shape.step_weight_bytes(4) and plain["step_weight_bytes_source"].startswith(
+        "analytic")
+    q = _run(base + ["--quantization", "int8"], tmp_path / "int8.json")["floor"]
+    assert q["step_weight_bytes_source"].startswith("measured")
+    layer_int8 = shape.num_layers * shape.layer_matmul_params  # one byte per quantized weight at least
+    assert layer_int8 < q["step_weight_bytes"] < 0.6 * plain["step_weight_bytes"]
+    assert math.isclose(q["tpot_weights_read_s"], q["step_weight_bytes"] / 4.27e12)

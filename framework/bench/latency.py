@@ -53,7 +53,8 @@ def cmd_latency(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
     from tqdm.auto import tqdm
 
     from kvforge.bench.args import check_output_path
-    from kvforge.bench.throughput import ModelShape, detokenize_ok, report_header, roofline, synchronize, write_json
+    from kvforge.bench.throughput import (ModelShape, detokenize_ok, report_header, roofline, step_weight_bytes_for,
+                                          synchronize, write_json)
     from kvforge.engine.sampling_params import SamplingParams
     from kvforge.entrypoints.cli import engine_overrides
     from kvforge.entrypoints.llm import LLM
@@ -105,11 +106,13 @@ def cmd_latency(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
 
     shape = ModelShape.from_hf_config(engine.parts.hf_config)
     dtype_bytes = engine.parts.dtype.itemsize
+    wbytes, wsource = step_weight_bytes_for(llm, shape, dtype_bytes)
     roof = roofline(shape, [args.input_len] * args.batch_size, [args.output_len] * args.batch_size, dtype_bytes,
-                    max_num_seqs, args.peak_tflops, args.mem_bw_tbps)
+                    max_num_seqs, args.peak_tflops, args.mem_bw_tbps, wbytes)
     steps = roof["decode_steps"]
     floor = {"prefill_s": roof["prefill_s"], "tpot_s": roof["decode_s"] / steps if steps else None,
-             "tpot_weights_read_s": shape.step_weight_bytes(dtype_bytes) / (args.mem_bw_tbps * 1e12),
+             "tpot_weights_read_s": wbytes / (args.mem_bw_tbps * 1e12),
+             "step_weight_bytes": wbytes, "step_weight_bytes_source": wsource,
              "latency_s": roof["floor_s"], "peak_tflops": args.peak_tflops, "mem_bw_tbps": args.mem_bw_tbps,
              "num_params": roof["num_params"]}
     res = {"avg_latency": float(lat.mean()), "median_latency": med, "p90_latency": float(np.percentile(lat, 90)),

@@ -89,9 +89,37 @@ class ModelShape:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
 
 
+def loaded_weight_bytes(model: Any) -> int:
+    """Bytes of weights one forward step of a loaded model reads: every parameter and buffer
+    (packed quantized weights, scales, zero points, norms), each storage once, less input
+    embedding tables that are not also the LM head (a lookup reads a few rows)."""
+    sizes = {t.data_ptr(): t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]}
+    head = getattr(model, "lm_head", None)
+    head_ptrs = {t.data_ptr() for t in head.parameters()} if head is not None else set()
+    for m in model.modules():
+        if "Embedding" in type(m).__name__ and m is not head:
+            for t in m.parameters(recurse=False):
+                if t.data_ptr() not in head_ptrs:
+                    sizes.pop(t.data_ptr(), None)
+    return sum(sizes.values())
+
+
+def step_weight_bytes_for(llm: Any, shape: ModelShape, dtype_bytes: int) -> tuple[int, str]:
+    """(bytes, source) of the weights a step reads, for the roofline: the analytic figure of an
+    unquantized model, the loaded model's own tensors (:func:`loaded_weight_bytes`) for a
+    quantized one when it lives in this process (else the analytic figure, marked so)."""
+    engine = llm.llm_engine
+    if engine.parts.choices.get("quantizer", "unquantized") == "unquantized":
+        return shape.step_weight_bytes(dtype_bytes), "analytic (model dtype)"
+    model = getattr(getattr(engine, "runner", None), "model", None)
+    if model is None:
+        return shape.step_weight_bytes(dtype_bytes), "analytic (model dtype; quantized weights live in workers)"
+    return loaded_weight_bytes(model), "measured (the loaded quantized model's tensors)"
+
+
 def roofline(shape: ModelShape, input_lens: Sequence[int], output_lens: Sequence[int], dtype_bytes: int,
              max_num_seqs: int, peak_tflops: float = H200_PEAK_TFLOPS,
-             mem_bw_tbps: float = H200_MEM_BW_TBPS) -> dict[str, float]:
+             mem_bw_tbps: float = H200_MEM_BW_TBPS, weight_bytes: int | None = None) -> dict[str, float]:
     """Floor time (seconds) of an offline workload: prefill compute-bound, decode at the roofline.
 
     A prompt of n tokens produces the first output token; the other ``output_len - 1`` are decode steps.
@@ -102,12 +130,14 @@ def roofline(shape: ModelShape, input_lens: Sequence[int], output_lens: Sequence
     * decode, token j (1..out-1) of a prompt of n: context c = n + j; FLOPs = 2*(P + V*H) + 4*L*Hq*D*c;
       KV bytes read = c * 2*L*Hkv*D*dtype_bytes.
     * decode steps >= max(max(out) - 1, ceil(decode tokens / max_num_seqs)); each step reads all
-      weights once (:meth:`ModelShape.step_weight_bytes`).
+      weights once: ``weight_bytes`` (bytes; default :meth:`ModelShape.step_weight_bytes`, pass
+      :func:`step_weight_bytes_for` for a quantized model).
     * ``decode_s = max(decode FLOPs / peak, (steps * weight bytes + KV bytes) / bandwidth)``.
     * ``floor_s = prefill_s + decode_s`` (overlap of prefill compute with decode weight reads in mixed
       batches is ignored, as in the issue's estimate: 1000 x 1024 in / 128 out on an H200 ~ 40 req/s).
 
-    Dense models only (MoE expert sparsity and quantized weights are not modelled).
+    Dense models only (MoE expert sparsity is not modelled; for quantized models only the weight
+    bytes are: the compute term keeps ``peak_tflops``).
     Returns the terms above plus ``requests_per_s``, ``output_tokens_per_s``, ``total_tokens_per_s``.
     """
     peak, bw = peak_tflops * 1e12, mem_bw_tbps * 1e12
@@ -124,14 +154,15 @@ def roofline(shape: ModelShape, input_lens: Sequence[int], output_lens: Sequence
         kv_bytes += ctx_sum * kv_tok
         dec_tokens += k
     steps = max(max(output_lens) - 1, math.ceil(dec_tokens / max_num_seqs)) if dec_tokens else 0
-    dec_bytes = steps * shape.step_weight_bytes(dtype_bytes) + kv_bytes
+    step_bytes = shape.step_weight_bytes(dtype_bytes) if weight_bytes is None else weight_bytes
+    dec_bytes = steps * step_bytes + kv_bytes
     prefill_s = pre_flops / peak
     decode_s = max(dec_flops / peak, dec_bytes / bw)
     floor_s = prefill_s + decode_s
     n_req, n_out, n_in = len(input_lens), sum(output_lens), sum(input_lens)
     return {"peak_tflops": peak_tflops, "mem_bw_tbps": mem_bw_tbps, "dtype_bytes": dtype_bytes,
             "num_params": shape.num_params, "prefill_flops": pre_flops, "prefill_s": prefill_s,
-            "decode_tokens": dec_tokens, "decode_steps": steps, "decode_flops": dec_flops,
+            "step_weight_bytes": step_bytes, "decode_tokens": dec_tokens, "decode_steps": steps, "decode_flops": dec_flops,
             "decode_bytes": dec_bytes, "decode_kv_bytes": kv_bytes, "decode_s": decode_s, "floor_s": floor_s,
             "requests_per_s": n_req / floor_s, "output_tokens_per_s": n_out / floor_s,
             "total_tokens_per_s": (n_in + n_out) / floor_s}
@@ -316,8 +347,10 @@ def cmd_throughput(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
            "tokens_per_second": (n_in + n_out) / elapsed, "output_tokens_per_second": n_out / elapsed}
     shape = ModelShape.from_hf_config(engine.parts.hf_config)
     dtype_bytes = engine.parts.dtype.itemsize
+    wbytes, wsource = step_weight_bytes_for(llm, shape, dtype_bytes)
     roof = roofline(shape, [r.prompt_len for r in reqs], [r.output_len for r in reqs], dtype_bytes,
-                    engine.config.scheduler.max_num_seqs, args.peak_tflops, args.mem_bw_tbps)
+                    engine.config.scheduler.max_num_seqs, args.peak_tflops, args.mem_bw_tbps, wbytes)
+    roof["step_weight_bytes_source"] = wsource
     if args.roofline_req_s:
         scale = args.roofline_req_s / roof["requests_per_s"]
         roof.update(source="command line", requests_per_s=args.roofline_req_s, floor_s=roof["floor_s"] / scale,
