@@ -9,6 +9,7 @@ Load order: a YAML/JSON file, then flat overrides (CLI flags or ``LLM(**kwargs)`
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any, Literal
 
@@ -16,6 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 
 #: section -> the field a bare string stands for (``quantization: fp8`` = ``{method: fp8}``)
+log = logging.getLogger("kvforge")
+
 SHORTHAND = {"quantization": "method", "attention": "backend", "scheduler": "name", "speculative": "method"}
 
 
@@ -236,6 +239,12 @@ class EngineConfig(_Section):
         or dotted paths (``scheduler.settings.foo``). None values are ignored.
         """
         data: dict[str, Any] = _expand_shorthand(load_file(file)) if file else {}
+        # The file's plugin settings are set aside and merged back (under the overrides' own)
+        # only where the overrides keep the file's plugin: settings written for one attention
+        # backend or quantizer mean nothing to another one chosen on the command line.
+        chosen_in_file = {sec: _selected(data, sec) for sec in SELECTORS}
+        file_settings = {sec: data[sec].pop("settings") for sec in SELECTORS
+                         if isinstance(data.get(sec), dict) and isinstance(data[sec].get("settings"), dict)}
         items = [(k, v) for k, v in (overrides or {}).items() if v is not None]
         # LLM(quantization={"method": "fp8", "settings": {...}}): the section's fields merged over
         # the file's, its settings key by key (as dotted overrides merge); applied before the
@@ -261,7 +270,24 @@ class EngineConfig(_Section):
                 if not isinstance(node, dict):
                     raise ValueError(f"config option {key!r}: {part!r} is not a section")
             node[path[-1]] = value
+        for sec, kept in file_settings.items():
+            if _selected(data, sec) != chosen_in_file[sec]:
+                log.info("config: %s.settings from %s dropped: they were for %s %r, now %r", sec, file,
+                         SELECTORS[sec], chosen_in_file[sec], _selected(data, sec))
+                continue
+            node = data.setdefault(sec, {})
+            mine = node.get("settings")
+            node["settings"] = {**kept, **mine} if isinstance(mine, dict) else kept if mine is None else mine
         return cls.model_validate(data)
+
+
+def _selected(data: dict[str, Any], sec: str) -> Any:
+    """The plugin section ``sec`` of raw config ``data`` names (its field's default when unset)."""
+    field = SELECTORS[sec]
+    node = data.get(sec)
+    if isinstance(node, dict) and field in node:
+        return node[field]
+    return _SECTION_MODELS[sec].model_fields[field].default
 
 
 def _section_keyword(key: str, value: Any) -> str | None:
@@ -320,3 +346,7 @@ def _flat_fields() -> dict[str, str]:
 
 
 FLAT_FIELDS: dict[str, str] = _flat_fields()
+#: Plugin sections: the field naming the plugin, whose ``settings`` the section holds.
+SELECTORS = {"cache": "allocator", **SHORTHAND}
+_SECTION_MODELS = {"cache": CacheConfig, "scheduler": SchedulerConfig, "attention": AttentionConfig,
+                   "quantization": QuantizationSection, "speculative": SpeculativeConfig}

@@ -144,6 +144,30 @@ def test_section_shorthand_in_files_and_keywords(tmp_path):
         EngineConfig.model_validate({"model": {"model": STORIES_MODEL}, "quantization": 5})
 
 
+def test_switching_plugin_drops_the_files_settings_for_the_old_one(tmp_path):
+    """A file's plugin settings belong to the plugin the file names: an override that picks
+    another plugin starts from no settings (plus its own), one that keeps it merges over them."""
+    (tmp_path / "q.yaml").write_text("quantization: {method: fp8, settings: {backend: reference, fast_accum: false}}\n"
+                                     "scheduler: {settings: {policy: x}}\ncache: {settings: {a: 1}}\n")
+
+    def cfg(**kw):
+        return EngineConfig.from_sources(tmp_path / "q.yaml", {"model": STORIES_MODEL, **kw})
+    assert cfg().quantization.settings == {"backend": "reference", "fast_accum": False}
+    assert cfg(quantization="int8").quantization.settings == {}
+    assert cfg(**{"quantization": "int8", "quantization.settings.backend": "torch"}).quantization.settings == {
+        "backend": "torch"}
+    assert cfg(quantization={"method": "int8", "settings": {"backend": "torch"}}).quantization.settings == {
+        "backend": "torch"}
+    assert cfg(**{"quantization.method": "fp8", "quantization.settings.fast_accum": True}).quantization.settings == {
+        "backend": "reference", "fast_accum": True}  # the same plugin named again: merged
+    # a section without its selector in the file: the settings belong to the default plugin
+    assert cfg().scheduler.settings == {"policy": "x"}
+    assert cfg(scheduler="chunked_prefill").scheduler.settings == {"policy": "x"}
+    assert cfg(scheduler="fcfs").scheduler.settings == {}
+    assert cfg(kv_allocator="paged").cache.settings == {"a": 1}
+    assert cfg(kv_allocator="other").cache.settings == {}
+
+
 def test_file_top_level_errors(tmp_path):
     (tmp_path / "list.yaml").write_text("- a\n- b\n")
     with pytest.raises(ValueError, match="mapping"):
