@@ -83,25 +83,30 @@ if triton is not None:
     import triton.language as tl
 
     @triton.jit
-    def _greedy_kernel(x_ptr, row_stride, V, tok_ptr, lp_ptr, BLOCK: tl.constexpr):
-        row = tl.program_id(0)
+    def _scan(base, lo, hi, BLOCK: tl.constexpr):
+        """Over columns [lo, hi) of the row at ``base``: (max, its first column, sum of
+        exp(x - max)), each lane keeping a running max rescaled as it grows."""
         cols = tl.arange(0, BLOCK)
-        base = x_ptr + row.to(tl.int64) * row_stride
         # -FLT_MAX, not -inf: exp(m_old - m_new) never sees -inf - -inf (NaN); masked
         # columns load -inf and add exp(-inf) = 0.
         m = tl.full([BLOCK], -3.4028234663852886e38, tl.float32)
         s = tl.zeros([BLOCK], tl.float32)
         idx = tl.zeros([BLOCK], tl.int32)
-        for start in range(0, V, BLOCK):
+        for start in range(lo, hi, BLOCK):
             c = start + cols
-            x = tl.load(base + c, mask=c < V, other=float("-inf")).to(tl.float32)
+            x = tl.load(base + c, mask=c < hi, other=float("-inf")).to(tl.float32)
             new_m = tl.maximum(m, x)
             s = s * tl.exp(m - new_m) + tl.exp(x - new_m)
             idx = tl.where(x > m, c, idx)  # strict: a lane keeps its first column of a tie
             m = new_m
-        row_max = tl.max(m, axis=0)
-        total = tl.sum(s * tl.exp(m - row_max), axis=0)
-        first = tl.min(tl.where(m == row_max, idx, V), axis=0)  # first column over lanes
+        cmax = tl.max(m, axis=0)
+        first = tl.min(tl.where(m == cmax, idx, hi), axis=0)  # first column over lanes
+        return cmax, first, tl.sum(s * tl.exp(m - cmax), axis=0)
+
+    @triton.jit
+    def _greedy_kernel(x_ptr, row_stride, V, tok_ptr, lp_ptr, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        _, first, total = _scan(x_ptr + row.to(tl.int64) * row_stride, 0, V, BLOCK)
         tl.store(tok_ptr + row, first.to(tl.int64))
         tl.store(lp_ptr + row, -tl.log(total))
 
@@ -111,25 +116,12 @@ if triton is not None:
         columns [split * CHUNK, (split + 1) * CHUNK) of the row."""
         row = tl.program_id(0)
         split = tl.program_id(1)
-        cols = tl.arange(0, BLOCK)
-        base = x_ptr + row.to(tl.int64) * row_stride
         lo = split * CHUNK
-        hi = tl.minimum(lo + CHUNK, V)
-        m = tl.full([BLOCK], -3.4028234663852886e38, tl.float32)
-        s = tl.zeros([BLOCK], tl.float32)
-        idx = tl.zeros([BLOCK], tl.int32)
-        for start in range(lo, hi, BLOCK):
-            c = start + cols
-            x = tl.load(base + c, mask=c < hi, other=float("-inf")).to(tl.float32)
-            new_m = tl.maximum(m, x)
-            s = s * tl.exp(m - new_m) + tl.exp(x - new_m)
-            idx = tl.where(x > m, c, idx)
-            m = new_m
-        cmax = tl.max(m, axis=0)
+        cmax, first, total = _scan(x_ptr + row.to(tl.int64) * row_stride, lo, tl.minimum(lo + CHUNK, V), BLOCK)
         out = row * S + split
         tl.store(m_ptr + out, cmax)
-        tl.store(s_ptr + out, tl.sum(s * tl.exp(m - cmax), axis=0))
-        tl.store(i_ptr + out, tl.min(tl.where(m == cmax, idx, V), axis=0))
+        tl.store(s_ptr + out, total)
+        tl.store(i_ptr + out, first)
 
     @triton.jit(do_not_specialize=["S"])
     def _greedy_merge_kernel(m_ptr, s_ptr, i_ptr, S, V, tok_ptr, lp_ptr, SBLOCK: tl.constexpr):
