@@ -3,8 +3,9 @@
 its shape, then summed by kind: prefill-only, mixed (prefill chunks + decodes), decode-only.
 
 Each step's time is the gap between CUDA events recorded after consecutive ``engine.step()``
-calls (``kvforge bench calibrate``'s method), so the times add up to the run's wall time,
-including any device idle time while the host prepares a step.
+calls (``kvforge.bench.calibrate.timed_steps``, as ``kvforge bench calibrate`` measures), so
+the times add up to the run's wall time, including any device idle time while the host
+prepares a step.
 
     python benchmarks/step_timeline.py --model /tmp/l3 --load-format dummy --num-prompts 1000
     python benchmarks/step_timeline.py ... --json out.json   # every step: shape and seconds
@@ -16,52 +17,16 @@ import json
 import statistics
 import time
 
-import torch
-
-from kvforge import SamplingParams
-from kvforge.bench.cost_model import step_shape
+from kvforge.bench.calibrate import timed_steps
 from kvforge.engine.llm_engine import LLMEngine
 
 
 def run(engine, prompts: int, input_len: int, output_len: int) -> list[tuple[dict, float]]:
-    """(shape as a dict, seconds) of every step until all ``prompts`` are done."""
-    sched, orig = engine.scheduler, engine.scheduler.schedule
-    shapes: list = []
-
-    def schedule():
-        so = orig()
-        shapes.append(step_shape(so))
-        return so
-
-    sp = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    """(shape as a dict or None, seconds) of every engine call until all ``prompts`` are done."""
     span = max(1, engine.vocab_size - 5)
-    for i in range(prompts):
-        engine.add_request(f"t{i}", {"prompt_token_ids": [(7 * i + j) % span + 5 for j in range(input_len)]}, sp)
-    cuda = engine.parts.device.type == "cuda"  # (off CUDA: host clock; the CPU test runs it so)
-
-    def mark():
-        if not cuda:
-            return time.perf_counter()
-        e = torch.cuda.Event(enable_timing=True)
-        e.record()
-        return e
-
-    if cuda:
-        torch.cuda.synchronize()
-    marks, call_shapes = [mark()], []
-    sched.schedule = schedule
-    try:
-        while engine.has_unfinished_requests():
-            engine.step()
-            marks.append(mark())
-            call_shapes.append(shapes[-1].__dict__ if shapes else None)
-            shapes.clear()
-    finally:
-        sched.schedule = orig
-    if cuda:
-        torch.cuda.synchronize()
-    gaps = [a.elapsed_time(b) / 1e3 if cuda else b - a for a, b in zip(marks, marks[1:])]
-    return list(zip(call_shapes, gaps))
+    ids = [[(7 * i + j) % span + 5 for j in range(input_len)] for i in range(prompts)]
+    return [(s.__dict__ if s is not None else None, t)
+            for s, t in timed_steps(engine, ids, output_len, keep_empty=True)]
 
 
 def kind(shape: "dict | None") -> str:

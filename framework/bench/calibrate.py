@@ -83,9 +83,13 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_batch(engine, prompts: list[list[int]], max_tokens: int, late: int, tag: str) -> list[tuple[Any, float]]:
-    """Step the engine over ``prompts`` (the last ``late`` of them added after two steps); returns
-    (StepShape, seconds) per step."""
+def timed_steps(engine, prompts: list[list[int]], max_tokens: int, late: int = 0, tag: str = "t",
+                keep_empty: bool = False) -> list[tuple[Any, float]]:
+    """Step the engine over ``prompts`` (token id lists; the last ``late`` of them added after
+    two steps, all with ``max_tokens`` greedy tokens, ``ignore_eos``) until none is left;
+    returns (StepShape, seconds) per step. ``keep_empty``: also the calls that scheduled
+    nothing (shape None; with async scheduling the last call only collects tokens), so the
+    seconds add up to the whole run."""
     from kvforge.bench.cost_model import step_shape
     from kvforge.engine.sampling_params import SamplingParams
     sched = engine.scheduler
@@ -138,7 +142,7 @@ def _run_batch(engine, prompts: list[list[int]], max_tokens: int, late: int, tag
     if cuda:
         torch.cuda.synchronize()
         times = [a.elapsed_time(b) / 1e3 for a, b in zip(events, events[1:])]
-    return [(s, t) for s, t in zip(call_shapes, times) if s is not None and s.num_seqs]
+    return [(s, t) for s, t in zip(call_shapes, times) if keep_empty or (s is not None and s.num_seqs)]
 
 
 def _measure_swap(engine, counts: list[int], repeats: int) -> tuple[float, float, list[list[float]]]:
@@ -227,13 +231,13 @@ def calibrate(overrides: dict[str, Any], config_file: str | None, batch_sizes: l
         return [allowed[rng.integers(0, len(allowed), size=n)].tolist() for n in lens]
 
     b, p, late, mixed = points[0]
-    _run_batch(engine, prompts_for(b, p, mixed), decode_steps, late, "warmup")
+    timed_steps(engine, prompts_for(b, p, mixed), decode_steps, late, "warmup")
     times: dict[tuple, list[float]] = {}
     shapes: dict[tuple, Any] = {}
     bar = tqdm(total=repeats * len(points), desc="calibrate", disable=not progress, dynamic_ncols=True)
     for r in range(repeats):
         for j, (b, p, late, mixed) in enumerate(points):
-            for k, (shape, dt) in enumerate(_run_batch(engine, prompts_for(b, p, mixed), decode_steps, late,
+            for k, (shape, dt) in enumerate(timed_steps(engine, prompts_for(b, p, mixed), decode_steps, late,
                                                        f"c{r}-{j}")):
                 key = (j, k, tuple(shape.vector()), shape.swap_blocks)
                 times.setdefault(key, []).append(dt)
