@@ -17,7 +17,6 @@ import torch
 from nvrtc_compile import Nvrtc, find_nvrtc
 
 ROOT = Path(__file__).resolve().parent.parent
-W4_SRC = (ROOT / "plugins/quant/kernels/w4_mma.cu").read_text()
 FD_SRC = (ROOT / "plugins/attention/flash_decode/kernels.cu").read_text()
 
 
@@ -68,11 +67,11 @@ def _w4_configs() -> list[dict]:
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_w4_mma_kernels_compile(nvrtc, dtype):
-    from kvforge_plugins.quant.kernels.w4_mma_jit import nvrtc_options
+    from kvforge_plugins.quant.kernels.w4_mma_jit import SOURCE, nvrtc_options
     configs = _w4_configs()
     assert len(configs) > 2, "the shipped choices table has no w4_mma configs"
     for cfg in configs:
-        _compile(nvrtc, W4_SRC, "w4_mma.cu", nvrtc_options(dtype, cfg), ("w4_mma_gemm", "w4_mma_dequant"))
+        _compile(nvrtc, SOURCE, "w4_mma.cu", nvrtc_options(dtype, cfg), ("w4_mma_gemm", "w4_mma_dequant"))
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])

@@ -15,7 +15,10 @@ import torch
 from kvforge.layers.cupy_launch import TorchStreams
 from kvforge.layers.cupy_launch import ptr as _ptr
 
-_SRC = Path(__file__).with_name("w4_mma.cu").read_text()
+#: The kernels' CUDA C++: helpers, one chunk's stages, the kernels, as one NVRTC translation
+#: unit (joined here rather than #included, so CuPy's on-disk cache key covers every part).
+SOURCE = "\n".join(Path(__file__).with_name(f).read_text()
+                   for f in ("w4_mma_ops.cuh", "w4_mma_stages.cuh", "w4_mma.cu"))
 _LOCK = threading.Lock()
 _DEFINES = (("NB", 1), ("TW", 4), ("WARPS", 4), ("S", 2), ("XS", 0), ("SCALE_A", 0), ("MINB", 1), ("LDW", 0), ("GCC", 0), ("CPA", 0))
 
@@ -47,7 +50,7 @@ class W4MmaKernels:
                 opts = nvrtc_options(dtype, cfg)
                 try:
                     with self.cupy.cuda.Device(index):  # a module is loaded into one device's context
-                        fn = self.cupy.RawModule(code=_SRC, options=opts).get_function(name)
+                        fn = self.cupy.RawModule(code=SOURCE, options=opts).get_function(name)
                         # allow the shared-memory x slice past the 48 KB default (XS)
                         optin = torch.cuda.get_device_properties(index).shared_memory_per_block_optin
                         fn.max_dynamic_shared_size_bytes = optin - 1024  # a RawKernel (CuPy >= 12)

@@ -1,0 +1,121 @@
+// Device helpers of the W4A16 mma kernel (w4_mma.cu): 16-bit float bits, the MMA, the
+// dequantizing LOP3 and the register path's per-chunk loads. w4_mma_jit.SOURCE compiles
+// w4_mma_ops.cuh, w4_mma_stages.cuh and w4_mma.cu as one translation unit, in that order.
+
+// 16-bit values are handled as raw bits (no cuda_fp16 / cuda_bf16 headers: NVRTC may not find them).
+typedef unsigned short dt;
+#if W4_BF16
+#define BIAS_BITS 0x43004300u
+#define MMA_OP "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
+__device__ __forceinline__ float dt_to_f(dt v) { return __uint_as_float(((unsigned)v) << 16); }
+__device__ __forceinline__ dt f_to_dt(float v) { dt h; asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v)); return h; }
+// a * b + c on packed pairs (sm_80: fma is the bf16x2 arithmetic there is)
+__device__ __forceinline__ unsigned fma2(unsigned a, unsigned b, unsigned c) {
+    unsigned r; asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c)); return r;
+}
+#define ONE2 0x3f803f80u
+#else
+#define BIAS_BITS 0x64006400u
+#define MMA_OP "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"
+__device__ __forceinline__ float dt_to_f(dt v) { float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v)); return f; }
+__device__ __forceinline__ dt f_to_dt(float v) { dt h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v)); return h; }
+__device__ __forceinline__ unsigned fma2(unsigned a, unsigned b, unsigned c) {
+    unsigned r; asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c)); return r;
+}
+#define ONE2 0x3c003c00u
+#endif
+#define NEG_ZERO2 0x80008000u  // a * s + (-0) rounds a * s once and keeps its sign
+
+__device__ __forceinline__ unsigned dup2(dt v) { return (unsigned)v | ((unsigned)v << 16); }
+
+#define TILES_PER_BLK 4  // 16-row tiles in a 64-row block of the layout
+// every accumulator fragment of a lane: tile a, token block b, register f
+#define FOR_FRAGS                                       \
+    _Pragma("unroll") for (int a = 0; a < TW; ++a)      \
+    _Pragma("unroll") for (int b = 0; b < NB; ++b)      \
+    _Pragma("unroll") for (int f = 0; f < 4; ++f)
+
+__device__ __forceinline__ unsigned pair_bits(unsigned w, int j) {
+    unsigned r;  // (w >> 4j) & 0x000f000f | BIAS, one LOP3 after the shift
+    asm("lop3.b32 %0, %1, 0x000f000f, %2, 0xea;" : "=r"(r) : "r"(w >> (4 * j)), "r"(BIAS_BITS));
+    return r;
+}
+
+__device__ __forceinline__ void mma(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+    asm(MMA_OP " {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ unsigned word_of(const uint4& v, int i) {
+    return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+#ifndef XS
+#define XS 0
+#endif
+#ifndef S
+#define S 2
+#endif
+
+// One K chunk's operands for a lane: TW weight words x4, NB x 16-element runs (unless XS),
+// and at a group's first chunk its 2 * TW scales and zeros.
+struct Stage {
+    uint4 w[TW];
+    uint4 x[NB][2];
+    __align__(16) float s[2 * TW];
+    __align__(16) dt z[2 * TW];
+};
+
+template <int BYTES>
+__device__ __forceinline__ void ldg_bytes(void* dst, const void* src) {
+    if (BYTES == 32) {
+        reinterpret_cast<uint4*>(dst)[0] = __ldg(reinterpret_cast<const uint4*>(src));
+        reinterpret_cast<uint4*>(dst)[1] = __ldg(reinterpret_cast<const uint4*>(src) + 1);
+    } else if (BYTES == 16) {
+        *reinterpret_cast<uint4*>(dst) = __ldg(reinterpret_cast<const uint4*>(src));
+    } else if (BYTES == 8) {
+        *reinterpret_cast<uint2*>(dst) = __ldg(reinterpret_cast<const uint2*>(src));
+    } else {
+        *reinterpret_cast<unsigned*>(dst) = __ldg(reinterpret_cast<const unsigned*>(src));
+    }
+}
+
+#ifndef LDW
+#define LDW 0
+#endif
+#ifndef GCC
+#define GCC 0  // chunks per scale group as a compile-time constant (0: the kernel argument)
+#endif
+
+// A weight vector: read once, so (LDW 1) keep it out of L1 (x lives there) and have L2 fetch
+// 256-byte blocks around it (the warp's next loads are its neighbours).
+__device__ __forceinline__ uint4 ld_weights(const uint4* p) {
+#if LDW
+    uint4 v;
+    asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+#else
+    return __ldg(p);
+#endif
+}
+
+__device__ __forceinline__ void load_stage(Stage& st, const uint4* wp, const dt* const* xp, const float* sc,
+                                           const dt* zp, size_t rec0, size_t rec_step, int c, int GC) {
+#pragma unroll
+    for (int a = 0; a < TW; ++a) st.w[a] = ld_weights(wp + (size_t)c * 128 + a * 32);
+#if !XS
+#pragma unroll
+    for (int b = 0; b < NB; ++b) {
+        const uint4* p = reinterpret_cast<const uint4*>(xp[b] + (size_t)c * 64);
+        st.x[b][0] = __ldg(p);
+        st.x[b][1] = __ldg(p + 1);
+    }
+#endif
+    if (c % GC == 0) {
+        const size_t rec = rec0 + (size_t)(c / GC) * rec_step;
+        ldg_bytes<8 * TW>(st.s, sc + rec);
+        ldg_bytes<4 * TW>(st.z, zp + rec);
+    }
+}
