@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvforge.bench.datasets import make_requests, sample_lengths
-from kvforge.bench.throughput import ModelShape, roofline
+from kvforge.bench.roofline import ModelShape, roofline
 from kvforge.entrypoints.cli import main
 
 STORIES = "/work/shared/models/stories260K"
@@ -196,7 +196,7 @@ def test_make_dummy_model_llama3_shape_and_roofline(tmp_path):
 
 def test_loaded_weight_bytes_counts_each_storage_once_and_skips_the_input_table():
     import torch
-    from kvforge.bench.throughput import loaded_weight_bytes
+    from kvforge.bench.roofline import loaded_weight_bytes
 
     class Tiny(torch.nn.Module):
         def __init__(self, tied: bool):

@@ -14,7 +14,7 @@ iterations come ``--num-iters`` timed ones, each followed by a prefill-only one 
 Reported: average, median, p90, p99 (and p10/p25/p75) of the end-to-end latency (seconds); the
 prefill latency (median); and the time per output token
 ``TPOT = (median latency - median prefill latency) / (output_len - 1)``, with its ratio to the
-roofline floor (:func:`kvforge.bench.throughput.roofline`: decode-step weight + KV reads over memory
+roofline floor (:func:`kvforge.bench.roofline.roofline`: decode-step weight + KV reads over memory
 bandwidth, or FLOPs over peak, whichever is larger) and to the weights-read floor alone.
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ PERCENTILES = (10, 25, 50, 75, 90, 99)
 
 def add_latency_parser(bench_sub: argparse._SubParsersAction) -> None:
     """Register ``bench latency`` on the ``bench`` subcommand group."""
-    from kvforge.bench.throughput import add_roofline_flags
+    from kvforge.bench.roofline import add_roofline_flags
     from kvforge.entrypoints.cli import _add_engine_flags
     p = bench_sub.add_parser("latency", help="end-to-end latency of one batch, prefill latency and TPOT",
                              description=__doc__.split("\n\n")[0],
@@ -53,8 +53,8 @@ def cmd_latency(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
     from tqdm.auto import tqdm
 
     from kvforge.bench.args import check_output_path
-    from kvforge.bench.throughput import (ModelShape, detokenize_ok, report_header, roofline, step_weight_bytes_for,
-                                          synchronize, write_json)
+    from kvforge.bench.roofline import ModelShape, roofline, step_weight_bytes_for
+    from kvforge.bench.throughput import detokenize_ok, report_header, synchronize, write_json
     from kvforge.engine.sampling_params import SamplingParams
     from kvforge.entrypoints.cli import engine_overrides
     from kvforge.entrypoints.llm import LLM
