@@ -17,7 +17,6 @@ import torch
 from nvrtc_compile import Nvrtc, find_nvrtc
 
 ROOT = Path(__file__).resolve().parent.parent
-FD_SRC = (ROOT / "plugins/attention/flash_decode/kernels.cu").read_text()
 
 
 @pytest.fixture(scope="module")
@@ -76,12 +75,12 @@ def test_w4_mma_kernels_compile(nvrtc, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_flash_decode_kernels_compile(nvrtc, dtype):
-    from kvforge_plugins.attention.flash_decode.jit import nvrtc_options
+    from kvforge_plugins.attention.flash_decode.jit import SOURCE, nvrtc_options
     cases = [(d, g, 16) for d in (64, 128, 256) for g in (1, 4, 8)] + [(128, 4, 32)]
     for head_dim, group, block_size in cases:
         if dtype == torch.float32 and head_dim > 128:
             continue  # refused by flash_decode's validate()
-        _compile(nvrtc, FD_SRC, "kernels.cu", nvrtc_options(dtype, head_dim, group, block_size),
+        _compile(nvrtc, SOURCE, "kernels.cu", nvrtc_options(dtype, head_dim, group, block_size),
                  ("fd_partial", "fd_merge"))
 
 

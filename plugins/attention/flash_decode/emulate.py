@@ -36,7 +36,7 @@ def pow2ceil(x: int) -> int:
 
 
 class Layout:
-    """The constexprs of kernels.cu for (element bytes, HEAD_DIM, GROUP, BLOCK_SIZE)."""
+    """The constexprs of fd_common.cuh / kernels.cu for (element bytes, HEAD_DIM, GROUP, BLOCK_SIZE)."""
 
     def __init__(self, elem_bytes: int, head_dim: int, group: int, block_size: int) -> None:
         self.D, self.G, self.BS = head_dim, group, block_size

@@ -19,7 +19,9 @@ import torch
 from kvforge.layers.cupy_launch import TorchStreams
 from kvforge.layers.cupy_launch import ptr as _ptr
 
-_SRC = (Path(__file__).with_name("kernels.cu")).read_text()
+#: The kernels' CUDA C++ as one NVRTC translation unit: helpers, then the kernels (joined here
+#: rather than #included, so CuPy's on-disk cache key covers both files).
+SOURCE = "\n".join(Path(__file__).with_name(f).read_text() for f in ("fd_common.cuh", "kernels.cu"))
 _DT = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 PARTIAL_THREADS = 128  # NTHREADS in kernels.cu
 MERGE_THREADS = 256    # MERGE_WARPS * 32 in kernels.cu
@@ -59,7 +61,7 @@ class Kernels:
         if mod is None:
             opts = nvrtc_options(dtype, head_dim, group, block_size)
             try:
-                m = self.cupy.RawModule(code=_SRC, options=opts)
+                m = self.cupy.RawModule(code=SOURCE, options=opts)
                 mod = (m.get_function("fd_partial"), m.get_function("fd_merge"))
             except Exception as e:
                 raise RuntimeError(f"flash_decode: NVRTC compile failed for {key}: {e}") from e
