@@ -2,10 +2,11 @@
 (N prompts queued at once, as ``kvforge bench throughput``) timed on the device timeline, with
 its shape, then summed by kind: prefill-only, mixed (prefill chunks + decodes), decode-only.
 
-Each step's time is the gap between CUDA events recorded after consecutive ``engine.step()``
-calls (``kvforge.bench.calibrate.timed_steps``, as ``kvforge bench calibrate`` measures), so
-the times add up to the run's wall time, including any device idle time while the host
-prepares a step.
+On CUDA each step's time is the gap between CUDA events recorded after consecutive
+``engine.step()`` calls (``kvforge.bench.calibrate.timed_steps``, as ``kvforge bench
+calibrate`` measures), so the times add up to the run's wall time, including any device idle
+time while the host prepares a step; elsewhere it is each call's wall time (the sum then
+misses only the time spent adding the requests).
 
     python benchmarks/step_timeline.py --model /tmp/l3 --load-format dummy --num-prompts 1000
     python benchmarks/step_timeline.py ... --json out.json   # every step: shape and seconds
@@ -17,6 +18,7 @@ import json
 import statistics
 import time
 
+from kvforge.bench.args import check_output_path, nonneg_int, positive_int
 from kvforge.bench.calibrate import timed_steps
 from kvforge.engine.llm_engine import LLMEngine
 
@@ -30,7 +32,7 @@ def run(engine, prompts: int, input_len: int, output_len: int) -> list[tuple[dic
 
 
 def kind(shape: "dict | None") -> str:
-    if shape is None:
+    if shape is None or shape["num_seqs"] == 0:  # a call that only collected the last tokens
         return "no schedule (async tail)"
     if shape["num_decode_seqs"] == 0:
         return "prefill only"
@@ -39,7 +41,7 @@ def kind(shape: "dict | None") -> str:
 
 def summarize(steps: list[tuple[dict, float]], wall: float) -> None:
     total = sum(t for _, t in steps)
-    print(f"{len(steps)} steps, {total:.2f} s on the device timeline ({wall:.2f} s wall)")
+    print(f"{len(steps)} steps, {total:.2f} s of steps ({wall:.2f} s wall)")
     for k in ("prefill only", "mixed", "decode only", "no schedule (async tail)"):
         ts = [(s, t) for s, t in steps if kind(s) == k]
         if not ts:
@@ -52,29 +54,35 @@ def summarize(steps: list[tuple[dict, float]], wall: float) -> None:
     # decode-only steps by batch size: how full they are
     dec = [(s["num_decode_seqs"], t) for s, t in steps if kind(s) == "decode only"]
     if dec:
-        for lo, hi in ((1, 64), (65, 192), (193, 10 ** 9)):
-            sel = [t for b, t in dec if lo <= b <= hi]
+        for lo, hi in ((1, 64), (65, 192), (193, None)):
+            sel = [t for b, t in dec if lo <= b and (hi is None or b <= hi)]
             if sel:
-                print(f"    decode only, batch {lo}-{min(hi, 10 ** 4)}: {len(sel)} steps, {sum(sel):.2f} s, "
-                      f"median {1e3 * statistics.median(sel):.2f} ms")
+                print(f"    decode only, batch {lo}{'+' if hi is None else f'-{hi}'}: {len(sel)} steps, "
+                      f"{sum(sel):.2f} s, median {1e3 * statistics.median(sel):.2f} ms")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True)
     p.add_argument("--load-format", default="auto")
-    p.add_argument("--num-prompts", type=int, default=1000)
-    p.add_argument("--input-len", type=int, default=1024)
-    p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--max-num-seqs", type=int, default=None)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--warmup-prompts", type=int, default=64, help="a short run first (compiles, graphs)")
+    p.add_argument("--num-prompts", type=positive_int, default=1000)
+    p.add_argument("--input-len", type=positive_int, default=1024)
+    p.add_argument("--output-len", type=positive_int, default=128)
+    p.add_argument("--max-num-seqs", type=positive_int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=None)
+    p.add_argument("--warmup-prompts", type=nonneg_int, default=64, help="a short run first (compiles, graphs)")
     p.add_argument("--json", help="write every step's shape and seconds here")
     a = p.parse_args()
+    try:
+        check_output_path(a.json, "--json")  # before the run, not after it
+    except ValueError as e:
+        p.error(str(e))
     kw = {k: v for k, v in (("max_num_seqs", a.max_num_seqs), ("max_num_batched_tokens", a.max_num_batched_tokens))
           if v is not None}
     engine = LLMEngine.from_kwargs(a.model, load_format=a.load_format, **kw)
-    run(engine, a.warmup_prompts, a.input_len, 8)
+    if a.input_len + a.output_len > engine.max_model_len:
+        p.error(f"--input-len {a.input_len} + --output-len {a.output_len} exceed max_model_len {engine.max_model_len}")
+    run(engine, a.warmup_prompts, a.input_len, min(8, a.output_len))
     t0 = time.perf_counter()
     steps = run(engine, a.num_prompts, a.input_len, a.output_len)
     wall = time.perf_counter() - t0

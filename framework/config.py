@@ -240,8 +240,9 @@ class EngineConfig(_Section):
         """
         data: dict[str, Any] = _expand_shorthand(load_file(file)) if file else {}
         # The file's plugin settings are set aside and merged back (under the overrides' own)
-        # only where the overrides keep the file's plugin: settings written for one attention
-        # backend or quantizer mean nothing to another one chosen on the command line.
+        # only where the overrides keep the file's plugin (or the file named none: 'auto'):
+        # settings written for one attention backend or quantizer mean nothing to another one
+        # chosen on the command line. An override of settings with {} clears them.
         chosen_in_file = {sec: _selected(data, sec) for sec in SELECTORS}
         file_settings = {sec: data[sec].pop("settings") for sec in SELECTORS
                          if isinstance(data.get(sec), dict) and isinstance(data[sec].get("settings"), dict)}
@@ -271,13 +272,18 @@ class EngineConfig(_Section):
                     raise ValueError(f"config option {key!r}: {part!r} is not a section")
             node[path[-1]] = value
         for sec, kept in file_settings.items():
-            if _selected(data, sec) != chosen_in_file[sec]:
-                log.info("config: %s.settings from %s dropped: they were for %s %r, now %r", sec, file,
-                         SELECTORS[sec], chosen_in_file[sec], _selected(data, sec))
+            before, now = chosen_in_file[sec], _selected(data, sec)
+            # 'auto' / None name no plugin: settings beside them are for whichever plugin is chosen
+            if before not in ("auto", None) and now != before:
+                log.warning("config: %s.settings from %s dropped: they were for %s %r; the overrides chose %r",
+                            sec, file, sec, before, now)
                 continue
             node = data.setdefault(sec, {})
             mine = node.get("settings")
-            node["settings"] = {**kept, **mine} if isinstance(mine, dict) else kept if mine is None else mine
+            if mine is None:
+                node["settings"] = kept
+            elif isinstance(mine, dict) and mine:  # an explicit {} clears the file's settings
+                node["settings"] = {**kept, **mine}
         return cls.model_validate(data)
 
 

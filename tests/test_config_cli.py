@@ -166,6 +166,23 @@ def test_switching_plugin_drops_the_files_settings_for_the_old_one(tmp_path):
     assert cfg(scheduler="fcfs").scheduler.settings == {}
     assert cfg(kv_allocator="paged").cache.settings == {"a": 1}
     assert cfg(kv_allocator="other").cache.settings == {}
+    # an explicit empty dict clears the file's settings (a merge of {} would keep them)
+    assert cfg(**{"quantization.settings": {}}).quantization.settings == {}
+    assert cfg(quantization={"settings": {}}).quantization.settings == {}
+    # beside 'auto' (or no method) the file picked no plugin: its settings go to the one chosen
+    (tmp_path / "a.yaml").write_text("quantization: {settings: {int4_layout: checkpoint}}\n"
+                                     "attention: {backend: auto, settings: {prefill_block_m: 32}}\n")
+    a = EngineConfig.from_sources(tmp_path / "a.yaml", {"model": STORIES_MODEL, "quantization": "awq",
+                                                         "attention_backend": "triton_paged"})
+    assert a.quantization.settings == {"int4_layout": "checkpoint"}
+    assert a.attention.settings == {"prefill_block_m": 32}
+
+
+def test_dropped_settings_are_reported(tmp_path, caplog):
+    (tmp_path / "s.yaml").write_text("scheduler: {name: fcfs, settings: {x: 1}}\n")
+    with caplog.at_level("WARNING", logger="kvforge"):
+        EngineConfig.from_sources(tmp_path / "s.yaml", {"model": STORIES_MODEL, "scheduler": "sjf"})
+    assert "scheduler.settings from" in caplog.text and "'fcfs'" in caplog.text and "'sjf'" in caplog.text
 
 
 def test_file_top_level_errors(tmp_path):

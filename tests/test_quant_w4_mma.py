@@ -271,6 +271,19 @@ def test_gemm_refuses_bad_groups_and_configs(gen):
         w4_mma.mma_gemm(x, words, ps, pz, group_size=64, n=64, config=dict(TW=3))
     with pytest.raises(ValueError, match="CPA 0 or 2..8"):  # one stage cannot overlap anything
         w4_mma.mma_gemm(x, words, ps, pz, group_size=64, n=64, config=dict(CPA=1))
+    # compile-time constants: no silent truncation (NB 1.5 would compile as 1: 8 of 12 tokens),
+    # no unknown keys (a misspelling would run the default), launchable sizes only
+    for bad, msg in ((dict(NB=1.5), "must be integers"), (dict(nb=2), "unknown config keys"),
+                     (dict(WARPS=64), "1 <= WARPS <= 32"), (dict(split_k=-1), "split_k >= 0"),
+                     (dict(XS=5), "XS / SCALE_A / LDW 0 or 1"), (dict(NB=100), "8 \\* NB <= 64"),
+                     (dict(waves=0), "waves > 0")):
+        with pytest.raises(ValueError, match=msg):
+            w4_mma.mma_gemm(x, words, ps, pz, group_size=64, n=64, config=bad)
+    with pytest.raises(ValueError, match="unknown config keys"):  # also where the dequantize path runs (M > 64)
+        w4_mma.mma_gemm(torch.randn(65, 128, generator=gen).bfloat16(), words, ps, pz, group_size=64, n=64,
+                        config=dict(cpa=3))
+    with pytest.raises(ValueError, match="must be a dict"):
+        w4_mma.mma_gemm(x, words, ps, pz, group_size=64, n=64, config=[("NB", 2)])
 
 
 def test_gemm_refuses_stages_past_shared_memory(gen, monkeypatch):

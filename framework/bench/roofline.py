@@ -66,12 +66,19 @@ class ModelShape:
 def loaded_weight_bytes(model: Any) -> int:
     """Bytes of weights one forward step of a loaded model reads: every parameter and buffer
     (packed quantized weights, scales, zero points, norms), each storage once, less input
-    embedding tables that are not also the LM head (a lookup reads a few rows)."""
+    embedding tables that are not also the LM head (a lookup reads a few rows) and rotary
+    cos/sin tables (a step reads its positions' rows, not max_position_embeddings of them).
+    Modules are told apart by class name (``*Embedding``, ``Rotary*``), so model plugins'
+    own classes count alike."""
     sizes = {t.data_ptr(): t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]}
     head = getattr(model, "lm_head", None)
     head_ptrs = {t.data_ptr() for t in head.parameters()} if head is not None else set()
     for m in model.modules():
-        if "Embedding" in type(m).__name__ and m is not head:
+        name = type(m).__name__
+        if "Rotary" in name:
+            for t in m.buffers(recurse=False):
+                sizes.pop(t.data_ptr(), None)
+        elif "Embedding" in name and m is not head:
             for t in m.parameters(recurse=False):
                 if t.data_ptr() not in head_ptrs:
                     sizes.pop(t.data_ptr(), None)

@@ -143,9 +143,12 @@ def mma_gemm(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: 
     """``x`` [M, K] fp16/bf16 on CUDA -> [M, N] in ``x.dtype``; operands as in the module
     docstring. Raises ValueError for another dtype, a shape the layout does not hold, zeros
     in another dtype than x (the layout is made for the model's dtype), scales / zeros not
-    in the layout's shape, or a ``config`` whose tiles do not cover M."""
+    in the layout's shape, or a ``config`` that is not a launchable one covering M
+    (:func:`check_config`)."""
     from .w4_mma_jit import kernels
     m, k = x.shape
+    if config is not None:
+        check_config_keys(config)  # a bad config is an error even where the dequantize path ignores it
     if x.dtype not in DTYPES or zeros.dtype != x.dtype:
         raise ValueError(f"w4 mma GEMM: x dtype {x.dtype} must be fp16/bf16 and match the layout's {zeros.dtype}")
     if words.shape != (n // 64, k * 8) or mma_blocker(k, n, group_size, x.dtype):
@@ -168,10 +171,7 @@ def mma_gemm(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: 
         tuned = lookup("w4_mma", m, n, k, x.device) or {}
         config = {key: v for key, v in tuned.items() if key != "schema"} if tuned.get("schema") == TABLE_SCHEMA else {}
     cfg = {**CONFIGS[bucket(m)], **config}
-    if 8 * cfg["NB"] < m or cfg["TW"] not in (1, 2, 4) or cfg["WARPS"] < 1 or cfg["S"] < 1 \
-            or cfg.get("CPA", 0) not in (0, *range(2, 9)):
-        raise ValueError(f"w4 mma GEMM: config {cfg} does not cover M {m} (needs 8 * NB >= M, TW in 1/2/4, "
-                         "WARPS >= 1, S >= 1, CPA 0 or 2..8)")
+    check_config(cfg, m)
     ctas_n, cps, splits = plan(m, n, k, group_size, cfg, _num_sms(x.device.index or 0))
     xs = m * (cps * 64 + 8) * x.element_size() if cfg["XS"] else 0
     if (xs or cfg.get("CPA")) and xs + stage_bytes(cfg) > _smem_limit(x.device):  # (query only when asked)
@@ -188,6 +188,38 @@ def mma_gemm(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: 
     kernels().gemm(x, words, scales, zeros, out, ws, cnt, n=n, group_chunks=group_size // 64, chunks_per_split=cps,
                    splits=splits, cfg=cfg, smem=smem)
     return out
+
+
+#: Launch-config keys: the kernel's compile-time constants (GCC is set per call) and the split rule.
+CONFIG_KEYS = ("NB", "TW", "WARPS", "S", "XS", "SCALE_A", "MINB", "LDW", "CPA", "waves", "split_k")
+
+
+def check_config_keys(cfg: dict) -> None:
+    """Raise ValueError for a key that is not a launch-config key, or a value that is not an
+    integer (``waves`` may be a float): compile-time constants must not be truncated silently."""
+    if not isinstance(cfg, dict):
+        raise ValueError(f"w4 mma GEMM: config must be a dict, got {type(cfg).__name__}")
+    unknown = sorted(set(cfg) - set(CONFIG_KEYS))
+    if unknown:
+        raise ValueError(f"w4 mma GEMM: unknown config keys {unknown} (known: {', '.join(CONFIG_KEYS)})")
+    bad = sorted(key for key, v in cfg.items() if v is not None and not (
+        isinstance(v, int) or (key == "waves" and isinstance(v, float))))
+    if bad:
+        raise ValueError(f"w4 mma GEMM: config {cfg}: {bad} must be integers")
+
+
+def check_config(cfg: dict, m: int) -> None:
+    """Raise ValueError unless the full config ``cfg`` launches and its tiles cover M tokens:
+    M <= 8 * NB <= MAX_FUSED_M, TW in 1/2/4, 1 <= WARPS <= 32 (1024 threads), S >= 1, XS /
+    SCALE_A / LDW 0 or 1, MINB >= 1, CPA 0 or 2..8, split_k >= 0 (0 / None: by ``waves``)."""
+    check_config_keys(cfg)
+    flags = all(int(cfg.get(key, 0)) in (0, 1) for key in ("XS", "SCALE_A", "LDW"))
+    if not (m <= 8 * cfg["NB"] <= MAX_FUSED_M and cfg["TW"] in (1, 2, 4) and 1 <= cfg["WARPS"] <= 32
+            and cfg["S"] >= 1 and flags and cfg.get("MINB", 1) >= 1 and cfg.get("CPA", 0) in (0, *range(2, 9))
+            and (cfg.get("split_k") or 0) >= 0 and cfg.get("waves", 1) > 0):
+        raise ValueError(f"w4 mma GEMM: config {cfg} does not cover M {m} or cannot launch (needs M <= 8 * NB <= "
+                         f"{MAX_FUSED_M}, TW in 1/2/4, 1 <= WARPS <= 32, S >= 1, XS / SCALE_A / LDW 0 or 1, "
+                         "MINB >= 1, CPA 0 or 2..8, split_k >= 0, waves > 0)")
 
 
 def stage_bytes(cfg: dict) -> int:
