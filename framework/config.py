@@ -16,9 +16,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
-#: section -> the field a bare string stands for (``quantization: fp8`` = ``{method: fp8}``)
 log = logging.getLogger("kvforge")
 
+#: section -> the field a bare string stands for (``quantization: fp8`` = ``{method: fp8}``)
 SHORTHAND = {"quantization": "method", "attention": "backend", "scheduler": "name", "speculative": "method"}
 
 

@@ -88,8 +88,8 @@ def timed_steps(engine, prompts: list[list[int]], max_tokens: int, late: int = 0
     """Step the engine over ``prompts`` (token id lists; the last ``late`` of them added after
     two steps, all with ``max_tokens`` greedy tokens, ``ignore_eos``) until none is left;
     returns (StepShape, seconds) per step. ``keep_empty``: also the calls that scheduled
-    nothing (shape None; with async scheduling the last call only collects tokens), so the
-    seconds add up to the whole run."""
+    nothing (shape None, or one with ``num_seqs`` 0: with async scheduling the last call only
+    collects tokens), so the seconds add up to the whole run."""
     from kvforge.bench.cost_model import step_shape
     from kvforge.engine.sampling_params import SamplingParams
     sched = engine.scheduler
