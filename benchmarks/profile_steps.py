@@ -11,10 +11,13 @@ Prints the top CUDA kernels (self time, share of the profiled device time) for
 
     python benchmarks/profile_steps.py --model /tmp/l3 --load-format dummy
     python benchmarks/profile_steps.py --model /tmp/l3 --load-format dummy --steady 1000 --skip-steps 200
+    python benchmarks/profile_steps.py --model /tmp/l3awq --load-format dummy --prefill-prompts 1 \
+        --set quantization.settings.int4_layout=mma   # an AWQ dummy (make_dummy_model.py --awq-group 128)
 """
 from __future__ import annotations
 
 import argparse
+import json
 import time
 
 import torch
@@ -75,8 +78,18 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=128, help="--steady: tokens generated per prompt")
     p.add_argument("--skip-steps", type=int, default=200, help="--steady: steps run before profiling")
     p.add_argument("--steps", type=int, default=30, help="--steady: steps profiled")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="any engine config path, e.g. quantization.settings.int4_layout=mma (JSON values parsed)")
     a = p.parse_args()
     kw = {"quantization": a.quantization} if a.quantization else {}
+    for item in a.set:
+        key, sep, raw = item.partition("=")
+        if not sep:
+            p.error(f"--set {item!r}: expected KEY=VALUE")
+        try:
+            kw[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            kw[key] = raw
     engine = LLMEngine.from_kwargs(a.model, load_format=a.load_format, **kw)
     if a.steady:
         _steady(engine, a)
