@@ -154,6 +154,31 @@ STORY_OPENINGS = [
 ]
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def save_random_hf(cfg, out_dir, seed: int):
+    """A Hugging Face model built from ``cfg`` with random weights (seeded by ``seed``: std 0.25,
+    RMSNorm weights 1 +- 0.3, biases nonzero), fp32, eager attention, saved as safetensors in
+    ``out_dir`` beside stories260K's tokenizer files (vocab 512). Returns the HF model."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(seed)
+    hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="eager").eval()
+    with torch.no_grad():
+        for name, prm in hf.named_parameters():
+            if name.endswith("norm.weight"):
+                prm.copy_(1 + 0.3 * torch.randn_like(prm))
+            else:
+                prm.normal_(0.0, 0.25)
+    hf.save_pretrained(out_dir, safe_serialization=True)
+    for f in TOKENIZER_FILES:
+        if os.path.exists(os.path.join(STORIES_MODEL, f)):
+            shutil.copy(os.path.join(STORIES_MODEL, f), out_dir)
+    return hf
+
+
 def fresh_rng(label: str = "") -> random.Random:
     """A ``random.Random`` seeded from os.urandom; the seed is printed (pytest shows it on failure)."""
     seed = urandom_seed()

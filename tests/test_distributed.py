@@ -20,21 +20,19 @@ from __future__ import annotations
 import asyncio
 import os
 import random
-import shutil
 import signal
 import time
 from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MixtralConfig, Qwen2Config, Qwen2MoeConfig
+from transformers import LlamaConfig, MixtralConfig, Qwen2Config, Qwen2MoeConfig
 
-from helpers import STORIES_MODEL, prompt_logits, rel_err, urandom_seed
+from helpers import STORIES_MODEL, prompt_logits, rel_err, save_random_hf, urandom_seed
 from kvforge import LLM, SamplingParams
 from kvforge.config import EngineConfig
 from kvforge.engine.executor import create_engine
 
-TOKENIZER_FILES = ["tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json"]
 VOCAB = 512
 COMMON = dict(num_gpu_blocks=96, max_num_batched_tokens=32, dtype="float32")
 LOGIT_TOL = 1e-5   # TP/PP vs TP=1: only the reduction order differs
@@ -50,19 +48,8 @@ def _shutdown(llm_or_engine) -> None:
 
 
 def _save_hf(cfg, tmp_path_factory, name: str, seed: int):
-    torch.manual_seed(seed)
-    hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="eager").eval()
-    with torch.no_grad():
-        for pname, p in hf.named_parameters():
-            if pname.endswith("norm.weight"):
-                p.copy_(1 + 0.3 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, 0.25)
     d = tmp_path_factory.mktemp(name)
-    hf.save_pretrained(d, safe_serialization=True)
-    for f in TOKENIZER_FILES:
-        shutil.copy(os.path.join(STORIES_MODEL, f), d)
-    return hf, str(d)
+    return save_random_hf(cfg, d, seed), str(d)
 
 
 _DENSE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,

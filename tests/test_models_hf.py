@@ -20,22 +20,19 @@ and is in its assertion messages.
 """
 from __future__ import annotations
 
-import os
 import random
-import shutil
 from types import SimpleNamespace
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, MistralConfig, Qwen2Config
 
-from helpers import assert_greedy_match, prompt_logits, rel_err, urandom_seed
+from helpers import assert_greedy_match, prompt_logits, rel_err, save_random_hf, urandom_seed
 from kvforge import LLM, SamplingParams
 from kvforge.engine.llm_engine import LLMEngine
 
 STORIES = "/work/shared/models/stories260K"
 STORIES_EOS = {1, 2}  # generation_config.json eos_token_id list
-TOKENIZER_FILES = ["tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json"]
 VOCAB = 512
 REL_TOL = 1e-4  # max|kvforge - hf| / max|hf|, float32
 MAX_NEW = 200
@@ -229,17 +226,8 @@ def hf_case(request, tmp_path_factory):
     seed = urandom_seed()
     torch.manual_seed(seed)
     cfg = make_cfg()
-    hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="eager").eval()
-    with torch.no_grad():
-        for pname, p in hf.named_parameters():
-            if pname.endswith("norm.weight"):
-                p.copy_(1 + 0.3 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, 0.25)
     d = tmp_path_factory.mktemp(name)
-    hf.save_pretrained(d, safe_serialization=True)
-    for f in TOKENIZER_FILES:
-        shutil.copy(os.path.join(STORIES, f), d)
+    hf = save_random_hf(cfg, d, seed)
     assert (d / "model.safetensors").exists()
     return SimpleNamespace(name=name, hf=hf, dir=str(d), seed=seed, lens=lens, cfg=cfg)
 

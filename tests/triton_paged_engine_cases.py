@@ -3,8 +3,6 @@ CUDA-graph metadata), validation reasons, registration and settings, and the eng
 random tiny Llama / Mistral against Hugging Face. Set-up: triton_paged_support.py."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -155,10 +153,8 @@ E2E_CONFIGS = {  # head_dim 16 (the smallest the backend takes), GQA 4:1; one wi
 @pytest.fixture(scope="module", params=list(E2E_CONFIGS))
 def tiny_model(request, tmp_path_factory):
     """Random-weight 2-layer model saved like a real checkpoint (tokenizer from stories260K)."""
-    import shutil
-
-    from helpers import STORIES_MODEL
-    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig
+    from helpers import save_random_hf
+    from transformers import LlamaConfig, MistralConfig
 
     spec = E2E_CONFIGS[request.param]
     seed = urandom_seed()
@@ -167,15 +163,8 @@ def tiny_model(request, tmp_path_factory):
                   num_key_value_heads=1, max_position_embeddings=256, bos_token_id=1, eos_token_id=2)
     cfg = (MistralConfig(**common, head_dim=16, sliding_window=spec["sliding_window"]) if spec["arch"] == "mistral"
            else LlamaConfig(**common))
-    hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="eager").eval()
-    with torch.no_grad():
-        for name, prm in hf.named_parameters():
-            prm.copy_(1 + 0.3 * torch.randn_like(prm)) if name.endswith("norm.weight") else prm.normal_(0.0, 0.25)
     d = tmp_path_factory.mktemp(request.param)
-    hf.save_pretrained(d, safe_serialization=True)
-    for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json"):
-        if os.path.exists(os.path.join(STORIES_MODEL, f)):
-            shutil.copy(os.path.join(STORIES_MODEL, f), d)
+    hf = save_random_hf(cfg, d, seed)
     return request.param, hf, str(d), seed
 
 
