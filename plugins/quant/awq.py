@@ -26,7 +26,8 @@ import torch
 from kvforge import hookimpl
 from kvforge.interfaces import LinearMethod, QuantizationConfig
 
-from .common import WeightOnlySettings, decide_per_shard, matches_any, triton_backend_reasons
+from .common import (WeightOnlySettings, decide_per_shard, matches_any, require_checkpoint_method,
+                     triton_backend_reasons)
 from .unquantized import UnquantizedLinearMethod
 from .weight_only import WNA16LinearMethod
 
@@ -50,12 +51,7 @@ class AWQConfig(QuantizationConfig):
 
     def __init__(self, hf_quant_config: dict | None = None, settings: AWQSettings | None = None) -> None:
         cfg = hf_quant_config or {}
-        if cfg.get("quant_method") != "awq":
-            got = cfg.get("quant_method")
-            raise ValueError("quantization method 'awq' needs an AutoAWQ checkpoint (config.json quantization_config "
-                             f"with quant_method 'awq'); this checkpoint has {got!r}" if got else
-                             "quantization method 'awq' needs an AutoAWQ checkpoint; this one is not quantized "
-                             "(AWQ needs calibration, so it cannot be applied online: use fp8 or int8)")
+        require_checkpoint_method(cfg, "awq", "an AutoAWQ checkpoint")
         self.settings = settings or AWQSettings()
         self.bits = int(cfg.get("bits", cfg.get("w_bit", 4)))
         self.group_size = int(cfg.get("group_size", cfg.get("q_group_size", 128)))

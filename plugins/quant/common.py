@@ -53,6 +53,20 @@ class WeightOnlySettings(QuantSettings):
     int4_layout: Int4Layout = "auto"
 
 
+def require_checkpoint_method(cfg: dict, method: str, checkpoint: str) -> None:
+    """Raise ValueError unless ``cfg`` (config.json's ``quantization_config``) is ``method``'s:
+    ``checkpoint`` names what is needed ("an AutoAWQ checkpoint"). Formats made by calibration
+    (AWQ, GPTQ) cannot be produced from a plain checkpoint at load time, and the message says so."""
+    got = cfg.get("quant_method")
+    if got == method:
+        return
+    if got:
+        raise ValueError(f"quantization method {method!r} needs {checkpoint} (config.json quantization_config "
+                         f"with quant_method {method!r}); this checkpoint has {got!r}")
+    raise ValueError(f"quantization method {method!r} needs {checkpoint}; this one is not quantized "
+                     f"({method.upper()} needs calibration, so it cannot be applied online: use fp8 or int8)")
+
+
 def shard_names(prefix: str, num_shards: int | None = None) -> list[str]:
     """HF module names of the shards of kvforge linear ``prefix``.
 

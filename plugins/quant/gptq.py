@@ -38,7 +38,7 @@ import torch
 from kvforge import hookimpl
 from kvforge.interfaces import LinearMethod, QuantizationConfig
 
-from .common import WeightOnlySettings, decide_per_shard, triton_backend_reasons
+from .common import WeightOnlySettings, decide_per_shard, require_checkpoint_method, triton_backend_reasons
 from .unquantized import UnquantizedLinearMethod
 from .weight_only import WNA16LinearMethod
 
@@ -72,12 +72,7 @@ class GPTQConfig(QuantizationConfig):
 
     def __init__(self, hf_quant_config: dict | None = None, settings: GPTQSettings | None = None) -> None:
         cfg = hf_quant_config or {}
-        if cfg.get("quant_method") != "gptq":
-            got = cfg.get("quant_method")
-            raise ValueError("quantization method 'gptq' needs a GPTQ checkpoint (config.json quantization_config "
-                             f"with quant_method 'gptq'); this checkpoint has {got!r}" if got else
-                             "quantization method 'gptq' needs a GPTQ checkpoint; this one is not quantized "
-                             "(GPTQ needs calibration, so it cannot be applied online: use fp8 or int8)")
+        require_checkpoint_method(cfg, "gptq", "a GPTQ checkpoint")
         self.settings = settings or GPTQSettings()
         self.base = {"bits": int(cfg.get("bits", 4)), "group_size": int(cfg.get("group_size", 128)),
                      "desc_act": bool(cfg.get("desc_act", False)), "sym": bool(cfg.get("sym", True))}
