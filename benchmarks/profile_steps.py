@@ -17,14 +17,15 @@ Prints the top CUDA kernels (self time, share of the profiled device time) for
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from kvforge import SamplingParams
+from kvforge.config import EngineConfig
 from kvforge.engine.llm_engine import LLMEngine
+from kvforge.entrypoints.cli import _add_engine_flags, engine_overrides
 
 
 def _table(prof, title: str, rows: int) -> None:
@@ -66,31 +67,21 @@ def _steady(engine, a) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", required=True)
-    p.add_argument("--load-format", default="auto")
+    _add_engine_flags(p)  # --model, --config, every flat engine option (--load-format, --quantization...), --set
     p.add_argument("--input-len", type=int, default=1024)
     p.add_argument("--prefill-prompts", type=int, default=32)
     p.add_argument("--decode-batch", type=int, default=1)
     p.add_argument("--decode-context", type=int, default=32, help="prompt tokens of each decode-phase request")
     p.add_argument("--rows", type=int, default=18)
-    p.add_argument("--quantization", help="quantization method (e.g. fp8; awq/gptq come from the checkpoint)")
     p.add_argument("--steady", type=int, default=0, help="profile the steady state of N queued prompts")
     p.add_argument("--output-len", type=int, default=128, help="--steady: tokens generated per prompt")
     p.add_argument("--skip-steps", type=int, default=200, help="--steady: steps run before profiling")
     p.add_argument("--steps", type=int, default=30, help="--steady: steps profiled")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="any engine config path, e.g. quantization.settings.int4_layout=mma (JSON values parsed)")
     a = p.parse_args()
-    kw = {"quantization": a.quantization} if a.quantization else {}
-    for item in a.set:
-        key, sep, raw = item.partition("=")
-        if not sep:
-            p.error(f"--set {item!r}: expected KEY=VALUE")
-        try:
-            kw[key] = json.loads(raw)
-        except json.JSONDecodeError:
-            kw[key] = raw
-    engine = LLMEngine.from_kwargs(a.model, load_format=a.load_format, **kw)
+    try:
+        engine = LLMEngine(EngineConfig.from_sources(a.config, engine_overrides(a)))
+    except ValueError as e:
+        p.error(str(e))
     if a.steady:
         _steady(engine, a)
         return

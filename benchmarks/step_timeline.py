@@ -20,7 +20,9 @@ import time
 
 from kvforge.bench.args import check_output_path, nonneg_int, positive_int
 from kvforge.bench.calibrate import timed_steps
+from kvforge.config import EngineConfig
 from kvforge.engine.llm_engine import LLMEngine
+from kvforge.entrypoints.cli import _add_engine_flags, engine_overrides
 
 
 def run(engine, prompts: int, input_len: int, output_len: int) -> list[tuple[dict, float]]:
@@ -63,23 +65,19 @@ def summarize(steps: list[tuple[dict, float]], wall: float) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", required=True)
-    p.add_argument("--load-format", default="auto")
+    _add_engine_flags(p)  # --model, --config, every flat engine option (--load-format, --max-num-seqs...), --set
     p.add_argument("--num-prompts", type=positive_int, default=1000)
     p.add_argument("--input-len", type=positive_int, default=1024)
     p.add_argument("--output-len", type=positive_int, default=128)
-    p.add_argument("--max-num-seqs", type=positive_int, default=None)
-    p.add_argument("--max-num-batched-tokens", type=positive_int, default=None)
     p.add_argument("--warmup-prompts", type=nonneg_int, default=64, help="a short run first (compiles, graphs)")
     p.add_argument("--json", help="write every step's shape and seconds here")
     a = p.parse_args()
     try:
         check_output_path(a.json, "--json")  # before the run, not after it
+        config = EngineConfig.from_sources(a.config, engine_overrides(a))
     except ValueError as e:
         p.error(str(e))
-    kw = {k: v for k, v in (("max_num_seqs", a.max_num_seqs), ("max_num_batched_tokens", a.max_num_batched_tokens))
-          if v is not None}
-    engine = LLMEngine.from_kwargs(a.model, load_format=a.load_format, **kw)
+    engine = LLMEngine(config)
     if a.input_len + a.output_len > engine.max_model_len:
         p.error(f"--input-len {a.input_len} + --output-len {a.output_len} exceed max_model_len {engine.max_model_len}")
     run(engine, a.warmup_prompts, a.input_len, min(8, a.output_len))
