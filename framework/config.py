@@ -247,17 +247,13 @@ class EngineConfig(_Section):
         file_settings = {sec: data[sec].pop("settings") for sec in SELECTORS
                          if isinstance(data.get(sec), dict) and isinstance(data[sec].get("settings"), dict)}
         items = [(k, v) for k, v in (overrides or {}).items() if v is not None]
-        # LLM(quantization={"method": "fp8", "settings": {...}}): the section's fields merged over
-        # the file's, its settings key by key (as dotted overrides merge); applied before the
-        # flat and dotted overrides, so those win whatever the keyword order.
+        # LLM(quantization={"method": "fp8", "settings": {...}}): the section's fields over the
+        # file's (its settings merge with the file's below, as dotted ones do); applied before
+        # the flat and dotted overrides, so those win whatever the keyword order.
         for key, value in items:
             if (name := _section_keyword(key, value)) is not None:
-                sec = dict(data[name]) if isinstance(data.get(name), dict) else {}
-                for k, v in value.items():
-                    if k == "settings" and isinstance(v, dict) and isinstance(sec.get(k), dict):
-                        v = {**sec[k], **v}
-                    sec[k] = v
-                data[name] = sec
+                mine = {k: dict(v) if isinstance(v, dict) else v for k, v in value.items()}  # not the caller's
+                data[name] = {**(data[name] if isinstance(data.get(name), dict) else {}), **mine}
         for key, value in items:
             if _section_keyword(key, value) is not None:
                 continue

@@ -135,9 +135,11 @@ def test_section_shorthand_in_files_and_keywords(tmp_path):
                {"scheduler": {"name": "fcfs", "max_num_seqs": 8}, "max_num_seqs": 4}):
         cfg = EngineConfig.from_sources(None, {"model": STORIES_MODEL, **kw})
         assert (cfg.scheduler.name, cfg.scheduler.max_num_seqs) == ("fcfs", 4), kw
+    keyword = {"method": "fp8", "settings": {"fast_accum": False}}
     cfg = EngineConfig.from_sources(None, {"model": STORIES_MODEL, "quantization.settings.backend": "reference",
-                                           "quantization": {"method": "fp8", "settings": {"fast_accum": False}}})
+                                           "quantization": keyword})
     assert cfg.quantization.settings == {"backend": "reference", "fast_accum": False}
+    assert keyword == {"method": "fp8", "settings": {"fast_accum": False}}  # the caller's dict is not changed
     with pytest.raises(ValidationError, match=r"quantization\.bogus"):
         EngineConfig.from_sources(None, {"model": STORIES_MODEL, "quantization": {"method": "fp8", "bogus": 1}})
     with pytest.raises(ValidationError, match=r"quantization\n.*valid dictionary"):
