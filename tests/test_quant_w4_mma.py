@@ -286,6 +286,22 @@ def test_gemm_refuses_bad_groups_and_configs(gen):
         w4_mma.mma_gemm(x, words, ps, pz, group_size=64, n=64, config=[("NB", 2)])
 
 
+def test_shipped_configs_pass_the_config_check():
+    """mma_gemm checks only configs a caller passes; the defaults and every entry of the shipped
+    choices table run unchecked, so they must pass here (at every M their bucket serves)."""
+    import json
+    from pathlib import Path
+    for m in range(1, w4_mma.MAX_FUSED_M + 1):
+        w4_mma.check_config(dict(w4_mma.CONFIGS[w4_mma.bucket(m)]), m)
+    table = json.loads((Path(w4_mma.__file__).with_name("gemm_choices.json")).read_text())
+    entries = [(key, cfg) for gpu in table.values() for key, cfg in gpu.get("w4_mma", {}).items()]
+    assert entries
+    for key, cfg in entries:
+        m = int(key.split("|")[0])
+        full = {**w4_mma.CONFIGS[w4_mma.bucket(m)], **{k: v for k, v in cfg.items() if k != "schema"}}
+        w4_mma.check_config(full, m)
+
+
 def test_gemm_refuses_stages_past_shared_memory(gen, monkeypatch):
     """CPA stages that do not fit the device's shared memory are refused before launch; an
     x slice (XS) that does not fit beside them is dropped instead (each warp then loads x)."""
