@@ -156,7 +156,10 @@ def test_layout_refusals_on_cpu(gen):
 #: compiles each of them on the CPU too, so a broken #if branch shows up before device time)
 GPU_CONFIGS = [dict(split_k=1), dict(WARPS=1, TW=1, S=3, XS=1), dict(WARPS=2, TW=2, SCALE_A=True, XS=1),
                dict(TW=4, S=1, waves=1), dict(XS=1, MINB=2), dict(TW=4, WARPS=4, CPA=4, LDW=1),
-               dict(TW=1, WARPS=8, CPA=3, XS=1, SCALE_A=True), dict(TW=2, WARPS=2, CPA=8, split_k=1)]
+               dict(TW=1, WARPS=8, CPA=3, XS=1, SCALE_A=True), dict(TW=2, WARPS=2, CPA=8, split_k=1),
+               # K split by the warps of a CTA (KW), alone and beside split K
+               dict(TW=2, WARPS=8, KW=4, S=2), dict(TW=1, WARPS=16, KW=16, CPA=3, XS=1, split_k=1),
+               dict(TW=4, WARPS=4, KW=2, SCALE_A=True, split_k=2)]
 
 
 @cuda
@@ -327,7 +330,8 @@ def test_gemm_refuses_stages_past_shared_memory(gen, monkeypatch):
 # bounds- and alignment-checked, each stage holding the chunk being computed, split-K partials
 # summed in a random arrival order. (K, N, group, M, config): odd N / 64, uneven last splits,
 # TW 1/2 with tile0 != 0, XS, S up to 4, SCALE_A, per-channel groups, the dequantize path, and
-# cp.async stages (CPA 2-8: more stages than a split has chunks, with and without XS).
+# cp.async stages (CPA 2-8: more stages than a split has chunks, with and without XS), and K
+# split by a CTA's warps (KW, with idle warps, beside split K).
 EMULATED = [
     (512, 192, 64, 3, None),
     (512, 320, 128, 17, None),
@@ -344,6 +348,11 @@ EMULATED = [
     (768, 320, 256, 17, dict(TW=2, WARPS=4, CPA=4, XS=1, SCALE_A=True)),
     (1152, 448, 384, 9, dict(TW=1, WARPS=3, CPA=2, SCALE_A=False, split_k=2)),
     (576, 128, 576, 1, dict(TW=2, WARPS=1, CPA=8)),
+    # KW: warps of a CTA split K (idle warps where a split has fewer groups than KW)
+    (640, 192, 128, 5, dict(TW=2, WARPS=4, KW=2, S=2, split_k=2)),
+    (768, 320, 64, 3, dict(TW=1, WARPS=8, KW=4, CPA=3, XS=1)),
+    (1152, 448, 384, 17, dict(TW=4, WARPS=4, KW=4, S=1, SCALE_A=False)),
+    (512, 128, 128, 1, dict(TW=2, WARPS=8, KW=8, CPA=4, split_k=1)),
 ]
 
 

@@ -56,6 +56,12 @@ def gemm_emu(cfg, dtype, x_bits, M, stride_x, wq, sc, zp, N, KC, gc_rt, cps, spl
     uint16 bits) with the kernel's launch constants ``cfg``; returns y [M * N] float64."""
     TW, NB, WARPS, S, XS, SA = (int(cfg[k]) for k in ("TW", "NB", "WARPS", "S", "XS", "SCALE_A"))
     CPA = int(cfg.get("CPA", 0))
+    KW = int(cfg.get("KW", 1))
+    COLS = WARPS // KW  # columns of warps along N; the KW warps of a column split K
+    if KW > 1:  # every fragment slot of the shared-memory sums inside the bytes the host asked for
+        slots = {((k - 1) * COLS * TW * NB * 4 + col * TW * NB * 4 + i) * 32 + ln for k in range(1, KW)
+                 for col in range(COLS) for i in range(TW * NB * 4) for ln in range(32)}
+        assert len(slots) == (KW - 1) * COLS * TW * NB * 128 and 4 * (max(slots) + 1) <= w4_mma.reduce_bytes(cfg)
     if CPA:  # the stages' 16-byte units: one owner each, inside the bytes the host asked for
         units = TW + (0 if XS else 2 * NB) + (TW + 1) // 2 + 1
         addr = {((s * units + u) * 32 * WARPS + tid) * 16 for s in range(CPA) for u in range(units)
@@ -64,7 +70,7 @@ def gemm_emu(cfg, dtype, x_bits, M, stride_x, wq, sc, zp, N, KC, gc_rt, cps, spl
     GCC = gc_rt if gc_rt <= 8 else 0
     GC = GCC if GCC > 0 else gc_rt
     units = (N // 16) // TW
-    gx = -(-units // WARPS)
+    gx = -(-units // COLS)
     NBLK = N >> 6
     lane = np.arange(32)
     g, t = lane >> 2, lane & 3
@@ -94,14 +100,20 @@ def gemm_emu(cfg, dtype, x_bits, M, stride_x, wq, sc, zp, N, KC, gc_rt, cps, spl
                     smem[row * xpitch + col: row * xpitch + col + 8] = src
                 XSM = Flat(smem, "xs", 2)
             accs = {}
+            ngrp = (cend - cbeg) // GC
             for warp in range(WARPS):
-                unit = bx * WARPS + warp
+                kw = warp % KW
+                unit = bx * COLS + warp // KW
                 nblk = unit // (4 // TW)
                 tile0 = (unit % (4 // TW)) * TW
                 live = nblk < NBLK
                 if not live:
                     continue
                 acc = np.zeros((TW, NB, 4, 32))
+                nloc = ((ngrp - 1 - kw) // KW + 1) * GC if kw < ngrp else 0
+
+                def chunk_of(j):  # this warp's local chunk j: groups kw, kw + KW, ... of the split
+                    return cbeg + ((j // GC) * KW + kw) * GC + j % GC
                 wp = nblk * KC * 128 + tile0 * 32 + lane
                 rec0 = (nblk * 8 + g) * 8 + 2 * tile0
                 rec_step = NBLK * 64
@@ -121,38 +133,40 @@ def gemm_emu(cfg, dtype, x_bits, M, stride_x, wq, sc, zp, N, KC, gc_rt, cps, spl
                         d["z"] = Z.get(rec, 2 * TW, align=min(16, 4 * TW))
                     return d
 
-                def chunks():  # (c, the stage holding chunk c) in the kernel's order of loads
-                    if CPA:  # cp.async ring: chunk c + CPA - 1 goes to the stage chunk c - 1 used
+                def chunks():  # (j, c, the stage holding chunk c) in the kernel's order of loads
+                    if CPA:  # cp.async ring: local chunk j + CPA - 1 goes to the stage chunk j - 1 used
                         ring = [None] * CPA
                         for s in range(CPA - 1):
-                            if cbeg + s < cend:
-                                ring[s] = load(cbeg + s)
+                            if s < nloc:
+                                ring[s] = load(chunk_of(s))
                         slot = 0
-                        for c in range(cbeg, cend):
-                            if c + CPA - 1 < cend:
-                                ring[(slot - 1) % CPA] = load(c + CPA - 1)
-                            yield c, ring[slot]
+                        for j in range(nloc):
+                            if j + CPA - 1 < nloc:
+                                ring[(slot - 1) % CPA] = load(chunk_of(j + CPA - 1))
+                            yield j, chunk_of(j), ring[slot]
                             slot = (slot + 1) % CPA
                         return
                     st = [None] * S
                     for s in range(S - 1):
-                        if cbeg + s < cend:
-                            st[s] = load(cbeg + s)
-                    for c0 in range(cbeg, cend, S):
+                        if s < nloc:
+                            st[s] = load(chunk_of(s))
+                    for j0 in range(0, nloc, S):
                         for s in range(S):
-                            c = c0 + s
-                            if S == 1 and c < cend:
-                                st[0] = load(c)
-                            elif S > 1 and c + S - 1 < cend:
-                                st[(s + S - 1) % S] = load(c + S - 1)
-                            if c < cend:
-                                yield c, st[s]
+                            j = j0 + s
+                            if S == 1 and j < nloc:
+                                st[0] = load(chunk_of(j))
+                            elif S > 1 and j + S - 1 < nloc:
+                                st[(s + S - 1) % S] = load(chunk_of(j + S - 1))
+                            if j < nloc:
+                                yield j, chunk_of(j), st[s]
                 zb = sf = sa = tmp = None
-                for c, cur in chunks():
-                    assert cur["c"] == c, "stage holds another chunk"
+                seen = []
+                for jl, c, cur in chunks():
+                    assert cur["c"] == c and cbeg <= c < cend, "stage holds another chunk"
+                    seen.append(c)
                     if XS:
                         cur["x"] = [XSM.get(xp[b] + c * 64, 16, align=16) for b in range(NB)]
-                    if (c - cbeg) % GC == 0:
+                    if jl % GC == 0:
                         assert "s" in cur, "scales not loaded at group start"
                         zv = bits_to_f(cur["z"], dtype) - bias  # [32, 2TW]
                         zb = zv
@@ -184,13 +198,24 @@ def gemm_emu(cfg, dtype, x_bits, M, stride_x, wq, sc, zp, N, KC, gc_rt, cps, spl
                                 tgt = acc if SA else tmp
                                 for f in range(4):
                                     tgt[a, b, f] += D[g + 8 * (f >> 1), 2 * t + (f & 1)]
-                    if not SA and (c - cbeg) % GC == GC - 1:
+                    if not SA and jl % GC == GC - 1:
                         for f in range(4):
                             acc[:, :, f] += sf.T.reshape(TW, 2, 32)[:, f >> 1][:, None, :] * tmp[:, :, f]
-                accs[warp] = acc
-            # epilogue
-            for warp, acc in accs.items():
-                for a, b, f, tok, row in _frags(bx * WARPS + warp, TW, NB, g, t):
+                accs[warp] = (acc, seen)
+            # the KW warps of a column: their chunks partition the split; warp kw = 0 adds the
+            # others' sums in kw order and stores alone
+            owners = {}
+            for warp, (acc, seen) in sorted(accs.items()):
+                col = warp // KW
+                if warp % KW == 0:
+                    owners[col] = acc.copy()
+                    cols_seen = [accs[col * KW + k][1] for k in range(KW)]
+                    got = sorted(c for sn in cols_seen for c in sn)
+                    assert got == list(range(cbeg, cend)), "a column's warps do not cover the split once"
+                else:
+                    owners[col] += acc
+            for col, acc in owners.items():
+                for a, b, f, tok, row in _frags(bx * COLS + col, TW, NB, g, t):
                     m = tok < M
                     assert (row < N).all()
                     if splits == 1:
@@ -201,10 +226,10 @@ def gemm_emu(cfg, dtype, x_bits, M, stride_x, wq, sc, zp, N, KC, gc_rt, cps, spl
                 cnt[bx] += 1
                 if cnt[bx] == splits:  # the last arrival sums the partials in split order
                     cnt[bx] = 0
-                    for warp in range(WARPS):
-                        if (bx * WARPS + warp) // (4 // TW) >= NBLK:
+                    for col in range(COLS):
+                        if (bx * COLS + col) // (4 // TW) >= NBLK:
                             continue
-                        for a, b, f, tok, row in _frags(bx * WARPS + warp, TW, NB, g, t):
+                        for a, b, f, tok, row in _frags(bx * COLS + col, TW, NB, g, t):
                             m = tok < M
                             tot = np.zeros(32)
                             for k in range(splits):
@@ -252,9 +277,10 @@ class FakeKernels:
     def gemm(self, x, words, scales, zeros, out, ws, cnt, *, n, group_chunks, chunks_per_split, splits, cfg, smem=0):
         m, k = x.shape
         xs = m * (chunks_per_split * 64 + 8) * x.element_size() if cfg["XS"] else 0
-        assert smem == xs + w4_mma.stage_bytes(cfg)
+        assert smem == max(xs + w4_mma.stage_bytes(cfg), w4_mma.reduce_bytes(cfg))
         if splits > 1:
-            assert ws.shape == (splits, m, n) and cnt.numel() >= -(-((n // 16) // cfg["TW"]) // cfg["WARPS"])
+            cols = cfg["WARPS"] // cfg.get("KW", 1)
+            assert ws.shape == (splits, m, n) and cnt.numel() >= -(-((n // 16) // cfg["TW"]) // cols)
         # x as a flat view from its data pointer: storage from x's first element
         assert x.stride(1) == 1
         flat = torch.as_strided(x, ((m - 1) * x.stride(0) + k,), (1,)).contiguous().view(torch.int16).numpy().astype(np.uint16)

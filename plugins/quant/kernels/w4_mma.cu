@@ -16,7 +16,10 @@
 // fp32), MINB (CTAs per SM the register allocation must allow), LDW (1: weight loads bypass
 // L1 and prefetch 256 bytes into L2), GCC (64-wide chunks per scale group when it is a
 // compile-time constant, else 0), CPA (0: operands through registers as S says; P > 1: a
-// P-stage cp.async pipeline in shared memory, P - 1 chunks in flight without holding registers).
+// P-stage cp.async pipeline in shared memory, P - 1 chunks in flight without holding registers),
+// KW (warps of a CTA splitting its K range: warp kw takes the split's groups kw, kw + KW, ...;
+// their sums meet in shared memory, so K parallelism costs a CTA barrier, not split K's
+// global partials, fence and arrival counter: ~2.5 us per call on the H200, BENCHMARKS.md).
 //
 // Layout (w4_mma.py has the packer): 64-row blocks of N ("nblk"), 64-wide chunks of K. Chunk
 // c of nblk is 512 int32 words, [tile T (16 rows)][lane][MMA i]: lane = 4g + t holds, for the
@@ -30,7 +33,7 @@
 // Scales fp32 [G][N/64][g][8] and zeros [G][N/64][g][8] as BIAS + z in x's dtype, each
 // ordered (T0 n0, T0 n1, T1 n0, ...); a lane reads its 2 * TW of each once per group.
 //
-// Split K: grid (ceil(nblk16 / (WARPS * TW)), splits); a split covers `cps` chunks (a
+// Split K: grid (ceil(nblk16 / (WARPS / KW * TW)), splits); a split covers `cps` chunks (a
 // multiple of the group's chunks). With splits > 1 each writes fp32 partials to ws[split][M][N];
 // the last CTA of a column block to arrive (an arrival counter it resets) sums them in split
 // order (deterministic) and writes y.
@@ -71,13 +74,18 @@ w4_mma_gemm(const dt* __restrict__ x, int M, long long stride_x, const uint4* __
     const int g = lane >> 2, t = lane & 3;
     const int NBLK = N >> 6;
     const int GC = GCC > 0 ? GCC : gc_rt;  // chunks per group: a constant when compiled in (cheap % and /)
-    const int unit = blockIdx.x * WARPS + warp;            // this warp's TW tiles
+    const int kw = warp % KW;                              // this warp's share of the split's groups
+    const int unit = blockIdx.x * (WARPS / KW) + warp / KW;  // this warp's TW tiles
     const int nblk = unit / (TILES_PER_BLK / TW);
     const int tile0 = (unit % (TILES_PER_BLK / TW)) * TW;  // first tile inside the 64-row block
     const int splits = gridDim.y, split = blockIdx.y;
     const int cbeg = split * cps, cend = min(cbeg + cps, KC);
     const bool live = nblk < NBLK;
-#if XS || CPA
+    // this warp's chunks: local chunk j is chunk_of(j); splits hold whole groups
+    const int ngrp = (cend - cbeg) / GC;
+    const int nloc = kw < ngrp ? ((ngrp - 1 - kw) / KW + 1) * GC : 0;
+#define chunk_of(j) (KW == 1 ? cbeg + (j) : cbeg + (((j) / GC) * KW + kw) * GC + (j) % GC)
+#if XS || CPA || KW > 1
     extern __shared__ __align__(16) unsigned char smem_raw[];
 #endif
 #if CPA  // the stages first; this thread's unit 0 of stage 0 (shared-space byte address)
@@ -105,7 +113,7 @@ w4_mma_gemm(const dt* __restrict__ x, int M, long long stride_x, const uint4* __
     if (live) {  // prologue: chunks cbeg .. cbeg + CPA - 2 in flight (one commit group each)
 #pragma unroll
         for (int s = 0; s < CPA - 1; ++s) {
-            if (cbeg + s < cend) issue_stage(ring + s * UNITS * NT * 16, wp, xp, sc, zp, rec0, rec_step, cbeg + s, GC);
+            if (s < nloc) issue_stage(ring + s * UNITS * NT * 16, wp, xp, sc, zp, rec0, rec_step, chunk_of(s), GC);
             cp_async_commit();
         }
     }
@@ -114,7 +122,7 @@ w4_mma_gemm(const dt* __restrict__ x, int M, long long stride_x, const uint4* __
     if (live) {  // prologue: chunks cbeg .. cbeg + S - 2 in flight
 #pragma unroll
         for (int s = 0; s < S - 1; ++s)
-            if (cbeg + s < cend) load_stage(st[s], wp, xp, sc, zp, rec0, rec_step, cbeg + s, GC);
+            if (s < nloc) load_stage(st[s], wp, xp, sc, zp, rec0, rec_step, chunk_of(s), GC);
     }
 #endif
 #if XS
@@ -122,51 +130,74 @@ w4_mma_gemm(const dt* __restrict__ x, int M, long long stride_x, const uint4* __
 #endif
     if (live) {
 #if CPA
-        int slot = 0;  // the stage holding chunk c; chunk c + CPA - 1 goes to the one before it
-        for (int c = cbeg; c < cend; ++c) {
+        int slot = 0;  // the stage holding local chunk j; chunk j + CPA - 1 goes to the one before it
+        for (int j = 0; j < nloc; ++j) {
             const int prev = slot == 0 ? CPA - 1 : slot - 1;  // consumed by the previous chunk
-            if (c + CPA - 1 < cend) issue_stage(ring + prev * UNITS * NT * 16, wp, xp, sc, zp, rec0, rec_step, c + CPA - 1, GC);
+            if (j + CPA - 1 < nloc)
+                issue_stage(ring + prev * UNITS * NT * 16, wp, xp, sc, zp, rec0, rec_step, chunk_of(j + CPA - 1), GC);
             cp_async_commit();
-            cp_async_wait<CPA - 1>();  // this thread's copies of chunk c have landed
-            const bool gstart = (c - cbeg) % GC == 0;
+            cp_async_wait<CPA - 1>();  // this thread's copies of chunk j have landed
+            const bool gstart = j % GC == 0;
             Stage cur;
             read_stage(cur, ring + slot * UNITS * NT * 16, gstart);
 #if XS
-            x_from_smem(cur, xp, c);
+            x_from_smem(cur, xp, chunk_of(j));
 #endif
-            compute_chunk(A, cur, gstart, (c - cbeg) % GC == GC - 1);
+            compute_chunk(A, cur, gstart, j % GC == GC - 1);
             slot = slot == CPA - 1 ? 0 : slot + 1;
         }
         cp_async_wait<0>();  // no copy may land after the CTA ends (empty groups complete at once)
 #else
-        for (int c0 = cbeg; c0 < cend; c0 += S) {
+        for (int j0 = 0; j0 < nloc; j0 += S) {
 #pragma unroll
             for (int s = 0; s < S; ++s) {
-                const int c = c0 + s;
-                if (S == 1 && c < cend)  // no prefetch: load, then compute (fewer registers, more warps)
-                    load_stage(st[0], wp, xp, sc, zp, rec0, rec_step, c, GC);
-                else if (S > 1 && c + S - 1 < cend)  // keep S - 1 chunks in flight
-                    load_stage(st[(s + S - 1) % S], wp, xp, sc, zp, rec0, rec_step, c + S - 1, GC);
-                if (c < cend) {
+                const int j = j0 + s;
+                if (S == 1 && j < nloc)  // no prefetch: load, then compute (fewer registers, more warps)
+                    load_stage(st[0], wp, xp, sc, zp, rec0, rec_step, chunk_of(j), GC);
+                else if (S > 1 && j + S - 1 < nloc)  // keep S - 1 chunks in flight
+                    load_stage(st[(s + S - 1) % S], wp, xp, sc, zp, rec0, rec_step, chunk_of(j + S - 1), GC);
+                if (j < nloc) {
 #if XS
-                    x_from_smem(st[s], xp, c);
+                    x_from_smem(st[s], xp, chunk_of(j));
 #endif
-                    compute_chunk(A, st[s], (c - cbeg) % GC == 0, (c - cbeg) % GC == GC - 1);
+                    compute_chunk(A, st[s], j % GC == 0, j % GC == GC - 1);
                 }
             }
         }
 #endif
     }
 
+#undef chunk_of
+#if KW > 1
+    // the K-splitting warps' sums meet in shared memory (the stages / x slice are done with);
+    // warp kw == 0 adds them in kw order (deterministic) and goes on alone
+    __syncthreads();
+    float* red = reinterpret_cast<float*>(smem_raw);
+    const int frag0 = (warp / KW) * (TW * NB * 4);  // this column of warps' fragments
+#define RED_AT(k) red[((k - 1) * (WARPS / KW) * TW * NB * 4 + frag0 + (a * NB + b) * 4 + f) * 32 + lane]
+    if (kw > 0) {
+        FOR_FRAGS RED_AT(kw) = A.acc[a][b][f];
+    }
+    __syncthreads();
+    if (kw == 0) {
+        for (int k2 = 1; k2 < KW; ++k2) {
+            FOR_FRAGS A.acc[a][b][f] += RED_AT(k2);
+        }
+    }
+#undef RED_AT
+    const bool owner = live && kw == 0;
+#else
+    const bool owner = live;
+#endif
     // accumulator f of (tile a, token block b): row nbase + 16a + 8 * (f >> 1), token 8b + 2t + (f & 1)
     const int nbase = nblk * 64 + tile0 * 16 + g;
 #define FRAG_TOK (8 * b + 2 * t + (f & 1))
 #define FRAG_ROW (nbase + 16 * a + 8 * (f >> 1))
     if (splits == 1) {
-        if (live) store_out(A.acc, out, stride_o, M, nbase, t);
+        if (owner) store_out(A.acc, out, stride_o, M, nbase, t);
         return;
     }
-    if (live) {
+    if (owner) {
         FOR_FRAGS if (FRAG_TOK < M) ws[((size_t)split * M + FRAG_TOK) * N + FRAG_ROW] = A.acc[a][b][f];
     }
     __threadfence();  // this thread's partials are visible device-wide before the count
@@ -177,7 +208,7 @@ w4_mma_gemm(const dt* __restrict__ x, int M, long long stride_x, const uint4* __
         if (last) cnt[blockIdx.x] = 0;  // ready for the next launch (and CUDA graph replay)
     }
     __syncthreads();
-    if (!last || !live) return;
+    if (!last || !owner) return;
     __threadfence();
     // split order (deterministic); one split's loads all in flight at once, not one by one
     FOR_FRAGS A.acc[a][b][f] = 0.f;

@@ -42,8 +42,9 @@ MAX_FUSED_M = 64
 #: 8, TW 16-row tiles per warp, WARPS per CTA, S register stages, XS (x slice in shared memory;
 #: dropped where it does not fit), SCALE_A (group scale in the operand instead of a second
 #: accumulator), MINB, LDW (weight loads bypass L1), CPA (0, or cp.async stages in shared
-#: memory: the weights and x of CPA - 1 chunks in flight per thread); ``waves``: split K until about waves x
-#: SMs CTAs; GCC (chunks per group) is set per call. Tuned entries (choices
+#: memory: the weights and x of CPA - 1 chunks in flight per thread), KW (warps of a CTA that
+#: split its K range, summed in shared memory; WARPS / KW columns of warps along N);
+#: ``waves``: split K until about waves x SMs CTAs; GCC (chunks per group) is set per call. Tuned entries (choices
 #: table kind "w4_mma", ``bench_quant.py --tune``) override these.
 CONFIGS = {  # M <= 16: the winners at 14336 x 14336 on the H200 (BENCHMARKS.md, eighth session)
     8: dict(NB=1, TW=4, WARPS=4, S=1, XS=0, SCALE_A=False, MINB=1, LDW=1, waves=4),
@@ -131,7 +132,7 @@ def bucket(m: int) -> int:
 def plan(m: int, n: int, k: int, group_size: int, cfg: dict, num_sms: int) -> tuple[int, int, int]:
     """(CTAs along N, chunks per split, splits): splits fill about ``waves`` x SMs CTAs; a
     split holds whole groups."""
-    ctas_n = -(-(n // 16 // cfg["TW"]) // cfg["WARPS"])
+    ctas_n = -(-(n // 16 // cfg["TW"]) // (cfg["WARPS"] // cfg.get("KW", 1)))
     groups = k // group_size
     want = cfg.get("split_k") or max(1, round(cfg["waves"] * num_sms / ctas_n))
     per = -(-groups // min(groups, want))
@@ -178,9 +179,9 @@ def mma_gemm(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: 
     xs = m * (cps * 64 + 8) * x.element_size() if cfg["XS"] else 0
     if (xs or cfg.get("CPA")) and xs + stage_bytes(cfg) > _smem_limit(x.device):  # (query only when asked)
         cfg["XS"], xs = 0, 0  # the x slice does not fit beside the stages: each warp loads x itself
-    smem = xs + stage_bytes(cfg)
+    smem = max(xs + stage_bytes(cfg), reduce_bytes(cfg))
     if smem and smem > _smem_limit(x.device):
-        raise ValueError(f"w4 mma GEMM: config {cfg} needs {smem} bytes of shared memory for its CPA stages, "
+        raise ValueError(f"w4 mma GEMM: config {cfg} needs {smem} bytes of shared memory for its CPA stages / KW sums, "
                          f"more than the device's {_smem_limit(x.device)}")
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     ws = cnt = out
@@ -193,7 +194,7 @@ def mma_gemm(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: 
 
 
 #: Launch-config keys: the kernel's compile-time constants (GCC is set per call) and the split rule.
-CONFIG_KEYS = ("NB", "TW", "WARPS", "S", "XS", "SCALE_A", "MINB", "LDW", "CPA", "waves", "split_k")
+CONFIG_KEYS = ("NB", "TW", "WARPS", "S", "XS", "SCALE_A", "MINB", "LDW", "CPA", "KW", "waves", "split_k")
 
 
 def check_config_keys(cfg: dict) -> None:
@@ -213,15 +214,17 @@ def check_config_keys(cfg: dict) -> None:
 def check_config(cfg: dict, m: int) -> None:
     """Raise ValueError unless the full config ``cfg`` launches and its tiles cover M tokens:
     M <= 8 * NB <= MAX_FUSED_M, TW in 1/2/4, 1 <= WARPS <= 32 (1024 threads), S >= 1, XS /
-    SCALE_A / LDW 0 or 1, MINB >= 1, CPA 0 or 2..8, split_k >= 0 (0 / None: by ``waves``)."""
+    SCALE_A / LDW 0 or 1, MINB >= 1, CPA 0 or 2..8, KW >= 1 dividing WARPS, split_k >= 0 (0 /
+    None: by ``waves``)."""
     check_config_keys(cfg)
     flags = all(int(cfg.get(key, 0)) in (0, 1) for key in ("XS", "SCALE_A", "LDW"))
     if not (m <= 8 * cfg["NB"] <= MAX_FUSED_M and cfg["TW"] in (1, 2, 4) and 1 <= cfg["WARPS"] <= 32
             and cfg["S"] >= 1 and flags and cfg.get("MINB", 1) >= 1 and cfg.get("CPA", 0) in (0, *range(2, 9))
+            and cfg.get("KW", 1) >= 1 and cfg["WARPS"] % cfg.get("KW", 1) == 0
             and (cfg.get("split_k") or 0) >= 0 and cfg.get("waves", 1) > 0):
         raise ValueError(f"w4 mma GEMM: config {cfg} does not cover M {m} or cannot launch (needs M <= 8 * NB <= "
                          f"{MAX_FUSED_M}, TW in 1/2/4, 1 <= WARPS <= 32, S >= 1, XS / SCALE_A / LDW 0 or 1, "
-                         "MINB >= 1, CPA 0 or 2..8, split_k >= 0, waves > 0)")
+                         "MINB >= 1, CPA 0 or 2..8, KW >= 1 dividing WARPS, split_k >= 0, waves > 0)")
 
 
 def stage_bytes(cfg: dict) -> int:
@@ -231,6 +234,13 @@ def stage_bytes(cfg: dict) -> int:
         return 0
     units = cfg["TW"] + (0 if cfg["XS"] else 2 * cfg["NB"]) + (cfg["TW"] + 1) // 2 + 1
     return cfg["CPA"] * units * 32 * cfg["WARPS"] * 16
+
+
+def reduce_bytes(cfg: dict) -> int:
+    """Shared memory where the KW > 1 warps of a column hand their fp32 sums to warp kw = 0:
+    (KW - 1) * (WARPS / KW) warps x TW * NB * 4 fragments x 32 lanes x 4 bytes (0 for KW 1)."""
+    kw = cfg.get("KW", 1)
+    return (kw - 1) * (cfg["WARPS"] // kw) * cfg["TW"] * cfg["NB"] * 4 * 32 * 4
 
 
 def _smem_limit(device: torch.device) -> int:

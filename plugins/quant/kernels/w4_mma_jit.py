@@ -1,6 +1,6 @@
 """NVRTC compilation (through CuPy) and launch of the ``w4_mma.cu`` kernels.
 
-One module per (dtype, NB, TW, WARPS, S, XS, SCALE_A), compiled on first use and cached in
+One module per (dtype, ``_DEFINES``), compiled on first use and cached in
 process (CuPy also caches the cubin on disk). Launches go on torch's current stream, so they
 are ordered with torch work and captured by CUDA graphs.
 """
@@ -20,7 +20,7 @@ from kvforge.layers.cupy_launch import ptr as _ptr
 SOURCE = "\n".join(Path(__file__).with_name(f).read_text()
                    for f in ("w4_mma_ops.cuh", "w4_mma_stages.cuh", "w4_mma.cu"))
 _LOCK = threading.Lock()
-_DEFINES = (("NB", 1), ("TW", 4), ("WARPS", 4), ("S", 2), ("XS", 0), ("SCALE_A", 0), ("MINB", 1), ("LDW", 0), ("GCC", 0), ("CPA", 0))
+_DEFINES = (("NB", 1), ("TW", 4), ("WARPS", 4), ("S", 2), ("XS", 0), ("SCALE_A", 0), ("MINB", 1), ("LDW", 0), ("GCC", 0), ("CPA", 0), ("KW", 1))
 
 
 def nvrtc_options(dtype: torch.dtype, cfg: "dict | None" = None) -> tuple[str, ...]:
@@ -62,14 +62,14 @@ class W4MmaKernels:
     def gemm(self, x, words, scales, zeros, out, ws, cnt, *, n: int, group_chunks: int, chunks_per_split: int,
              splits: int, cfg: dict, smem: int = 0) -> None:
         """out [M, N] = x [M, K] @ W; operands as in ``w4_mma.py`` (x rows 16-byte aligned);
-        ``smem``: dynamic shared memory bytes (the x slice, with XS)."""
+        ``smem``: dynamic shared memory bytes (the x slice with XS, CPA stages, KW sums)."""
         m, k = x.shape
         # the kernel fetches a group's scales at its first chunk: splits must hold whole groups
         assert chunks_per_split % group_chunks == 0, (chunks_per_split, group_chunks)
         # groups of up to 8 chunks (group_size <= 512) are compiled in: their % and / become shifts
         fn = self._fn("w4_mma_gemm", x.device, x.dtype, {**cfg, "GCC": group_chunks if group_chunks <= 8 else 0})
         units = (n // 16) // cfg["TW"]
-        grid = (-(-units // cfg["WARPS"]), splits)
+        grid = (-(-units // (cfg["WARPS"] // cfg.get("KW", 1))), splits)
         with self._streams.current(x.device):
             fn(grid, (32 * cfg["WARPS"],),
                (_ptr(x), np.int32(m), np.int64(x.stride(0)), _ptr(words), _ptr(scales), _ptr(zeros), np.int32(n),

@@ -57,6 +57,9 @@ __device__ __forceinline__ unsigned word_of(const uint4& v, int i) {
 #ifndef S
 #define S 2
 #endif
+#ifndef KW
+#define KW 1
+#endif
 
 // One K chunk's operands for a lane: TW weight words x4, NB x 16-element runs (unless XS),
 // and at a group's first chunk its 2 * TW scales and zeros.
