@@ -56,6 +56,7 @@ def gemm_emu(cfg, dtype, x_bits, M, stride_x, wq, sc, zp, N, KC, gc_rt, cps, spl
     uint16 bits) with the kernel's launch constants ``cfg``; returns y [M * N] float64."""
     TW, NB, WARPS, S, XS, SA = (int(cfg[k]) for k in ("TW", "NB", "WARPS", "S", "XS", "SCALE_A"))
     CPA = int(cfg.get("CPA", 0))
+    ACT = int(cfg.get("ACT", 0))  # the SwiGLU epilogue: finished rows are kept unrounded, activated at the end
     KW = int(cfg.get("KW", 1))
     COLS = WARPS // KW  # columns of warps along N; the KW warps of a column split K
     if KW > 1:  # every fragment slot of the shared-memory sums inside the bytes the host asked for
@@ -219,7 +220,7 @@ def gemm_emu(cfg, dtype, x_bits, M, stride_x, wq, sc, zp, N, KC, gc_rt, cps, spl
                     m = tok < M
                     assert (row < N).all()
                     if splits == 1:
-                        out[(tok * N + row)[m]] = rnd(acc[a, b, f][m], dtype)
+                        out[(tok * N + row)[m]] = acc[a, b, f][m] if ACT else rnd(acc[a, b, f][m], dtype)
                     else:
                         ws[((by * M + tok) * N + row)[m]] = acc[a, b, f][m]
             if splits > 1:
@@ -236,8 +237,12 @@ def gemm_emu(cfg, dtype, x_bits, M, stride_x, wq, sc, zp, N, KC, gc_rt, cps, spl
                                 v = ws[((k * M + tok) * N + row)[m]]
                                 assert not np.isnan(v).any(), "ws read before written"
                                 tot[m] += v
-                            out[(tok * N + row)[m]] = rnd(tot[m], dtype)
+                            out[(tok * N + row)[m]] = tot[m] if ACT else rnd(tot[m], dtype)
     assert (cnt == 0).all()
+    if ACT:  # gate and up of feature 8T + i are rows 16T + i and 16T + 8 + i
+        y = out.reshape(M, N // 16, 2, 8)
+        gate, up = y[:, :, 0], y[:, :, 1]
+        return rnd(gate / (1 + np.exp(-gate)) * up, dtype).reshape(-1)
     return out
 
 
@@ -291,7 +296,8 @@ class FakeKernels:
         y = gemm_emu(cfg, x.dtype, flat, m, x.stride(0), words.contiguous().view(-1).numpy().view(np.uint32),
                      scales.reshape(-1).numpy(), zeros.reshape(-1).view(torch.int16).numpy().astype(np.uint16),
                      n, k // 64, group_chunks, chunks_per_split, splits)
-        out.copy_(torch.from_numpy(y.reshape(m, n)).to(out.dtype))
+        assert out.shape == (m, n // 2 if cfg.get("ACT") else n)
+        out.copy_(torch.from_numpy(y.reshape(out.shape)).to(out.dtype))
 
     def dequant(self, words, scales, zeros, wt, *, n, k, group_chunks):
         v = dequant_emu(wt.dtype, words.contiguous().view(-1).numpy().view(np.uint32), scales.reshape(-1).numpy(),

@@ -29,6 +29,15 @@ class LinearMethod(ABC):
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         """Called once after every checkpoint tensor was loaded."""
 
+    def apply_silu_and_mul(self, layer: torch.nn.Module, x: torch.Tensor,
+                           bias: torch.Tensor | None) -> torch.Tensor | None:
+        """Optional fused SwiGLU for a gate|up layer (``layer.gate_up`` True: two equal
+        projections): ``x`` [T, input_size] -> silu(gate) * up [T, output_size / 2], or None
+        where this method has no fused path (the layer then runs :meth:`apply` and
+        ``kvforge.layers.activation.silu_and_mul``). Whatever the weight layout,
+        :meth:`apply` must still return [gate | up] in checkpoint order."""
+        return None
+
 
 class QuantizationConfig(ABC):
     """Built by a quantizer factory from the checkpoint's ``quantization_config``."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from kvforge.interfaces import LinearMethod, QuantizationConfig
+from kvforge.layers.activation import silu_and_mul
 
 
 class FusedLinear(torch.nn.Module):
@@ -59,3 +60,14 @@ class FusedLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.method.apply(self, x, self.bias)
+
+    #: True for a gate|up pair (``MergedColumnParallelLinear``): the method may lay the weight
+    #: out for a fused SwiGLU (:meth:`silu_and_mul`).
+    gate_up = False
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of a gate|up layer: x [T, in] -> [T, out / 2] (SwiGLU, Shazeer
+        2020), through the method's fused path where it has one
+        (``LinearMethod.apply_silu_and_mul``), else :meth:`forward` then the activation."""
+        y = self.method.apply_silu_and_mul(self, x, self.bias) if self.gate_up else None
+        return y if y is not None else silu_and_mul(self.forward(x))

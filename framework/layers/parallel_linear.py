@@ -97,7 +97,10 @@ class ColumnParallelLinear(FusedLinear):
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Column-parallel fused projections split evenly (``gate|up``): each rank keeps its
-    slice of every projection, so ``silu(gate) * up`` stays rank-local."""
+    slice of every projection, so ``silu(gate) * up`` stays rank-local
+    (:meth:`~kvforge.layers.linear.FusedLinear.silu_and_mul`)."""
+
+    gate_up = True
 
 
 class QKVParallelLinear(ColumnParallelLinear):

@@ -19,7 +19,6 @@ import torch
 from kvforge import hookimpl
 from kvforge.distributed import parallel_state as ps
 from kvforge.interfaces import AttentionLayer, ForwardMetadata, Model, ModelContext
-from kvforge.layers.activation import silu_and_mul
 from kvforge.layers.attention import PagedAttention
 from kvforge.layers.layernorm import RMSNorm
 from kvforge.layers.linear import FusedLinear
@@ -89,7 +88,7 @@ class LlamaMLP(torch.nn.Module):
                                            f"{prefix}.down_proj", ctx.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj.silu_and_mul(x))
 
 
 class LlamaDecoderLayer(torch.nn.Module):

@@ -20,7 +20,9 @@ kernel path, act-order rows are permuted so groups are contiguous (``perm`` [K];
 activation is gathered with it), and 4-bit weights are repacked into the pairs layout
 (``kernels/w4_pairs.py``; ``layer.wna16_tile_k`` set) or, with ``int4_layout: mma``, the mma
 layout (``kernels/w4_mma.py``; ``mma_scales`` replaces ``scales``, ``wzeros`` holds ``BIAS + z``
-in the model dtype); ``layer.wna16_layout`` names the layout.
+in the model dtype; a gate|up pair, ``layer.gate_up``, with its rows interleaved 8 by 8 so the
+kernel writes silu(gate) * up itself: ``apply_silu_and_mul``, ``layer.wna16_gated``);
+``layer.wna16_layout`` names the layout.
 Dequantized weight: ``W^T[k, n] = (q[k, n] - wzeros[g(k), n]) * scales[g(k), n]``.
 """
 from __future__ import annotations
@@ -162,6 +164,7 @@ class WNA16LinearMethod(LinearMethod):
                                              (self.backend == "auto" and device.type == "cuda"))
         layer.wna16_tile_k = None  # set when the weight is repacked into the pairs layout
         layer.wna16_layout = "checkpoint"
+        layer.wna16_gated = False  # set when a gate|up pair is repacked interleaved (mma layout)
         if self.fmt == "gptq":
             self._act_order(layer, k, gs, device)
         want = self.int4_layout
@@ -236,12 +239,25 @@ class WNA16LinearMethod(LinearMethod):
         return unpack_rows(qw[:, c0:c1], 4)
 
     def _repack_mma(self, layer):
-        """Repack the 4-bit weight, scales and zero points into the mma layout (``kernels/w4_mma.py``)."""
+        """Repack the 4-bit weight, scales and zero points into the mma layout (``kernels/w4_mma.py``);
+        a gate|up pair (``layer.gate_up``) with its rows interleaved for the fused SwiGLU epilogue."""
         n = layer.wna16_n
+        half = n // 2
+        gated = bool(getattr(layer, "gate_up", False)) and layer.output_sizes == [half, half] and half % 8 == 0
+
+        def columns(c0, c1):  # the 4-bit ints of layout columns [c0, c1) (c0, c1 multiples of 16)
+            if not gated:
+                return self._unpacked_columns(layer, c0, c1)
+            g, u = (self._unpacked_columns(layer, h * half + c0 // 2, h * half + c1 // 2) for h in (0, 1))
+            return w4_mma.interleave_gate_up(torch.cat([g, u], dim=1))
         # column chunks: the unpacked ints take 4-8 bytes per weight
-        parts = [w4_mma.pack_mma(self._unpacked_columns(layer, c0, min(c0 + 4096, n))) for c0 in range(0, n, 4096)]
+        parts = [w4_mma.pack_mma(columns(c0, min(c0 + 4096, n))) for c0 in range(0, n, 4096)]
         layer.qweight = torch.nn.Parameter(torch.cat(parts, dim=0), requires_grad=False)
-        sc, zb = w4_mma.pack_mma_groups(layer.scales.data, layer.wzeros, layer.wna16_dtype)
+        scales, zeros = layer.scales.data, layer.wzeros
+        if gated:
+            scales, zeros = w4_mma.interleave_gate_up(scales), w4_mma.interleave_gate_up(zeros)
+        layer.wna16_gated = gated
+        sc, zb = w4_mma.pack_mma_groups(scales, zeros, layer.wna16_dtype)
         del layer.scales
         layer.register_buffer("mma_scales", sc, persistent=False)
         layer.register_buffer("wzeros", zb, persistent=False)
@@ -268,7 +284,8 @@ class WNA16LinearMethod(LinearMethod):
 
     # -- compute ---------------------------------------------------------------------------
     def dequantized(self, layer, dtype: torch.dtype) -> torch.Tensor:
-        """W^T [K, N] in ``dtype`` (reference path)."""
+        """W^T [K, N] in ``dtype`` (reference path), in the layout's column order (gate|up
+        interleaved where ``layer.wna16_gated``)."""
         if layer.wna16_layout == "mma":
             return w4_mma.dequantize_mma(layer.qweight, layer.mma_scales, layer.wzeros, group_size=layer.wna16_group,
                                          dtype=dtype)
@@ -278,6 +295,20 @@ class WNA16LinearMethod(LinearMethod):
         return dequantize_wna16(layer.qweight, layer.scales, layer.wzeros, bits=self.bits,
                                 group_size=layer.wna16_group, pack_k=self.fmt != "awq",
                                 awq_order=self.fmt == "awq", dtype=dtype, g_idx=layer.g_idx_ref)
+
+    def apply_silu_and_mul(self, layer, x, bias):
+        """The fused SwiGLU of a gate|up pair repacked interleaved (mma layout, no bias):
+        silu(gate) * up in the kernel's epilogue; None otherwise."""
+        if not getattr(layer, "wna16_gated", False) or bias is not None:
+            return None
+        k = x.shape[-1]
+        x2 = x.reshape(-1, k)
+        if x2.dtype == layer.wzeros.dtype:
+            y = w4_mma.mma_gemm(x2, layer.qweight, layer.mma_scales, layer.wzeros, group_size=layer.wna16_group,
+                                n=layer.wna16_n, silu_and_mul=True)
+        else:
+            y = w4_mma.silu_and_mul_interleaved(x2 @ self.dequantized(layer, x2.dtype))
+        return y.reshape(*x.shape[:-1], y.shape[-1])
 
     def apply(self, layer, x, bias):
         k = x.shape[-1]
@@ -301,6 +332,8 @@ class WNA16LinearMethod(LinearMethod):
                                n=layer.wna16_n)
         else:
             y = x2 @ self.dequantized(layer, x.dtype)
+        if layer.wna16_gated:  # [gate | up] in checkpoint order
+            y = w4_mma.deinterleave_gate_up(y)
         if bias is not None:
             y = y + bias
         return y.reshape(*x.shape[:-1], y.shape[-1])

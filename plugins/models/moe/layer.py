@@ -180,5 +180,4 @@ class SwiGLUMLP(torch.nn.Module):
                                            reduce_results=reduce_results)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from kvforge.layers.activation import silu_and_mul
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj.silu_and_mul(x))

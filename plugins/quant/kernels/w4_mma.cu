@@ -17,7 +17,8 @@
 // L1 and prefetch 256 bytes into L2), GCC (64-wide chunks per scale group when it is a
 // compile-time constant, else 0), CPA (0: operands through registers as S says; P > 1: a
 // P-stage cp.async pipeline in shared memory, P - 1 chunks in flight without holding registers),
-// KW (warps of a CTA splitting its K range: warp kw takes the split's groups kw, kw + KW, ...;
+// ACT (1: the SwiGLU epilogue of store_out, output N / 2 wide), PDL (1: launched as a
+// programmatic dependent: weight prefetch, then griddepcontrol.wait; sm_90+), KW (warps of a CTA splitting its K range: warp kw takes the split's groups kw, kw + KW, ...;
 // their sums meet in shared memory, so K parallelism costs a CTA barrier, not split K's
 // global partials, fence and arrival counter: ~2.5 us per call on the H200, BENCHMARKS.md).
 //
@@ -53,17 +54,41 @@ __device__ __forceinline__ void fill_x(dt* xs, const dt* x, int M, long long str
     __syncthreads();
 }
 
-// y[token][row] for the lane's fragments (rows past nbase as in the kernel's epilogue)
+#ifndef ACT
+#define ACT 0
+#endif
+
+// y[token][row] for the lane's fragments (rows past nbase as in the kernel's epilogue). ACT 1
+// (a gate|up weight packed with gate and up rows interleaved 8 by 8, w4_mma.interleave_gate_up):
+// a lane's f = 0, 1 fragments are gate rows and f = 2, 3 the up rows of the same features and
+// tokens, so silu(gate) * up (SwiGLU, fp32, rounded once) is written to feature 8 * tile + g.
 __device__ __forceinline__ void store_out(const float (&acc)[TW][NB][4], dt* out, long long stride_o, int M,
                                           int nbase, int t) {
+#if ACT
+    const int g = nbase & 7, col0 = (nbase - g) / 2 + g;  // nbase = 16 * tile + g
+#pragma unroll
+    for (int a = 0; a < TW; ++a)
+#pragma unroll
+        for (int b = 0; b < NB; ++b)
+#pragma unroll
+            for (int f = 0; f < 2; ++f) {
+                const int tok = 8 * b + 2 * t + f;
+                const float gate = acc[a][b][f], up = acc[a][b][f + 2];
+                if (tok < M) out[(size_t)tok * stride_o + col0 + 8 * a] = f_to_dt(gate / (1.f + __expf(-gate)) * up);
+            }
+#else
     FOR_FRAGS {
         const int tok = 8 * b + 2 * t + (f & 1);
         if (tok < M) out[(size_t)tok * stride_o + nbase + 16 * a + 8 * (f >> 1)] = f_to_dt(acc[a][b][f]);
     }
+#endif
 }
 
 #ifndef MINB
 #define MINB 1
+#endif
+#ifndef PDL
+#define PDL 0
 #endif
 
 extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB)
@@ -81,10 +106,20 @@ w4_mma_gemm(const dt* __restrict__ x, int M, long long stride_x, const uint4* __
     const int splits = gridDim.y, split = blockIdx.y;
     const int cbeg = split * cps, cend = min(cbeg + cps, KC);
     const bool live = nblk < NBLK;
+    const uint4* wp = wq + (size_t)nblk * KC * 128 + tile0 * 32 + lane;  // this lane's weight vectors
     // this warp's chunks: local chunk j is chunk_of(j); splits hold whole groups
     const int ngrp = (cend - cbeg) / GC;
     const int nloc = kw < ngrp ? ((ngrp - 1 - kw) / KW + 1) * GC : 0;
 #define chunk_of(j) (KW == 1 ? cbeg + (j) : cbeg + (((j) / GC) * KW + kw) * GC + (j) % GC)
+#if PDL  // launched as a programmatic dependent (kvforge/layers/pdl.py): only static weights
+    // before the wait. Prefetch this warp's into L2 while the kernel before finishes.
+    if (live)
+        for (int j = 0; j < nloc; ++j)
+#pragma unroll
+            for (int a = 0; a < TW; ++a)
+                asm volatile("prefetch.global.L2 [%0];" ::"l"(wp + (size_t)chunk_of(j) * 128 + a * 32));
+    asm volatile("griddepcontrol.wait;" ::: "memory");  // the previous kernel's writes (x) are visible
+#endif
 #if XS || CPA || KW > 1
     extern __shared__ __align__(16) unsigned char smem_raw[];
 #endif
@@ -96,7 +131,6 @@ w4_mma_gemm(const dt* __restrict__ x, int M, long long stride_x, const uint4* __
     const int xpitch = cps * 64 + 8;  // +16 bytes: lanes g and g + 1 hit different banks
 #endif
 
-    const uint4* wp = wq + (size_t)nblk * KC * 128 + tile0 * 32 + lane;
     // this lane's entries of a (group, nblk, g) record: (tile0 + a, r) at 2 * (tile0 + a) + r
     const size_t rec0 = ((size_t)nblk * 8 + g) * 8 + 2 * tile0, rec_step = (size_t)NBLK * 64;
     const dt* xp[NB];
@@ -168,6 +202,9 @@ w4_mma_gemm(const dt* __restrict__ x, int M, long long stride_x, const uint4* __
     }
 
 #undef chunk_of
+#if PDL  // the loads are done: the next kernel (if launched as a dependent) may start its prologue
+    asm volatile("griddepcontrol.launch_dependents;");
+#endif
 #if KW > 1
     // the K-splitting warps' sums meet in shared memory (the stages / x slice are done with);
     // warp kw == 0 adds them in kw order (deterministic) and goes on alone

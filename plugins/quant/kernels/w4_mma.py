@@ -119,6 +119,34 @@ def unpack_mma_groups(scales: torch.Tensor, zeros: torch.Tensor):
     return order(scales), (order(zeros.float()) - _BIAS[zeros.dtype]).to(torch.int32)
 
 
+def interleave_gate_up(t: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Reorder the out features of a gate|up weight (``[gate 0..I) | up 0..I)`` along ``dim``,
+    I a multiple of 8) so each 16-row tile of the layout holds gate rows 8T..8T+8 then the up
+    rows of the same features: feature 16T + 8h + i <- h * I + 8T + i. A lane's accumulators
+    then hold gate and up of one feature, and the kernel's ``ACT`` epilogue writes
+    silu(gate) * up without another pass (``mma_gemm(..., silu_and_mul=True)``)."""
+    dim = dim % t.dim()
+    n = t.shape[dim]
+    assert n % 16 == 0, n
+    s = t.shape
+    v = t.reshape(*s[:dim], 2, n // 16, 8, *s[dim + 1:]).transpose(dim, dim + 1)
+    return v.reshape(s)
+
+
+def deinterleave_gate_up(y: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`interleave_gate_up` on the last dim: y [..., 2I] -> [gate | up]."""
+    s = y.shape
+    return y.reshape(*s[:-1], s[-1] // 16, 2, 8).transpose(-3, -2).reshape(s)
+
+
+def silu_and_mul_interleaved(y: torch.Tensor) -> torch.Tensor:
+    """SwiGLU of an interleaved gate|up product: y [M, 2I] -> silu(gate) * up [M, I] in
+    y's dtype (fp32 math, rounded once, as ``kvforge.layers.activation.silu_and_mul``)."""
+    v = y.reshape(y.shape[0], -1, 2, 8).float()
+    g, u = v[:, :, 0], v[:, :, 1]
+    return (g / (1.0 + torch.exp(-g)) * u).reshape(y.shape[0], -1).to(y.dtype)
+
+
 def dequantize_mma(words, scales, zeros, *, group_size: int, dtype: torch.dtype) -> torch.Tensor:
     """Reference: W^T [K, N] = (q - z) * s in ``dtype`` (computed in fp32)."""
     s, z = unpack_mma_groups(scales, zeros)
@@ -140,12 +168,13 @@ def plan(m: int, n: int, k: int, group_size: int, cfg: dict, num_sms: int) -> tu
 
 
 def mma_gemm(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, *,
-             group_size: int, n: int, config: "dict | None" = None) -> torch.Tensor:
+             group_size: int, n: int, config: "dict | None" = None, silu_and_mul: bool = False) -> torch.Tensor:
     """``x`` [M, K] fp16/bf16 on CUDA -> [M, N] in ``x.dtype``; operands as in the module
-    docstring. Raises ValueError for another dtype, a shape the layout does not hold, zeros
-    in another dtype than x (the layout is made for the model's dtype), scales / zeros not
-    in the layout's shape, or a ``config`` that is not a launchable one covering M
-    (:func:`check_config`)."""
+    docstring. With ``silu_and_mul`` the weight is a gate|up pair packed interleaved
+    (:func:`interleave_gate_up`) and the result is silu(gate) * up, [M, N / 2]. Raises
+    ValueError for another dtype, a shape the layout does not hold, zeros in another dtype
+    than x (the layout is made for the model's dtype), scales / zeros not in the layout's
+    shape, or a ``config`` that is not a launchable one covering M (:func:`check_config`)."""
     from .w4_mma_jit import kernels
     m, k = x.shape
     if config is not None:
@@ -161,13 +190,13 @@ def mma_gemm(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: 
         raise ValueError(f"w4 mma GEMM: scales {scales.dtype} {tuple(scales.shape)} / zeros {tuple(zeros.shape)} "
                          f"must be contiguous, float32 / x's dtype, of shape {groups} (pack_mma_groups)")
     if m == 0:
-        return x.new_empty((0, n))
+        return x.new_empty((0, n // 2 if silu_and_mul else n))
     if x.stride(-1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
         x = x.clone(memory_format=torch.contiguous_format)  # 16-byte row loads (a fresh, aligned allocation)
     if m > MAX_FUSED_M:
         wt = torch.empty((n, k), dtype=x.dtype, device=x.device)
         kernels().dequant(words, scales, zeros, wt, n=n, k=k, group_chunks=group_size // 64)
-        return x @ wt.t()
+        return silu_and_mul_interleaved(x @ wt.t()) if silu_and_mul else x @ wt.t()
     given = config is not None
     if config is None:  # the defaults and the shipped table pass check_config (tests): not re-checked per call
         tuned = lookup("w4_mma", m, n, k, x.device) or {}
@@ -175,6 +204,7 @@ def mma_gemm(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: 
     cfg = {**CONFIGS[bucket(m)], **config}
     if given:
         check_config(cfg, m)
+    cfg["ACT"] = int(silu_and_mul)  # the epilogue, not a tuning choice
     ctas_n, cps, splits = plan(m, n, k, group_size, cfg, _num_sms(x.device.index or 0))
     xs = m * (cps * 64 + 8) * x.element_size() if cfg["XS"] else 0
     if (xs or cfg.get("CPA")) and xs + stage_bytes(cfg) > _smem_limit(x.device):  # (query only when asked)
@@ -183,7 +213,7 @@ def mma_gemm(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: 
     if smem and smem > _smem_limit(x.device):
         raise ValueError(f"w4 mma GEMM: config {cfg} needs {smem} bytes of shared memory for its CPA stages / KW sums, "
                          f"more than the device's {_smem_limit(x.device)}")
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    out = torch.empty((m, n // 2 if silu_and_mul else n), dtype=x.dtype, device=x.device)
     ws = cnt = out
     if splits > 1:
         ws = torch.empty((splits, m, n), dtype=torch.float32, device=x.device)

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kvforge.layers import pdl
 from kvforge.layers.cupy_launch import TorchStreams
 from kvforge.layers.cupy_launch import ptr as _ptr
 
@@ -20,7 +21,7 @@ from kvforge.layers.cupy_launch import ptr as _ptr
 SOURCE = "\n".join(Path(__file__).with_name(f).read_text()
                    for f in ("w4_mma_ops.cuh", "w4_mma_stages.cuh", "w4_mma.cu"))
 _LOCK = threading.Lock()
-_DEFINES = (("NB", 1), ("TW", 4), ("WARPS", 4), ("S", 2), ("XS", 0), ("SCALE_A", 0), ("MINB", 1), ("LDW", 0), ("GCC", 0), ("CPA", 0), ("KW", 1))
+_DEFINES = (("NB", 1), ("TW", 4), ("WARPS", 4), ("S", 2), ("XS", 0), ("SCALE_A", 0), ("MINB", 1), ("LDW", 0), ("GCC", 0), ("CPA", 0), ("KW", 1), ("ACT", 0), ("PDL", 0))
 
 
 def nvrtc_options(dtype: torch.dtype, cfg: "dict | None" = None) -> tuple[str, ...]:
@@ -67,14 +68,19 @@ class W4MmaKernels:
         # the kernel fetches a group's scales at its first chunk: splits must hold whole groups
         assert chunks_per_split % group_chunks == 0, (chunks_per_split, group_chunks)
         # groups of up to 8 chunks (group_size <= 512) are compiled in: their % and / become shifts
-        fn = self._fn("w4_mma_gemm", x.device, x.dtype, {**cfg, "GCC": group_chunks if group_chunks <= 8 else 0})
+        use_pdl = pdl.enabled(x.device)  # a PDL build is correct with either launch
+        fn = self._fn("w4_mma_gemm", x.device, x.dtype,
+                      {**cfg, "GCC": group_chunks if group_chunks <= 8 else 0, "PDL": int(use_pdl)})
         units = (n // 16) // cfg["TW"]
         grid = (-(-units // (cfg["WARPS"] // cfg.get("KW", 1))), splits)
-        with self._streams.current(x.device):
-            fn(grid, (32 * cfg["WARPS"],),
-               (_ptr(x), np.int32(m), np.int64(x.stride(0)), _ptr(words), _ptr(scales), _ptr(zeros), np.int32(n),
+        block = (32 * cfg["WARPS"],)
+        args = (_ptr(x), np.int32(m), np.int64(x.stride(0)), _ptr(words), _ptr(scales), _ptr(zeros), np.int32(n),
                 np.int32(k // 64), np.int32(group_chunks), np.int32(chunks_per_split), _ptr(ws), _ptr(cnt),
-                _ptr(out), np.int64(out.stride(0))), shared_mem=smem)
+                _ptr(out), np.int64(out.stride(0)))
+        with self._streams.current(x.device):
+            if not (use_pdl and pdl.launch(fn.kernel.ptr, grid, block, args, smem,
+                                           torch.cuda.current_stream(x.device).cuda_stream)):
+                fn(grid, block, args, shared_mem=smem)
 
     def dequant(self, words, scales, zeros, wt, *, n: int, k: int, group_chunks: int) -> None:
         """wt [N, K] (x's dtype) = the dequantized weight, transposed."""

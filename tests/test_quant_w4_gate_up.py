@@ -1,0 +1,146 @@
+"""The fused SwiGLU of the mma int4 layout: a gate|up pair packed with its rows interleaved
+(``w4_mma.interleave_gate_up``) so the kernel's ``ACT`` epilogue writes silu(gate) * up.
+
+On the CPU: the interleave worked by hand, the kernel's index arithmetic and epilogue
+through the emulation (tests/w4_mma_emulate.py: fused path, KW, split K, and the dequantize
+path past M = 64), and an AWQ gate|up layer repacked this way, whose ``forward`` must still
+give [gate | up] in checkpoint order. On a GPU: the same layer with the real kernel. The
+reference is silu(x @ Wg) * (x @ Wu) in fp64 from the dequantized weights; fresh random data
+each run. Bounds as tests/test_quant_w4_mma.py (bf16 1e-2, fp16 2e-3 of max |ref|).
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvforge_plugins.quant.kernels import w4_mma
+
+BOUND = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.fixture
+def gen():
+    return torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF)
+
+
+def _quant(k, n, group, gen):
+    q = torch.randint(0, 16, (k, n), generator=gen, dtype=torch.int32)
+    s = torch.rand(k // group, n, generator=gen) * 0.004 + 0.001
+    z = torch.randint(0, 16, (k // group, n), generator=gen, dtype=torch.int32)
+    g = torch.arange(k) // group
+    return q, s, z, (q - z[g]).float() * s[g]
+
+
+def _swiglu_ref(x, w_ref):
+    """silu(x @ Wg) * (x @ Wu) in fp64; w_ref [K, 2I] = [gate | up] in checkpoint order."""
+    y = x.double() @ w_ref.double()
+    gate, up = y.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _err(y, ref):
+    return ((y.double() - ref).abs().max() / ref.abs().max()).item()
+
+
+def test_interleave_worked_by_hand():
+    # I = 16: features 0..15 are gate, 16..31 up; tile T holds gate 8T..8T+8 then up 8T..8T+8
+    got = w4_mma.interleave_gate_up(torch.arange(32))
+    want = [*range(0, 8), *range(16, 24), *range(8, 16), *range(24, 32)]
+    assert got.tolist() == want
+    t = torch.randn(3, 64, 5)
+    assert torch.equal(w4_mma.deinterleave_gate_up(w4_mma.interleave_gate_up(t.transpose(1, 2))),
+                       t.transpose(1, 2))
+    y = torch.randn(2, 32, dtype=torch.float64)
+    act = w4_mma.silu_and_mul_interleaved(w4_mma.interleave_gate_up(y))
+    assert torch.allclose(act, F.silu(y[:, :16]) * y[:, 16:])
+
+
+# (K, I, group, M, config): defaults, KW with idle warps, split K (activation after the sum),
+# and M = 70 (dequantize + cuBLAS path, activation in torch)
+CASES = [(256, 96, 64, 1, None), (512, 64, 128, 5, dict(TW=2, WARPS=4, KW=2, S=2)),
+         (640, 160, 128, 9, dict(TW=1, WARPS=2, split_k=3, S=1, CPA=3)), (256, 64, 128, 70, None)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_emulated_fused_swiglu(case, dtype, gen, monkeypatch):
+    import w4_mma_emulate
+    k, inter, group, m, cfg = CASES[case]
+    fake = w4_mma_emulate.install(monkeypatch)
+    q, s, z, w_ref = _quant(k, 2 * inter, group, gen)
+    il = w4_mma.interleave_gate_up
+    ps, pz = w4_mma.pack_mma_groups(il(s), il(z), dtype)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    y = w4_mma.mma_gemm(x, w4_mma.pack_mma(il(q)), ps, pz, group_size=group, n=2 * inter, config=cfg,
+                        silu_and_mul=True)
+    assert y.shape == (m, inter) and y.dtype == dtype
+    err = _err(y, _swiglu_ref(x, w_ref))
+    assert err <= BOUND[dtype], f"seed {gen.initial_seed()} case {case}: {err}"
+    if m <= w4_mma.MAX_FUSED_M:
+        assert fake.calls[-1]["cfg"]["ACT"] == 1
+
+
+def _gate_up_layer(inter, k, group, dtype, device, gen, backend):
+    """An AWQ gate|up layer (``MergedColumnParallelLinear``) loaded shard by shard."""
+    from kvforge.layers.parallel_linear import MergedColumnParallelLinear
+    from kvforge_plugins.quant.awq import AWQConfig, AWQSettings
+    from kvforge_plugins.quant.common import pack_rows
+    qc = AWQConfig({"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm"},
+                   AWQSettings(backend=backend, int4_layout="mma"))
+    q, s, z, w_ref = _quant(k, 2 * inter, group, gen)
+    order = torch.arange(inter).view(-1, 8)[:, [0, 2, 4, 6, 1, 3, 5, 7]].reshape(-1)  # AutoAWQ's nibble order
+    with torch.device(device):
+        layer = MergedColumnParallelLinear(k, [inter, inter], False, qc, "model.layers.0.mlp.gate_up_proj", dtype,
+                                           parallel=False)
+    for h in (0, 1):
+        cols = slice(h * inter, (h + 1) * inter)
+        layer.load("qweight", pack_rows(q[:, cols][:, order].t().contiguous(), 4).t().contiguous().to(device), h)
+        layer.load("qzeros", pack_rows(z[:, cols][:, order].t().contiguous(), 4).t().contiguous().to(device), h)
+        layer.load("scales", s[:, cols].half().to(device), h)
+    layer.method.process_weights_after_loading(layer)
+    return layer, (q - z[torch.arange(k) // group]).float() * s.half().float()[torch.arange(k) // group]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_emulated_gate_up_layer(dtype, gen, monkeypatch):
+    import w4_mma_emulate
+    w4_mma_emulate.install(monkeypatch)
+    monkeypatch.setattr(w4_mma, "runtime_blocker", lambda device: None)  # the emulated kernel runs on the CPU
+    layer, w_ref = _gate_up_layer(96, 256, 64, dtype, "cpu", gen, backend="triton")
+    assert layer.wna16_layout == "mma" and layer.wna16_gated
+    for m in (1, 3, 70):
+        x = torch.randn(m, 256, generator=gen).to(dtype)
+        y = layer(x)  # forward: [gate | up] in checkpoint order, whatever the layout
+        ref = x.double() @ w_ref.double()
+        assert _err(y, ref) <= BOUND[dtype], f"seed {gen.initial_seed()} M={m}"
+        act = layer.silu_and_mul(x)
+        assert act.shape == (m, 96)
+        assert _err(act, _swiglu_ref(x, w_ref)) <= BOUND[dtype], f"seed {gen.initial_seed()} M={m}"
+
+
+def test_reference_backend_keeps_checkpoint_order(gen):
+    # no kernel: nothing is repacked, silu_and_mul is forward + the activation
+    layer, w_ref = _gate_up_layer(64, 128, 64, torch.float16, "cpu", gen, backend="reference")
+    assert not layer.wna16_gated
+    x = torch.randn(4, 128, generator=gen).half()
+    assert _err(layer.silu_and_mul(x), _swiglu_ref(x, w_ref)) <= BOUND[torch.float16]
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_gate_up_layer(dtype, gen):
+    if w4_mma.runtime_blocker(torch.device("cuda")):
+        pytest.skip(w4_mma.runtime_blocker(torch.device("cuda")))
+    layer, w_ref = _gate_up_layer(1024, 512, 128, dtype, "cuda", gen, backend="auto")
+    assert layer.wna16_gated
+    w_ref = w_ref.cuda()
+    for m in (1, 7, 16, 64, 100):
+        x = torch.randn(m, 512, device="cuda", dtype=dtype)
+        with torch.inference_mode():
+            y, act = layer(x), layer.silu_and_mul(x)
+        assert _err(y, x.double() @ w_ref.double()) <= BOUND[dtype], f"seed {gen.initial_seed()} M={m}"
+        assert _err(act, _swiglu_ref(x, w_ref)) <= BOUND[dtype], f"seed {gen.initial_seed()} M={m}"
