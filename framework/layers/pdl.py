@@ -12,9 +12,11 @@ ISA, ``griddepcontrol``. Stream capture records the programmatic edge (CUDA 12.3
 graphs keep the overlap.
 
 CuPy's launch takes no launch attributes, so :func:`launch` calls the driver's
-``cuLaunchKernelEx`` through ctypes with the CuPy function's handle. ``KVFORGE_PDL=0`` turns
-PDL off; a launch the driver refuses turns it off for the process, with one warning, and the
-caller launches the usual way.
+``cuLaunchKernelEx`` through ctypes with the CuPy function's handle. PDL is opt-in,
+``KVFORGE_PDL=1``: measured on the H200 (BENCHMARKS.md, twelfth session) the int4 model's
+batch-1 decode step was 0.25 ms *slower* with it (2.66 vs 2.40 ms), so it stays off until a
+variant wins. A launch the driver refuses turns it off for the process, with one warning,
+and the caller launches the usual way.
 """
 from __future__ import annotations
 
@@ -66,7 +68,7 @@ def pack_args(args) -> tuple[ctypes.Array, list]:
     return ptrs, values
 
 
-_state: dict = {"fn": None, "off": os.environ.get("KVFORGE_PDL", "1") == "0", "told": False}
+_state: dict = {"fn": None, "off": os.environ.get("KVFORGE_PDL", "0") != "1", "told": False}
 
 
 def _driver_launch():
@@ -90,8 +92,8 @@ def _disable(why: str) -> None:
 
 
 def enabled(device: torch.device) -> bool:
-    """Whether kernels on ``device`` should be built for and launched with PDL: a CUDA
-    device of compute capability 9.0 or newer, ``KVFORGE_PDL`` not ``0``, and no launch
+    """Whether kernels on ``device`` should be built for and launched with PDL:
+    ``KVFORGE_PDL=1``, a CUDA device of compute capability 9.0 or newer, and no launch
     refused so far."""
     return (not _state["off"] and device.type == "cuda"
             and torch.cuda.get_device_capability(device) >= (9, 0))
