@@ -9,7 +9,8 @@ says what went wrong:
 - a scheduler that exceeds its token budget           -> scheduler suite;
 - a scheduler that starves early arrivals (LIFO)      -> scheduler suite;
 - an attention kernel with an off-by-one causal mask  -> attention suite;
-- a rejection sampler without the correction step     -> drafter suite.
+- a rejection sampler without the correction step     -> drafter suite;
+- a fused SwiGLU that swaps gate and up               -> quantizer suite.
 """
 from __future__ import annotations
 
@@ -26,9 +27,11 @@ from kvforge.testing import Target
 from kvforge.testing import attention as attention_suite
 from kvforge.testing import drafter as drafter_suite
 from kvforge.testing import kv_allocator as alloc_suite
+from kvforge.testing import quantizer as quant_suite
 from kvforge.testing import scheduler as sched_suite
 from kvforge_plugins.attention.torch_ref import TorchRefBackend, gather_kv, write_kv
 from kvforge_plugins.kv_cache.paged import PagedAllocator, PagedSettings
+from kvforge_plugins.quant.unquantized import UnquantizedConfig, UnquantizedLinearMethod
 from kvforge_plugins.schedulers.base import QueueSettings, queue_factory
 from kvforge_plugins.schedulers.chunked_prefill import ChunkedPrefillScheduler
 
@@ -91,6 +94,21 @@ class OffByOneMaskBackend(TorchRefBackend):
         return out
 
 
+class SwappedSwiGLUMethod(UnquantizedLinearMethod):
+    """unquantized, plus a fused SwiGLU that computes silu(up) * gate."""
+
+    def apply_silu_and_mul(self, layer, x, bias):
+        gate, up = self.apply(layer, x, bias).chunk(2, dim=-1)
+        return torch.nn.functional.silu(up) * gate  # the bug: gate and up swapped
+
+
+class SwappedSwiGLUConfig(UnquantizedConfig):
+    name = "swapped_swiglu"
+
+    def __init__(self, hf_quant_config=None, settings=None) -> None:
+        self._method = SwappedSwiGLUMethod()
+
+
 def _make_leaky(num_blocks, block_size, settings, cache_config):
     return LeakyPaged(num_blocks, block_size, cache_config.enable_prefix_caching)
 
@@ -120,6 +138,7 @@ def registry():
                     [(("over_budget", queue_factory(OverBudgetScheduler), QueueSettings), {})])
     attn = _plugin("planted_attn", "kvforge_register_attention_backends",
                    [(("off_by_one", OffByOneMaskBackend), {"priority": -1})])
+    quant = _plugin("planted_quant", "kvforge_register_quantizers", [(("swapped_swiglu", SwappedSwiGLUConfig), {})])
     sys.path.insert(0, str(FIXTURE_PKG))
     try:
         sys.modules.pop("kvforge_example_sched", None)
@@ -127,7 +146,7 @@ def registry():
     finally:
         sys.path.remove(str(FIXTURE_PKG))
     return load_registry(extra_plugins=[("planted_faults", planted), ("planted_sched", sched),
-                                        ("planted_attn", attn), ("example_sched", lifo)])
+                                        ("planted_attn", attn), ("planted_quant", quant), ("example_sched", lifo)])
 
 
 def _fails(check, target: Target, *needles: str) -> str:
@@ -170,6 +189,12 @@ def test_starving_scheduler_is_caught(registry):
 def test_off_by_one_mask_is_caught(registry):
     _fails(attention_suite.check_mixed_batch_numerics, Target("attention", "off_by_one", registry),
            "differs from torch_ref")
+
+
+def test_swapped_fused_swiglu_is_caught(registry):
+    quant_suite.check_linear_matches_dequantized_reference(Target("quantizer", "unquantized", registry))
+    _fails(quant_suite.check_linear_matches_dequantized_reference, Target("quantizer", "swapped_swiglu", registry),
+           "silu_and_mul", "gate_up_proj")
 
 
 def _without_correction(real):

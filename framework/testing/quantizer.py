@@ -5,7 +5,9 @@ through the quantizer (``factory(hf_quant_config, settings)`` ->
 ``get_linear_method(prefix)`` -> ``create_weights``), loads checkpoint-format
 tensors shard by shard with the parameters' own ``weight_loader`` (as the model
 loader does), calls ``process_weights_after_loading`` and compares ``apply`` with
-the dequantized reference ``x @ W_deq^T + b`` computed in float32.
+the dequantized reference ``x @ W_deq^T + b`` computed in float32; for the gate|up
+layer also ``silu_and_mul`` (``LinearMethod.apply_silu_and_mul`` where the method fuses
+it) with silu(gate) * up of that reference.
 
 Checkpoint formats are the quantizer's own business, so a quantizer provides
 the test weights through a small optional protocol on its ``LinearMethod``::
@@ -95,6 +97,7 @@ def _no_protocol(target: Target, method, layer) -> None:
 def check_linear_matches_dequantized_reference(target: Target) -> None:
     import torch
     from kvforge.layers.linear import FusedLinear
+    from kvforge.layers.parallel_linear import MergedColumnParallelLinear
     rng, tag = target.rng("linear")
     device = target.torch_device()
     configs = list(getattr(target.spec.factory, "conformance_quant_configs", None) or [None])
@@ -109,8 +112,9 @@ def check_linear_matches_dequantized_reference(target: Target) -> None:
             for prefix, k, outs in LAYERS:
                 for bias in (False, True):
                     gen = torch.Generator().manual_seed(rng.randrange(1 << 30))
-                    with torch.device(device):
-                        layer = FusedLinear(k, outs, bias, qc, prefix, dtype)
+                    with torch.device(device):  # gate|up as the models build it (a method may fuse SwiGLU)
+                        layer = (MergedColumnParallelLinear(k, outs, bias, qc, prefix, dtype, parallel=False)
+                                 if prefix.endswith("gate_up_proj") else FusedLinear(k, outs, bias, qc, prefix, dtype))
                     method = layer.method
                     make = getattr(method, "make_test_weights", None)
                     deq = getattr(method, "dequantize_test_weights", None)
@@ -159,10 +163,30 @@ def check_linear_matches_dequantized_reference(target: Target) -> None:
                         err = ((y - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
                         if err > rtol:
                             raise AssertionError(f"{where}: max|y - x W_deq^T| / max|ref| = {err:.3g} > {rtol}")
+                        if layer.gate_up:
+                            _check_silu_and_mul(layer, x.to(device), ref, outs, rtol, where)
                     ran += 1
     if ran == 0:
         raise AssertionError(f"{target}: validate() rejected every dtype on {device}:\n  " + "\n  ".join(rejected))
     print(f"{target}: {ran} layers checked, {len(rejected)} (config, dtype) pairs rejected by validate()")
+
+
+def _check_silu_and_mul(layer, x, ref, outs, rtol: float, where: str) -> None:
+    """A gate|up layer's ``silu_and_mul`` (the method's ``apply_silu_and_mul`` where it has
+    one) against silu(gate) * up of the float32 reference. The activation roughly doubles the
+    relative error of its inputs, so the bound is 4 x rtol."""
+    import torch
+    import torch.nn.functional as F
+    with torch.inference_mode():
+        act = layer.silu_and_mul(x)
+    gate, up = ref.split(list(outs), dim=-1)
+    want = F.silu(gate) * up
+    if tuple(act.shape) != tuple(want.shape) or act.dtype != x.dtype:
+        raise AssertionError(f"{where}: silu_and_mul returned {tuple(act.shape)} {act.dtype}, expected "
+                             f"{tuple(want.shape)} {x.dtype}")
+    err = ((act.float().cpu() - want).abs().max() / want.abs().max().clamp_min(1e-6)).item()
+    if err > 4 * rtol:
+        raise AssertionError(f"{where}: max|silu_and_mul - silu(gate) * up| / max|ref| = {err:.3g} > {4 * rtol}")
 
 
 def check_engine_smoke(target: Target) -> None:
