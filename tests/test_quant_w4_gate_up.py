@@ -10,29 +10,12 @@ each run. Bounds as tests/test_quant_w4_mma.py (bf16 1e-2, fp16 2e-3 of max |ref
 """
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from kvforge_plugins.quant.kernels import w4_mma
-
-BOUND = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
-
-@pytest.fixture
-def gen():
-    return torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF)
-
-
-def _quant(k, n, group, gen):
-    q = torch.randint(0, 16, (k, n), generator=gen, dtype=torch.int32)
-    s = torch.rand(k // group, n, generator=gen) * 0.004 + 0.001
-    z = torch.randint(0, 16, (k // group, n), generator=gen, dtype=torch.int32)
-    g = torch.arange(k) // group
-    return q, s, z, (q - z[g]).float() * s[g]
+from test_quant_w4_mma import BOUND, _quant, cuda, gen  # noqa: F401  (gen: the fresh-seed fixture)
 
 
 def _swiglu_ref(x, w_ref):
