@@ -54,7 +54,8 @@ def _w4_configs() -> list[dict]:
     tuned = [{k: v for k, v in cfg.items() if k not in ("schema", "waves")}
              for gpu in table.values() for cfg in gpu.get("w4_mma", {}).values()]
     out = []
-    from test_quant_w4_mma import EMULATED, GPU_CONFIGS  # what the GPU and the emulation run: every #if branch
+    from test_quant_w4_mma import GPU_CONFIGS  # what the GPU and the emulation run: every #if branch
+    from test_quant_w4_mma_emulated import EMULATED
     extra = GPU_CONFIGS + [c for *_, c in EMULATED if c]
     for cfg in [{}] + tuned + extra:
         for gcc in (0, 2):

@@ -326,52 +326,6 @@ def test_gemm_refuses_stages_past_shared_memory(gen, monkeypatch):
     assert ((y.double() - ref).abs().max() / ref.abs().max()).item() <= BOUND[torch.bfloat16]
 
 
-# The kernels' index arithmetic replayed on the CPU (tests/w4_mma_emulate.py): every load
-# bounds- and alignment-checked, each stage holding the chunk being computed, split-K partials
-# summed in a random arrival order. (K, N, group, M, config): odd N / 64, uneven last splits,
-# TW 1/2 with tile0 != 0, XS, S up to 4, SCALE_A, per-channel groups, the dequantize path, and
-# cp.async stages (CPA 2-8: more stages than a split has chunks, with and without XS), and K
-# split by a CTA's warps (KW, with idle warps, beside split K).
-EMULATED = [
-    (512, 192, 64, 3, None),
-    (512, 320, 128, 17, None),
-    (768, 320, 256, 9, dict(TW=2, WARPS=2, S=3, XS=1)),
-    (768, 448, 256, 33, dict(TW=1, WARPS=3, S=2, XS=1, SCALE_A=False)),
-    (1024, 192, 1024, 1, dict(TW=4, S=2)),
-    (640, 192, 128, 5, dict(TW=2, WARPS=1, S=3, split_k=3)),
-    (640, 320, 64, 24, dict(TW=1, WARPS=4, S=4, split_k=3, XS=1)),
-    (576, 64, 576, 2, dict(TW=1, WARPS=1, S=2)),
-    (1152, 128, 384, 8, dict(TW=2, WARPS=4, S=2, XS=1, SCALE_A=True, split_k=2)),
-    (512, 192, 64, 64, None),
-    (512, 192, 64, 65, None),
-    (640, 192, 128, 5, dict(TW=4, WARPS=2, CPA=3, split_k=3)),
-    (768, 320, 256, 17, dict(TW=2, WARPS=4, CPA=4, XS=1, SCALE_A=True)),
-    (1152, 448, 384, 9, dict(TW=1, WARPS=3, CPA=2, SCALE_A=False, split_k=2)),
-    (576, 128, 576, 1, dict(TW=2, WARPS=1, CPA=8)),
-    # KW: warps of a CTA split K (idle warps where a split has fewer groups than KW)
-    (640, 192, 128, 5, dict(TW=2, WARPS=4, KW=2, S=2, split_k=2)),
-    (768, 320, 64, 3, dict(TW=1, WARPS=8, KW=4, CPA=3, XS=1)),
-    (1152, 448, 384, 17, dict(TW=4, WARPS=4, KW=4, S=1, SCALE_A=False)),
-    (512, 128, 128, 1, dict(TW=2, WARPS=8, KW=8, CPA=4, split_k=1)),
-]
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("case", range(len(EMULATED)))
-def test_emulated_kernel_indexing(case, dtype, gen, monkeypatch):
-    import w4_mma_emulate
-    k, n, group, m, cfg = EMULATED[case]
-    fake = w4_mma_emulate.install(monkeypatch)
-    q, s, z, w_ref = _quant(k, n, group, gen)
-    ps, pz = pack_mma_groups(s, z, dtype)
-    x = torch.randn(m, k, generator=gen).to(dtype)
-    y = w4_mma.mma_gemm(x, pack_mma(q), ps, pz, group_size=group, n=n, config=cfg)
-    ref = x.double() @ w_ref.double()
-    err = ((y.double() - ref).abs().max() / ref.abs().max()).item()
-    assert err <= BOUND[dtype], f"seed {gen.initial_seed()} case {case}: {err}"
-    assert bool(fake.calls) == (m <= w4_mma.MAX_FUSED_M)  # the fused kernel ran, or the dequantize path
-
-
 def test_triton_backend_off_cuda_is_refused_at_load(monkeypatch):
     """``backend: triton`` on a CPU without the Triton interpreter cannot run: refused by the
     quantizer's ``validate`` (before loading), naming the setting and the way out."""
