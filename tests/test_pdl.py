@@ -34,14 +34,9 @@ def test_pack_args_points_at_each_value():
 
 
 def test_opt_in_and_off_the_gpu(monkeypatch):
-    import importlib
-    monkeypatch.delenv("KVFORGE_PDL", raising=False)
-    assert importlib.reload(pdl)._state["off"]  # opt-in: measured slower on the H200 so far
-    monkeypatch.setenv("KVFORGE_PDL", "1")
-    assert not importlib.reload(pdl)._state["off"]
+    assert pdl.env_off({}) and pdl.env_off({"KVFORGE_PDL": "0"})  # opt-in: measured slower on the H200 so far
+    assert not pdl.env_off({"KVFORGE_PDL": "1"})
     assert not pdl.enabled(torch.device("cpu"))
-    monkeypatch.delenv("KVFORGE_PDL")
-    importlib.reload(pdl)  # back to the default for the tests after this one
     monkeypatch.setitem(pdl._state, "off", True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     assert not pdl.enabled(torch.device("cuda", 0))
@@ -73,3 +68,6 @@ def test_launch_passes_the_config_and_a_refusal_turns_pdl_off(monkeypatch, caplo
         assert not pdl.launch(1234, (5,), (256,), (np.uint64(1), np.int32(1)), 0, 77)
         assert not pdl.enabled(torch.device("cuda", 0))
     assert "CUresult 1" in caplog.text
+    for grid, block in (((), (32,)), ((1, 1, 1, 1), (32,)), ((1,), ())):
+        with pytest.raises(ValueError, match="1 to 3 sizes"):
+            pdl.launch(1234, grid, block, (np.int32(1),), 0, 77)

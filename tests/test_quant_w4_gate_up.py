@@ -10,6 +10,8 @@ each run. Bounds as tests/test_quant_w4_mma.py (bf16 1e-2, fp16 2e-3 of max |ref
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -127,3 +129,54 @@ def test_gpu_gate_up_layer(dtype, gen):
             y, act = layer(x), layer.silu_and_mul(x)
         assert _err(y, x.double() @ w_ref.double()) <= BOUND[dtype], f"seed {gen.initial_seed()} M={m}"
         assert _err(act, _swiglu_ref(x, w_ref)) <= BOUND[dtype], f"seed {gen.initial_seed()} M={m}"
+
+
+@pytest.mark.parametrize("desc_act", [False, True])
+@pytest.mark.parametrize("x_dtype", [torch.float16, torch.float32])
+def test_emulated_gptq_gate_up_layer(desc_act, x_dtype, monkeypatch):
+    # GPTQ act-order permutes the weight's K rows at load: x must be gathered the same way on
+    # the fused path too; an fp32 x takes the dequantize path. Weights from the quantizer's
+    # own conformance fixture (make_test_weights), random g_idx with desc_act.
+    import w4_mma_emulate
+    from kvforge.layers.parallel_linear import MergedColumnParallelLinear
+    from kvforge_plugins.quant.gptq import GPTQConfig, GPTQSettings
+    w4_mma_emulate.install(monkeypatch)
+    monkeypatch.setattr(w4_mma, "runtime_blocker", lambda device: None)
+    k, inter = 256, 64
+    qc = GPTQConfig({"quant_method": "gptq", "bits": 4, "group_size": 64, "desc_act": desc_act, "sym": False},
+                    GPTQSettings(backend="triton", int4_layout="mma"))
+    layer = MergedColumnParallelLinear(k, [inter, inter], False, qc, "model.layers.0.mlp.gate_up_proj",
+                                       torch.float16, parallel=False)
+    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF)
+    tensors = layer.method.make_test_weights(k, [inter, inter], torch.float16, gen)
+    for name, shards in tensors.items():
+        for i, t in enumerate(shards):
+            layer.load(name, t, i)
+    layer.method.process_weights_after_loading(layer)
+    assert layer.wna16_gated and (layer.perm is not None) == desc_act
+    w_ref = layer.method.dequantize_test_weights(tensors, k, [inter, inter]).float().t()  # [K, 2I]
+    for m in (3, 70):
+        x = torch.randn(m, k, generator=gen).to(x_dtype)
+        bound = BOUND[torch.float16]
+        assert _err(layer(x), x.double() @ w_ref.double()) <= bound, f"seed {gen.initial_seed()} M={m}"
+        assert _err(layer.silu_and_mul(x), _swiglu_ref(x, w_ref)) <= bound, f"seed {gen.initial_seed()} M={m}"
+
+
+def test_kw_is_cut_to_the_groups_there_are(gen, monkeypatch):
+    # the tuned table is keyed by shape, not group size: a KW = 8 entry meeting a per-channel
+    # (one group) weight would leave 7 of 8 warps idle; mma_gemm runs it as KW = 1
+    import w4_mma_emulate
+    fake = w4_mma_emulate.install(monkeypatch)
+    k, n = 256, 128
+    q, s, z, w_ref = _quant(k, n, k, gen)
+    ps, pz = w4_mma.pack_mma_groups(s, z, torch.float16)
+    x = torch.randn(2, k, generator=gen).half()
+    y = w4_mma.mma_gemm(x, w4_mma.pack_mma(q), ps, pz, group_size=k, n=n, config=dict(TW=1, WARPS=8, KW=8))
+    assert fake.calls[-1]["cfg"]["KW"] == 1
+    assert _err(y, x.double() @ w_ref.double()) <= BOUND[torch.float16]
+    assert w4_mma.fit_kw(dict(WARPS=8, KW=8), 4 * 64, 64)["KW"] == 4  # 4 groups: KW 4 still divides 8
+    assert w4_mma.fit_kw(dict(WARPS=6, KW=6), 5 * 64, 64)["KW"] == 3
+    with pytest.raises(ValueError, match="multiple of 16"):
+        w4_mma.interleave_gate_up(torch.zeros(24))
+    with pytest.raises(ValueError, match=r"\['KW'\] must be integers"):
+        w4_mma.mma_gemm(x, w4_mma.pack_mma(q), ps, pz, group_size=k, n=n, config=dict(KW=None))

@@ -68,6 +68,8 @@ class FusedLinear(torch.nn.Module):
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of a gate|up layer: x [T, in] -> [T, out / 2] (SwiGLU, Shazeer
         2020), through the method's fused path where it has one
-        (``LinearMethod.apply_silu_and_mul``), else :meth:`forward` then the activation."""
-        y = self.method.apply_silu_and_mul(self, x, self.bias) if self.gate_up else None
-        return y if y is not None else silu_and_mul(self.forward(x))
+        (``LinearMethod.apply_silu_and_mul``), else ``self(x)`` then the activation. (The
+        fused path calls the method directly: forward hooks on this layer do not run there.)"""
+        fused = getattr(self.method, "apply_silu_and_mul", None) if self.gate_up else None
+        y = fused(self, x, self.bias) if fused is not None else None
+        return y if y is not None else silu_and_mul(self(x))

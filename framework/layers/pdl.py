@@ -68,7 +68,12 @@ def pack_args(args) -> tuple[ctypes.Array, list]:
     return ptrs, values
 
 
-_state: dict = {"fn": None, "off": os.environ.get("KVFORGE_PDL", "0") != "1", "told": False}
+def env_off(environ=os.environ) -> bool:
+    """PDL is opt-in: off unless ``KVFORGE_PDL=1`` (read once, at import)."""
+    return environ.get("KVFORGE_PDL", "0") != "1"
+
+
+_state: dict = {"fn": None, "off": env_off(), "told": False}
 
 
 def _driver_launch():
@@ -101,8 +106,14 @@ def enabled(device: torch.device) -> bool:
 
 def launch(function_ptr: int, grid: tuple, block: tuple, args, shared_mem: int, stream: int) -> bool:
     """Launch the CUDA function ``function_ptr`` (a ``CUfunction``, e.g. a CuPy RawKernel's
-    ``kernel.ptr``) on the stream handle ``stream`` with programmatic stream serialization.
-    Returns False, having launched nothing, where the driver refuses (PDL is then off)."""
+    ``kernel.ptr``) on the stream handle ``stream`` with programmatic stream serialization;
+    ``grid`` / ``block``: 1 to 3 sizes, ``args``: NumPy scalars as CuPy takes them. Returns
+    False, having launched nothing, where the driver refuses (PDL is then off). Raises
+    ValueError for a grid or block of no or more than 3 sizes, TypeError for another kind of
+    argument (:func:`pack_args`)."""
+    if not (1 <= len(grid) <= 3 and 1 <= len(block) <= 3):
+        raise ValueError(f"PDL launch: grid {tuple(grid)} and block {tuple(block)} need 1 to 3 sizes each")
+    ptrs, keep = pack_args(args)
     fn = _driver_launch()
     if fn is None:
         return False
@@ -111,7 +122,6 @@ def launch(function_ptr: int, grid: tuple, block: tuple, args, shared_mem: int, 
     attr = LaunchAttribute(id=ATTR_PROGRAMMATIC_STREAM_SERIALIZATION)
     attr.val.value = 1
     cfg = LaunchConfig(*g, *b, shared_mem, ctypes.c_void_p(stream), ctypes.pointer(attr), 1)
-    ptrs, keep = pack_args(args)
     err = fn(ctypes.byref(cfg), ctypes.c_void_p(function_ptr), ptrs, None)
     del keep
     if err:

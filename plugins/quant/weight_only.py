@@ -298,11 +298,11 @@ class WNA16LinearMethod(LinearMethod):
 
     def apply_silu_and_mul(self, layer, x, bias):
         """The fused SwiGLU of a gate|up pair repacked interleaved (mma layout, no bias):
-        silu(gate) * up in the kernel's epilogue; None otherwise."""
+        x [..., K] -> silu(gate) * up [..., N / 2] in x's dtype, from the kernel's epilogue
+        (M <= 64) or dequantize + matmul + the activation; None for any other layer."""
         if not getattr(layer, "wna16_gated", False) or bias is not None:
             return None
-        k = x.shape[-1]
-        x2 = x.reshape(-1, k)
+        x2 = self._kernel_input(layer, x)
         if x2.dtype == layer.wzeros.dtype:
             y = w4_mma.mma_gemm(x2, layer.qweight, layer.mma_scales, layer.wzeros, group_size=layer.wna16_group,
                                 n=layer.wna16_n, silu_and_mul=True)
@@ -310,12 +310,15 @@ class WNA16LinearMethod(LinearMethod):
             y = w4_mma.silu_and_mul_interleaved(x2 @ self.dequantized(layer, x2.dtype))
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
+    @staticmethod
+    def _kernel_input(layer, x):
+        """x [..., K] -> [T, K], its columns in the repacked weight's K order (GPTQ act-order)."""
+        x2 = x.reshape(-1, x.shape[-1])
+        return x2.index_select(1, layer.perm) if layer.wna16_kernel and layer.perm is not None else x2
+
     def apply(self, layer, x, bias):
-        k = x.shape[-1]
-        x2 = x.reshape(-1, k)
+        x2 = self._kernel_input(layer, x)
         if layer.wna16_kernel:
-            if layer.perm is not None:
-                x2 = x2.index_select(1, layer.perm)
             if layer.wna16_layout == "mma" and x2.dtype == layer.wzeros.dtype:
                 y = w4_mma.mma_gemm(x2, layer.qweight, layer.mma_scales, layer.wzeros, group_size=layer.wna16_group,
                                     n=layer.wna16_n)

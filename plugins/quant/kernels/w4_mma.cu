@@ -112,8 +112,9 @@ w4_mma_gemm(const dt* __restrict__ x, int M, long long stride_x, const uint4* __
     const int nloc = kw < ngrp ? ((ngrp - 1 - kw) / KW + 1) * GC : 0;
 #define chunk_of(j) (KW == 1 ? cbeg + (j) : cbeg + (((j) / GC) * KW + kw) * GC + (j) % GC)
 #if PDL  // launched as a programmatic dependent (kvforge/layers/pdl.py): only static weights
-    // before the wait. Prefetch this warp's into L2 while the kernel before finishes.
-    if (live)
+    // before the wait. Prefetch this warp's into L2 while the kernel before finishes: a warp's
+    // 16-byte vectors of one tile are 512 contiguous bytes, so lanes 0, 8, 16, 24 cover its lines.
+    if (live && (lane & 7) == 0)
         for (int j = 0; j < nloc; ++j)
 #pragma unroll
             for (int a = 0; a < TW; ++a)

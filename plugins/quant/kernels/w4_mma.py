@@ -124,27 +124,35 @@ def interleave_gate_up(t: torch.Tensor, dim: int = -1) -> torch.Tensor:
     I a multiple of 8) so each 16-row tile of the layout holds gate rows 8T..8T+8 then the up
     rows of the same features: feature 16T + 8h + i <- h * I + 8T + i. A lane's accumulators
     then hold gate and up of one feature, and the kernel's ``ACT`` epilogue writes
-    silu(gate) * up without another pass (``mma_gemm(..., silu_and_mul=True)``)."""
+    silu(gate) * up without another pass (``mma_gemm(..., silu_and_mul=True)``). Raises
+    ValueError unless ``t.shape[dim]`` (2I) is a multiple of 16."""
     dim = dim % t.dim()
-    n = t.shape[dim]
-    assert n % 16 == 0, n
+    n = _check_gate_up(t.shape[dim])
     s = t.shape
     v = t.reshape(*s[:dim], 2, n // 16, 8, *s[dim + 1:]).transpose(dim, dim + 1)
     return v.reshape(s)
 
 
+def _check_gate_up(n: int) -> int:
+    if n % 16:
+        raise ValueError(f"a gate|up pair of {n} features does not interleave 8 by 8 (needs a multiple of 16)")
+    return n
+
+
 def deinterleave_gate_up(y: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`interleave_gate_up` on the last dim: y [..., 2I] -> [gate | up]."""
+    """Inverse of :func:`interleave_gate_up` on the last dim: y [..., 2I] -> [gate | up]
+    (a copy). Raises ValueError unless 2I is a multiple of 16."""
     s = y.shape
+    _check_gate_up(s[-1])
     return y.reshape(*s[:-1], s[-1] // 16, 2, 8).transpose(-3, -2).reshape(s)
 
 
 def silu_and_mul_interleaved(y: torch.Tensor) -> torch.Tensor:
     """SwiGLU of an interleaved gate|up product: y [M, 2I] -> silu(gate) * up [M, I] in
-    y's dtype (fp32 math, rounded once, as ``kvforge.layers.activation.silu_and_mul``)."""
-    v = y.reshape(y.shape[0], -1, 2, 8).float()
-    g, u = v[:, :, 0], v[:, :, 1]
-    return (g / (1.0 + torch.exp(-g)) * u).reshape(y.shape[0], -1).to(y.dtype)
+    y's dtype, by ``kvforge.layers.activation.silu_and_mul`` (one fp32 rounding, as the
+    unfused layer). For the paths past the fused kernel (M > 64, other dtypes)."""
+    from kvforge.layers.activation import silu_and_mul
+    return silu_and_mul(deinterleave_gate_up(y))
 
 
 def dequantize_mma(words, scales, zeros, *, group_size: int, dtype: torch.dtype) -> torch.Tensor:
@@ -155,6 +163,16 @@ def dequantize_mma(words, scales, zeros, *, group_size: int, dtype: torch.dtype)
 
 def bucket(m: int) -> int:
     return next(b for b in sorted(CONFIGS) if m <= b)
+
+
+def fit_kw(cfg: dict, k: int, group_size: int) -> dict:
+    """``cfg`` with KW cut to the largest divisor of WARPS that is at most the scale groups
+    of K: KW warps split K by whole groups, so with fewer groups (large groups, per-channel
+    scales; the tuned table is keyed by shape, not group size) the extra warps would idle."""
+    groups = k // group_size
+    if cfg.get("KW", 1) <= groups:
+        return cfg
+    return {**cfg, "KW": max(d for d in range(1, groups + 1) if cfg["WARPS"] % d == 0)}
 
 
 def plan(m: int, n: int, k: int, group_size: int, cfg: dict, num_sms: int) -> tuple[int, int, int]:
@@ -204,6 +222,7 @@ def mma_gemm(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: 
     cfg = {**CONFIGS[bucket(m)], **config}
     if given:
         check_config(cfg, m)
+    cfg = fit_kw(cfg, k, group_size)
     cfg["ACT"] = int(silu_and_mul)  # the epilogue, not a tuning choice
     ctas_n, cps, splits = plan(m, n, k, group_size, cfg, _num_sms(x.device.index or 0))
     xs = m * (cps * 64 + 8) * x.element_size() if cfg["XS"] else 0
@@ -235,10 +254,11 @@ def check_config_keys(cfg: dict) -> None:
     unknown = sorted(set(cfg) - set(CONFIG_KEYS))
     if unknown:
         raise ValueError(f"w4 mma GEMM: unknown config keys {unknown} (known: {', '.join(CONFIG_KEYS)})")
-    bad = sorted(key for key, v in cfg.items() if v is not None and not (
-        isinstance(v, int) or (key == "waves" and isinstance(v, float))))
+    bad = sorted(key for key, v in cfg.items() if not (
+        isinstance(v, int) or (key == "waves" and isinstance(v, float))
+        or (key == "split_k" and v is None)))
     if bad:
-        raise ValueError(f"w4 mma GEMM: config {cfg}: {bad} must be integers")
+        raise ValueError(f"w4 mma GEMM: config {cfg}: {bad} must be integers (split_k may be None)")
 
 
 def check_config(cfg: dict, m: int) -> None:

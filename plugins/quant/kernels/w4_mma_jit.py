@@ -62,11 +62,14 @@ class W4MmaKernels:
 
     def gemm(self, x, words, scales, zeros, out, ws, cnt, *, n: int, group_chunks: int, chunks_per_split: int,
              splits: int, cfg: dict, smem: int = 0) -> None:
-        """out [M, N] = x [M, K] @ W; operands as in ``w4_mma.py`` (x rows 16-byte aligned);
+        """out [M, N] = x [M, K] @ W (with ``cfg["ACT"]``: out [M, N / 2] = silu(gate) * up of
+        an interleaved gate|up weight); operands as in ``w4_mma.py`` (x rows 16-byte aligned);
         ``smem``: dynamic shared memory bytes (the x slice with XS, CPA stages, KW sums)."""
         m, k = x.shape
-        # the kernel fetches a group's scales at its first chunk: splits must hold whole groups
-        assert chunks_per_split % group_chunks == 0, (chunks_per_split, group_chunks)
+        # the kernel fetches a group's scales at its first chunk and walks whole groups:
+        # splits and K must hold whole groups
+        assert chunks_per_split % group_chunks == 0 and (k // 64) % group_chunks == 0, (k, chunks_per_split,
+                                                                                       group_chunks)
         # groups of up to 8 chunks (group_size <= 512) are compiled in: their % and / become shifts
         use_pdl = pdl.enabled(x.device)  # a PDL build is correct with either launch
         fn = self._fn("w4_mma_gemm", x.device, x.dtype,
