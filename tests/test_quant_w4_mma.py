@@ -301,8 +301,28 @@ def test_shipped_configs_pass_the_config_check():
     assert entries
     for key, cfg in entries:
         m = int(key.split("|")[0])
+        m = 8 if m == 1 else m  # an M = 1 entry also serves M = 2..8 (mma_gemm)
         full = {**w4_mma.CONFIGS[w4_mma.bucket(m)], **{k: v for k, v in cfg.items() if k != "schema"}}
         w4_mma.check_config(full, m)
+
+
+def test_m1_entry_serves_up_to_8_tokens(gen, monkeypatch):
+    # the table has M = 1 and M = 16 rows; M = 2..8 (key buckets 2, 4, 8) run the M = 1 row's
+    # one-token-block kernel, M = 9..16 their own row, never the defaults when a row is there
+    import w4_mma_emulate
+    fake = w4_mma_emulate.install(monkeypatch)
+    rows = {1: dict(NB=1, TW=2, WARPS=4, KW=2, S=2, schema=w4_mma.TABLE_SCHEMA),
+            16: dict(NB=2, TW=1, WARPS=2, KW=1, S=1, schema=w4_mma.TABLE_SCHEMA)}
+    monkeypatch.setattr(w4_mma, "lookup", lambda kind, m, n, k, device: rows.get(m if m < 2 else 16 if m > 8 else None))
+    q, s, z, w_ref = _quant(256, 128, 64, gen)
+    ps, pz = pack_mma_groups(s, z, torch.float16)
+    for m, want in ((1, rows[1]), (5, rows[1]), (8, rows[1]), (12, rows[16])):
+        x = torch.randn(m, 256, generator=gen).half()
+        y = w4_mma.mma_gemm(x, pack_mma(q), ps, pz, group_size=64, n=128)
+        assert {k: fake.calls[-1]["cfg"][k] for k in ("NB", "TW", "WARPS", "KW")} == \
+            {k: want[k] for k in ("NB", "TW", "WARPS", "KW")}, m
+        assert ((y.double() - x.double() @ w_ref.double()).abs().max()).item() <= \
+            BOUND[torch.float16] * (x.double() @ w_ref.double()).abs().max().item()
 
 
 def test_gemm_refuses_stages_past_shared_memory(gen, monkeypatch):

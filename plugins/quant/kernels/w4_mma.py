@@ -44,8 +44,10 @@ MAX_FUSED_M = 64
 #: accumulator), MINB, LDW (weight loads bypass L1), CPA (0, or cp.async stages in shared
 #: memory: the weights and x of CPA - 1 chunks in flight per thread), KW (warps of a CTA that
 #: split its K range, summed in shared memory; WARPS / KW columns of warps along N);
-#: ``waves``: split K until about waves x SMs CTAs; GCC (chunks per group) is set per call. Tuned entries (choices
-#: table kind "w4_mma", ``bench_quant.py --tune``) override these.
+#: ``waves``: split K until about waves x SMs CTAs; GCC (chunks per group) is set per call.
+#: Tuned entries (choices table kind "w4_mma", ``bench_quant.py --tune-mma``,
+#: ``benchmarks/sweep_w4_mma.py``) override these; an M = 1 entry also serves M = 2..8 (the
+#: same one-token-block kernel), which the table's power-of-two M keys would otherwise miss.
 CONFIGS = {  # M <= 16: the winners at 14336 x 14336 on the H200 (BENCHMARKS.md, eighth session)
     8: dict(NB=1, TW=4, WARPS=4, S=1, XS=0, SCALE_A=False, MINB=1, LDW=1, waves=4),
     16: dict(NB=2, TW=4, WARPS=4, S=1, XS=0, SCALE_A=False, MINB=1, LDW=1, waves=4),
@@ -217,7 +219,10 @@ def mma_gemm(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: 
         return silu_and_mul_interleaved(x @ wt.t()) if silu_and_mul else x @ wt.t()
     given = config is not None
     if config is None:  # the defaults and the shipped table pass check_config (tests): not re-checked per call
-        tuned = lookup("w4_mma", m, n, k, x.device) or {}
+        tuned = lookup("w4_mma", m, n, k, x.device)
+        if tuned is None and m <= 8:  # one token block serves M <= 8: the M = 1 entry's kernel is the same
+            tuned = lookup("w4_mma", 1, n, k, x.device)
+        tuned = tuned or {}
         config = {key: v for key, v in tuned.items() if key != "schema"} if tuned.get("schema") == TABLE_SCHEMA else {}
     cfg = {**CONFIGS[bucket(m)], **config}
     if given:
