@@ -88,10 +88,20 @@ def mma_candidates(m: int) -> list[dict]:
                                    (2, 4, 4, 3, 2))]
 
 
-def tune_wna16(shapes, ms, cudagraph: bool, layout: str = "pairs") -> None:
+def wide_mma_candidates(m: int) -> list[dict]:
+    """``--tune-mma-wide``: the twelfth session's sweep grid for the mma kernel, 8 tilings
+    (TW, WARPS, KW) x 5 pipelines x 3 split rules (120 configs per shape and M)."""
+    tiles = ((1, 8, 8), (1, 16, 16), (2, 8, 4), (2, 8, 8), (4, 4, 4), (4, 8, 4), (2, 4, 2), (1, 8, 4))
+    pipes = ((1, 0), (2, 0), (1, 3), (1, 4), (1, 6))  # (S, CPA)
+    return [dict(TW=tw, WARPS=wa, KW=kw, S=st, CPA=cp, waves=wv, LDW=1, MINB=1, SCALE_A=False, XS=0)
+            for tw, wa, kw in tiles for st, cp in pipes for wv in (1, 2, 4)]
+
+
+def tune_wna16(shapes, ms, cudagraph: bool, layout: str = "pairs", candidates=None) -> None:
     """Time the candidates per shape and M (bf16) for the pairs layout (``pairs_candidates``,
-    table kind "w4_pairs") or the AutoAWQ packing (``wna16_candidates``, kind "wna16"); store
-    the fastest (merged with the defaults it ran with) in the choices table."""
+    table kind "w4_pairs"), the mma layout (``mma_candidates``, kind "w4_mma") or the AutoAWQ
+    packing (``wna16_candidates``, kind "wna16"); ``candidates(m)``, where given, replaces the
+    layout's list. Store the fastest (merged with the defaults it ran with) in the choices table."""
     from kvforge_plugins.quant.kernels import w4_mma, w4_pairs, wna16
     from kvforge_plugins.quant.kernels.choices import key, write_table
     if layout == "pairs":
@@ -103,6 +113,7 @@ def tune_wna16(shapes, ms, cudagraph: bool, layout: str = "pairs") -> None:
     else:
         kind, name, cands, schema = "wna16", "w4a16-ckpt", wna16_candidates, wna16.TABLE_SCHEMA
         CONFIGS, DEFAULTS, bucket = wna16.CONFIGS, wna16.DEFAULTS, wna16.bucket
+    cands = candidates or cands
     gpu = torch.cuda.get_device_name()
     best_all: dict = {gpu: {kind: {}}}
     print(f"\n== W4A16 tuning ({layout}) ==")

@@ -46,7 +46,7 @@ MAX_FUSED_M = 64
 #: split its K range, summed in shared memory; WARPS / KW columns of warps along N);
 #: ``waves``: split K until about waves x SMs CTAs; GCC (chunks per group) is set per call.
 #: Tuned entries (choices table kind "w4_mma", ``bench_quant.py --tune-mma``,
-#: ``benchmarks/sweep_w4_mma.py``) override these; an M = 1 entry also serves M = 2..8 (the
+#: ``--tune-mma-wide``) override these; an M = 1 entry also serves M = 2..8 (the
 #: same one-token-block kernel), which the table's power-of-two M keys would otherwise miss.
 CONFIGS = {  # M <= 16: the winners at 14336 x 14336 on the H200 (BENCHMARKS.md, eighth session)
     8: dict(NB=1, TW=4, WARPS=4, S=1, XS=0, SCALE_A=False, MINB=1, LDW=1, waves=4),
