@@ -66,7 +66,8 @@ def _w4_configs() -> list[dict]:
     # programmatic-dependent-launch build (PDL = 1: what an sm_90 GPU runs)
     from test_quant_w4_gate_up import CASES
     for cfg in [{}] + tuned + [c for *_, c in CASES if c]:
-        for c in ({**cfg, "GCC": 2, "ACT": 1}, {**cfg, "GCC": 2, "ACT": 1, "PDL": 1}, {**cfg, "GCC": 2, "PDL": 1}):
+        for c in ({**cfg, "GCC": 2, "ACT": 1}, {**cfg, "GCC": 2, "ACT": 1, "PDL": 1}, {**cfg, "GCC": 2, "PDL": 1},
+                  {**cfg, "GCC": 2, "PDL": 1, "PDLP": 2}):
             if c not in out:
                 out.append(c)
     return out

@@ -46,6 +46,15 @@ def test_opt_in_and_off_the_gpu(monkeypatch):
     assert not pdl.enabled(torch.device("cuda", 0))  # griddepcontrol needs sm_90
 
 
+def test_prefetch_chunks_from_the_environment():
+    assert pdl.prefetch_chunks({}) == -1 and pdl.prefetch_chunks({"KVFORGE_PDL_PREFETCH": "ALL"}) == -1
+    assert pdl.prefetch_chunks({"KVFORGE_PDL_PREFETCH": "0"}) == 0
+    assert pdl.prefetch_chunks({"KVFORGE_PDL_PREFETCH": " 3 "}) == 3
+    for bad in ("-1", "two", ""):
+        with pytest.raises(ValueError, match="KVFORGE_PDL_PREFETCH"):
+            pdl.prefetch_chunks({"KVFORGE_PDL_PREFETCH": bad})
+
+
 def test_launch_passes_the_config_and_a_refusal_turns_pdl_off(monkeypatch, caplog):
     seen = {}
 

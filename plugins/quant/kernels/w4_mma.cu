@@ -18,7 +18,8 @@
 // compile-time constant, else 0), CPA (0: operands through registers as S says; P > 1: a
 // P-stage cp.async pipeline in shared memory, P - 1 chunks in flight without holding registers),
 // ACT (1: the SwiGLU epilogue of store_out, output N / 2 wide), PDL (1: launched as a
-// programmatic dependent: weight prefetch, then griddepcontrol.wait; sm_90+), KW (warps of a CTA splitting its K range: warp kw takes the split's groups kw, kw + KW, ...;
+// programmatic dependent: weight prefetch, then griddepcontrol.wait; sm_90+), PDLP (chunks
+// per warp PDL prefetches into L2; -1: all), KW (warps of a CTA splitting its K range: warp kw takes the split's groups kw, kw + KW, ...;
 // their sums meet in shared memory, so K parallelism costs a CTA barrier, not split K's
 // global partials, fence and arrival counter: ~2.5 us per call on the H200, BENCHMARKS.md).
 //
@@ -90,6 +91,9 @@ __device__ __forceinline__ void store_out(const float (&acc)[TW][NB][4], dt* out
 #ifndef PDL
 #define PDL 0
 #endif
+#ifndef PDLP
+#define PDLP -1
+#endif
 
 extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB)
 w4_mma_gemm(const dt* __restrict__ x, int M, long long stride_x, const uint4* __restrict__ wq,
@@ -114,8 +118,10 @@ w4_mma_gemm(const dt* __restrict__ x, int M, long long stride_x, const uint4* __
 #if PDL  // launched as a programmatic dependent (kvforge/layers/pdl.py): only static weights
     // before the wait. Prefetch this warp's into L2 while the kernel before finishes: a warp's
     // 16-byte vectors of one tile are 512 contiguous bytes, so lanes 0, 8, 16, 24 cover its lines.
+    // PDLP: chunks per warp to prefetch (-1: all; a weight bigger than L2 would be read twice)
+    const int npre = PDLP < 0 ? nloc : min(nloc, PDLP);
     if (live && (lane & 7) == 0)
-        for (int j = 0; j < nloc; ++j)
+        for (int j = 0; j < npre; ++j)
 #pragma unroll
             for (int a = 0; a < TW; ++a)
                 asm volatile("prefetch.global.L2 [%0];" ::"l"(wp + (size_t)chunk_of(j) * 128 + a * 32));

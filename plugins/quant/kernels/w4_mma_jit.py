@@ -21,7 +21,7 @@ from kvforge.layers.cupy_launch import ptr as _ptr
 SOURCE = "\n".join(Path(__file__).with_name(f).read_text()
                    for f in ("w4_mma_ops.cuh", "w4_mma_stages.cuh", "w4_mma.cu"))
 _LOCK = threading.Lock()
-_DEFINES = (("NB", 1), ("TW", 4), ("WARPS", 4), ("S", 2), ("XS", 0), ("SCALE_A", 0), ("MINB", 1), ("LDW", 0), ("GCC", 0), ("CPA", 0), ("KW", 1), ("ACT", 0), ("PDL", 0))
+_DEFINES = (("NB", 1), ("TW", 4), ("WARPS", 4), ("S", 2), ("XS", 0), ("SCALE_A", 0), ("MINB", 1), ("LDW", 0), ("GCC", 0), ("CPA", 0), ("KW", 1), ("ACT", 0), ("PDL", 0), ("PDLP", -1))
 
 
 def nvrtc_options(dtype: torch.dtype, cfg: "dict | None" = None) -> tuple[str, ...]:
@@ -73,7 +73,8 @@ class W4MmaKernels:
         # groups of up to 8 chunks (group_size <= 512) are compiled in: their % and / become shifts
         use_pdl = pdl.enabled(x.device)  # a PDL build is correct with either launch
         fn = self._fn("w4_mma_gemm", x.device, x.dtype,
-                      {**cfg, "GCC": group_chunks if group_chunks <= 8 else 0, "PDL": int(use_pdl)})
+                      {**cfg, "GCC": group_chunks if group_chunks <= 8 else 0, "PDL": int(use_pdl),
+                       "PDLP": pdl.prefetch_chunks()})
         units = (n // 16) // cfg["TW"]
         grid = (-(-units // (cfg["WARPS"] // cfg.get("KW", 1))), splits)
         block = (32 * cfg["WARPS"],)
