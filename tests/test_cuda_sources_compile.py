@@ -49,7 +49,8 @@ def _compile(nvrtc, src: str, name: str, opts: tuple[str, ...], entries: tuple[s
 def _w4_configs() -> list[dict]:
     """The defaults, every tuned config of the shipped choices table (what the H200 runs) and
     the configs the GPU tests and the emulation run, each with and without the group chunks
-    compiled in (GCC); and those with the SwiGLU epilogue (ACT) and the PDL prologue."""
+    compiled in (GCC); and those with the SwiGLU epilogue (ACT), the PDL prologue and the RMSNorm
+    prologue (NORM)."""
     table = json.loads((ROOT / "plugins/quant/kernels/gemm_choices.json").read_text())
     tuned = [{k: v for k, v in cfg.items() if k not in ("schema", "waves")}
              for gpu in table.values() for cfg in gpu.get("w4_mma", {}).values()]
@@ -63,11 +64,13 @@ def _w4_configs() -> list[dict]:
             if c not in out:
                 out.append(c)
     # the fused SwiGLU epilogue (gate|up layers run the table's configs with ACT = 1), and the
-    # programmatic-dependent-launch build (PDL = 1: what an sm_90 GPU runs)
+    # programmatic-dependent-launch build (PDL = 1: what an sm_90 GPU runs), and the RMSNorm
+    # prologue (NORM, which implies XS)
     from test_quant_w4_gate_up import CASES
     for cfg in [{}] + tuned + [c for *_, c in CASES if c]:
         for c in ({**cfg, "GCC": 2, "ACT": 1}, {**cfg, "GCC": 2, "ACT": 1, "PDL": 1}, {**cfg, "GCC": 2, "PDL": 1},
-                  {**cfg, "GCC": 2, "PDL": 1, "PDLP": 2}):
+                  {**cfg, "GCC": 2, "PDL": 1, "PDLP": 2}, {**cfg, "GCC": 2, "NORM": 1, "XS": 1},
+                  {**cfg, "GCC": 2, "NORM": 1, "XS": 1, "ACT": 1, "PDL": 1}):
             if c not in out:
                 out.append(c)
     return out

@@ -51,10 +51,36 @@ def _frags(unit, TW, NB, g, t):
                 yield a, b, f, 8 * b + 2 * t + (f & 1), nbase + 16 * a + 8 * (f >> 1)
 
 
-def gemm_emu(cfg, dtype, x_bits, M, stride_x, wq, sc, zp, N, KC, gc_rt, cps, splits):
+def norm_rows(dtype, x_bits, M, stride_x, K, norm):
+    """``fill_x_norm``'s values: (RMSNorm(x + res) * nw as uint16 bits [M, K], x + res bits
+    [M, K]), each rounding where the kernel rounds (the fp32 sum of squares in numpy's order)."""
+    res_bits, nw_bits, eps = norm
+    X = Flat(x_bits, "x", 2)
+    R = Flat(res_bits, "residual", 2)
+    h = np.stack([bits_to_f(X.get([row * stride_x + u * 8 for u in range(K // 8)], 8, align=16).reshape(-1), dtype)
+                  for row in range(M)])
+    r = np.stack([bits_to_f(R.get([row * K + u * 8 for u in range(K // 8)], 8, align=16).reshape(-1), dtype)
+                  for row in range(M)])
+    s = rnd(h + r, dtype)
+    ss = (s.astype(np.float32) ** 2).sum(axis=1, dtype=np.float32)
+    rstd = 1.0 / np.sqrt(np.float32(ss / np.float32(K) + np.float32(eps)))
+    y = rnd(rnd(s * rstd[:, None], dtype) * bits_to_f(Flat(nw_bits, "nw", 2).get([0], K, align=16)[0], dtype), dtype)
+
+    def bits(v):
+        return torch.from_numpy(v.astype(np.float32)).to(dtype).view(torch.int16).numpy().astype(np.uint16)
+    return bits(y), bits(s)
+
+
+def gemm_emu(cfg, dtype, x_bits, M, stride_x, wq, sc, zp, N, KC, gc_rt, cps, splits, norm=None):
     """``w4_mma_gemm`` on flat arrays (x as uint16 bits, words uint32, scales fp32, zeros
-    uint16 bits) with the kernel's launch constants ``cfg``; returns y [M * N] float64."""
+    uint16 bits) with the kernel's launch constants ``cfg``; returns y [M * N] float64.
+    With ``cfg["NORM"]``, ``norm`` is (residual bits [M * K], norm weight bits [K], eps) and
+    the result is (y, residual out bits [M, K])."""
     TW, NB, WARPS, S, XS, SA = (int(cfg[k]) for k in ("TW", "NB", "WARPS", "S", "XS", "SCALE_A"))
+    NORM = int(cfg.get("NORM", 0))
+    assert not NORM or (XS and M <= 8 and norm is not None), "NORM needs XS, M <= 8 and its operands"
+    if NORM:
+        normed, res_out = norm_rows(dtype, x_bits, M, stride_x, KC * 64, norm)
     CPA = int(cfg.get("CPA", 0))
     ACT = int(cfg.get("ACT", 0))  # the SwiGLU epilogue: finished rows are kept unrounded, activated at the end
     KW = int(cfg.get("KW", 1))
@@ -90,15 +116,17 @@ def gemm_emu(cfg, dtype, x_bits, M, stride_x, wq, sc, zp, N, KC, gc_rt, cps, spl
             cbeg, cend = by * cps, min(by * cps + cps, KC)
             assert cbeg < cend, "empty split"
             if XS:
-                xpitch = cps * 64 + 8
+                xpitch = (KC if NORM else cps) * 64 + 8
+                xoff = 0 if NORM else cbeg * 64  # NORM: whole rows (each CTA takes their norms)
                 smem = np.zeros(M * xpitch, dtype=np.uint16)
-                units_ = (cend - cbeg) * 8
+                assert M * xpitch * 2 == w4_mma.x_bytes(cfg, M, KC * 64, cps, 2)
+                units_ = (cend - cbeg) * 8  # the columns the CTA's warps read: its split's
                 for u in range(M * units_):
-                    row, col = u // units_, (u % units_) * 8
-                    src = X.get([row * stride_x + cbeg * 64 + col], 8, align=16)[0]
-                    assert row * xpitch + col + 8 <= len(smem)
-                    assert ((row * xpitch + col) * 2) % 16 == 0
-                    smem[row * xpitch + col: row * xpitch + col + 8] = src
+                    row, col = u // units_, cbeg * 64 + (u % units_) * 8
+                    src = normed[row, col:col + 8] if NORM else X.get([row * stride_x + col], 8, align=16)[0]
+                    at = row * xpitch + col - xoff
+                    assert at + 8 <= len(smem) and (at * 2) % 16 == 0
+                    smem[at: at + 8] = src
                 XSM = Flat(smem, "xs", 2)
             accs = {}
             ngrp = (cend - cbeg) // GC
@@ -121,7 +149,7 @@ def gemm_emu(cfg, dtype, x_bits, M, stride_x, wq, sc, zp, N, KC, gc_rt, cps, spl
                 xp = []
                 for b in range(NB):
                     row = np.minimum(b * 8 + g, M - 1)
-                    xp.append(row * xpitch + 16 * t - cbeg * 64 if XS else row * stride_x + 16 * t)
+                    xp.append(row * xpitch + 16 * t - xoff if XS else row * stride_x + 16 * t)
 
                 def load(c):
                     d = {"c": c}
@@ -242,8 +270,8 @@ def gemm_emu(cfg, dtype, x_bits, M, stride_x, wq, sc, zp, N, KC, gc_rt, cps, spl
     if ACT:  # gate and up of feature 8T + i are rows 16T + i and 16T + 8 + i
         y = out.reshape(M, N // 16, 2, 8)
         gate, up = y[:, :, 0], y[:, :, 1]
-        return rnd(gate / (1 + np.exp(-gate)) * up, dtype).reshape(-1)
-    return out
+        out = rnd(gate / (1 + np.exp(-gate)) * up, dtype).reshape(-1)
+    return (out, res_out) if NORM else out
 
 
 def dequant_emu(dtype, wq, sc, zp, N, KC, GC):
@@ -279,9 +307,10 @@ class FakeKernels:
     def __init__(self) -> None:
         self.calls: list[dict] = []
 
-    def gemm(self, x, words, scales, zeros, out, ws, cnt, *, n, group_chunks, chunks_per_split, splits, cfg, smem=0):
+    def gemm(self, x, words, scales, zeros, out, ws, cnt, *, n, group_chunks, chunks_per_split, splits, cfg, smem=0,
+             norm=None):
         m, k = x.shape
-        xs = m * (chunks_per_split * 64 + 8) * x.element_size() if cfg["XS"] else 0
+        xs = w4_mma.x_bytes(cfg, m, k, chunks_per_split, x.element_size())
         assert smem == max(xs + w4_mma.stage_bytes(cfg), w4_mma.reduce_bytes(cfg))
         if splits > 1:
             cols = cfg["WARPS"] // cfg.get("KW", 1)
@@ -293,9 +322,18 @@ class FakeKernels:
                                       xalign=x.data_ptr() % 16, stride=x.stride(0)))
         assert x.data_ptr() % 16 == 0, f"x misaligned: data_ptr % 16 = {x.data_ptr() % 16}"
         assert x.stride(0) % 8 == 0 or m == 1, "x stride"
+        emu_norm = None
+        if cfg.get("NORM"):
+            res, nw, eps, res_out = norm
+            assert res.is_contiguous() and nw.is_contiguous() and res_out.shape == (m, k)
+            assert res.data_ptr() % 16 == 0 and nw.data_ptr() % 16 == 0
+            emu_norm = tuple(t.reshape(-1).view(torch.int16).numpy().astype(np.uint16) for t in (res, nw)) + (eps,)
         y = gemm_emu(cfg, x.dtype, flat, m, x.stride(0), words.contiguous().view(-1).numpy().view(np.uint32),
                      scales.reshape(-1).numpy(), zeros.reshape(-1).view(torch.int16).numpy().astype(np.uint16),
-                     n, k // 64, group_chunks, chunks_per_split, splits)
+                     n, k // 64, group_chunks, chunks_per_split, splits, emu_norm)
+        if cfg.get("NORM"):
+            y, r_bits = y
+            res_out.copy_(torch.from_numpy(r_bits.astype(np.int16)).view(x.dtype).reshape(m, k))
         assert out.shape == (m, n // 2 if cfg.get("ACT") else n)
         out.copy_(torch.from_numpy(y.reshape(out.shape)).to(out.dtype))
 

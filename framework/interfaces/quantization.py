@@ -38,6 +38,17 @@ class LinearMethod(ABC):
         :meth:`apply` must still return [gate | up] in checkpoint order."""
         return None
 
+    def apply_add_rmsnorm(self, layer: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor,
+                          norm_weight: torch.Tensor, eps: float, bias: torch.Tensor | None,
+                          silu_and_mul: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Optional: a pre-norm block's add + RMSNorm folded into this layer's GEMM. With
+        r = x + residual (rounded to x's dtype), returns (y, r) where y is :meth:`apply`
+        (``silu_and_mul``: :meth:`apply_silu_and_mul`) of RMSNorm(r) * norm_weight; x,
+        residual [T, input_size], norm_weight [input_size], all in the activation dtype. None
+        where this method has no such path for these operands (the layer then runs
+        ``kvforge.layers.layernorm.RMSNorm`` and the GEMM separately)."""
+        return None
+
 
 class QuantizationConfig(ABC):
     """Built by a quantizer factory from the checkpoint's ``quantization_config``."""

@@ -73,3 +73,20 @@ class FusedLinear(torch.nn.Module):
         fused = getattr(self.method, "apply_silu_and_mul", None) if self.gate_up else None
         y = fused(self, x, self.bias) if fused is not None else None
         return y if y is not None else silu_and_mul(self(x))
+
+    def forward_prenorm(self, x: torch.Tensor, residual: torch.Tensor, norm,
+                        silu_and_mul: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """A pre-norm block's ``h, r = norm(x, residual)`` then ``self(h)`` (``silu_and_mul``:
+        :meth:`silu_and_mul` of h): x, residual [T, in] -> (y, r = x + residual). ``norm`` is
+        a ``kvforge.layers.layernorm.RMSNorm``. The method folds the norm into its GEMM where
+        it can (``LinearMethod.apply_add_rmsnorm``: one kernel instead of two, e.g. the int4
+        mma kernel at batch <= 8). Raises ValueError for ``silu_and_mul`` on a layer that is
+        not a gate|up pair."""
+        if silu_and_mul and not self.gate_up:
+            raise ValueError(f"{self.prefix}: silu_and_mul needs a gate|up layer (MergedColumnParallelLinear)")
+        fused = getattr(self.method, "apply_add_rmsnorm", None)
+        out = fused(self, x, residual, norm.weight, norm.eps, self.bias, silu_and_mul) if fused is not None else None
+        if out is not None:
+            return out
+        h, r = norm(x, residual)
+        return (self.silu_and_mul(h) if silu_and_mul else self(h)), r

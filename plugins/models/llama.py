@@ -67,8 +67,18 @@ class LlamaAttention(torch.nn.Module):
         return getattr(cfg, "sliding_window", None)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: ForwardMetadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        t = x.shape[0]
+        return self.attend(positions, self.qkv_proj(x), meta)
+
+    def forward_prenorm(self, positions, x, residual, norm, meta) -> tuple[torch.Tensor, torch.Tensor]:
+        """``norm(x, residual)`` then :meth:`forward`, the norm folded into the qkv GEMM
+        where its method can (``FusedLinear.forward_prenorm``); returns (out, x + residual)."""
+        qkv, residual = self.qkv_proj.forward_prenorm(x, residual, norm)
+        return self.attend(positions, qkv, meta), residual
+
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor, meta: ForwardMetadata) -> torch.Tensor:
+        """qkv [T, q_size + 2 * kv_size] -> RoPE, paged attention, o_proj: [T, hidden]."""
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        t = qkv.shape[0]
         q, k = self.rotary(positions, q.view(t, self.num_heads, self.head_dim),
                            k.view(t, self.num_kv_heads, self.head_dim))
         out = self.attn(q.reshape(t, -1), k.reshape(t, -1), v, meta)
@@ -90,6 +100,12 @@ class LlamaMLP(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.gate_up_proj.silu_and_mul(x))
 
+    def forward_prenorm(self, x, residual, norm) -> tuple[torch.Tensor, torch.Tensor]:
+        """``norm(x, residual)`` then :meth:`forward` (the norm folded into the gate|up GEMM
+        where its method can); returns (out, x + residual)."""
+        h, residual = self.gate_up_proj.forward_prenorm(x, residual, norm, silu_and_mul=True)
+        return self.down_proj(h), residual
+
 
 class LlamaDecoderLayer(torch.nn.Module):
     attention_cls = LlamaAttention
@@ -106,11 +122,15 @@ class LlamaDecoderLayer(torch.nn.Module):
         return LlamaMLP(cfg, ctx, prefix)
 
     def forward(self, positions, x, residual, meta):
+        # each add + RMSNorm goes to the GEMM after it (FusedLinear.forward_prenorm), which may
+        # fold it into its own kernel; MoE blocks (routers read the normed x) take it apart
         if residual is None:
             residual, x = x, self.input_layernorm(x)
+            x = self.self_attn(positions, x, meta)
         else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, meta)
+            x, residual = self.self_attn.forward_prenorm(positions, x, residual, self.input_layernorm, meta)
+        if isinstance(self.mlp, LlamaMLP):
+            return self.mlp.forward_prenorm(x, residual, self.post_attention_layernorm)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 

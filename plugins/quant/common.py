@@ -48,9 +48,14 @@ class WeightOnlySettings(QuantSettings):
     ``kernels/w4_mma.py`` instead (a CUDA C++ kernel on ``mma.sync``, needs CuPy and an sm80+
     GPU; K and N multiples of 64, groups of a multiple of 64); it too refuses a layer it
     cannot hold. ``checkpoint`` keeps the checkpoint's packing (the ``wna16`` kernels), for A/B runs.
+
+    ``fuse_norm``: with the ``mma`` layout, a layer after a pre-norm (Llama's qkv and gate|up)
+    computes the add + RMSNorm in its GEMM's prologue at batch <= 8, one kernel where there
+    were two (``w4_mma.mma_gemm_rmsnorm``); false runs them apart, for A/B runs.
     """
 
     int4_layout: Int4Layout = "auto"
+    fuse_norm: bool = True
 
 
 def require_checkpoint_method(cfg: dict, method: str, checkpoint: str) -> None:

@@ -56,10 +56,12 @@ class WNA16LinearMethod(LinearMethod):
         desc_act: GPTQ act-order; when False ``g_idx`` is trivial and ignored (as vLLM does).
         symmetric: compressed-tensors only: no zero-point tensor (zero point 2**(bits-1)).
         int4_layout: ``auto``, ``mma``, ``pairs`` or ``checkpoint`` (``common.WeightOnlySettings``).
+        fuse_norm: fold a pre-norm into the mma GEMM (:meth:`apply_add_rmsnorm`).
     """
 
     def __init__(self, fmt: str, bits: int, group_size: int, zero_offset: int, backend: str,
-                 skip_hint: str, desc_act: bool = False, symmetric: bool = False, int4_layout: str = "auto") -> None:
+                 skip_hint: str, desc_act: bool = False, symmetric: bool = False, int4_layout: str = "auto",
+                 fuse_norm: bool = True) -> None:
         assert fmt in ("awq", "gptq", "ct")
         self.fmt, self.bits, self.group_size, self.zero_offset = fmt, bits, group_size, zero_offset
         self.desc_act = desc_act
@@ -68,6 +70,7 @@ class WNA16LinearMethod(LinearMethod):
         self.pf = 32 // bits
         self.skip_hint = skip_hint
         self.int4_layout = int4_layout
+        self.fuse_norm = fuse_norm
         self._told_reference = False
 
     # -- loading ---------------------------------------------------------------------------
@@ -309,6 +312,17 @@ class WNA16LinearMethod(LinearMethod):
         else:
             y = w4_mma.silu_and_mul_interleaved(x2 @ self.dequantized(layer, x2.dtype))
         return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    def apply_add_rmsnorm(self, layer, x, residual, norm_weight, eps, bias, silu_and_mul=False):
+        """The pre-norm folded into the mma kernel's prologue (``w4_mma.mma_gemm_rmsnorm``)
+        for T <= 8 tokens; None elsewhere: another layout, a bias, GPTQ act-order (x would
+        be normalized in the permuted order), a gate|up layer asked for [gate | up]."""
+        if not (self.fuse_norm and layer.wna16_kernel and layer.wna16_layout == "mma" and bias is None and layer.perm is None
+                and silu_and_mul == bool(getattr(layer, "wna16_gated", False)) and x.dim() == 2
+                and 1 <= x.shape[0] <= w4_mma.MAX_NORM_M and x.dtype == layer.wzeros.dtype):
+            return None
+        return w4_mma.mma_gemm_rmsnorm(x, residual, norm_weight, eps, layer.qweight, layer.mma_scales, layer.wzeros,
+                                       group_size=layer.wna16_group, n=layer.wna16_n, silu_and_mul=silu_and_mul)
 
     @staticmethod
     def _kernel_input(layer, x):

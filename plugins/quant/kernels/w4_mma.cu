@@ -55,6 +55,66 @@ __device__ __forceinline__ void fill_x(dt* xs, const dt* x, int M, long long str
     __syncthreads();
 }
 
+#ifndef NORM
+#define NORM 0
+#endif
+#if NORM && !XS
+#error "NORM keeps the normalized x rows in shared memory: it needs XS"
+#endif
+#if NORM
+// NORM: x = RMSNorm(h + res) * nw (Zhang & Sennrich 2019, the pre-norm of the next layer)
+// computed by every CTA into shared memory (full rows, pitch xpitch), so the separate fused
+// add + RMSNorm kernel and its launch go. Numerics as kvforge.layers.triton_ops.rmsnorm: the
+// sum is rounded to x's dtype (the new residual stream, written by CTA (0, 0) to res_out),
+// squares summed in fp32 (per thread in unit order, warps in xor-shuffle order, then warp 0..
+// in order: deterministic), y = dt(s * rstd), then dt(y * nw). M <= 8 (one token block).
+__device__ __forceinline__ void fill_x_norm(dt* xs, const dt* h, int M, long long stride_h, int xpitch, int K,
+                                            const dt* res, const dt* nw, float eps, dt* res_out, int cbeg,
+                                            int cend) {
+    __shared__ float part[32][8];  // [warp][row] sums of squares
+    const int units = K / 8, lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    const bool writer = blockIdx.x == 0 && blockIdx.y == 0;
+    for (int row = 0; row < M; ++row) {
+        float ss = 0.f;
+        for (int u = threadIdx.x; u < units; u += blockDim.x) {
+            const uint4 hv = __ldg(reinterpret_cast<const uint4*>(h + (size_t)row * stride_h) + u);
+            const uint4 rv = __ldg(reinterpret_cast<const uint4*>(res + (size_t)row * K) + u);
+            const dt* hp = reinterpret_cast<const dt*>(&hv);
+            const dt* rp = reinterpret_cast<const dt*>(&rv);
+            __align__(16) dt sv[8];
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                sv[e] = f_to_dt(dt_to_f(hp[e]) + dt_to_f(rp[e]));
+                const float f = dt_to_f(sv[e]);
+                ss += f * f;
+            }
+            *reinterpret_cast<uint4*>(xs + row * xpitch + u * 8) = *reinterpret_cast<const uint4*>(sv);
+            if (writer) reinterpret_cast<uint4*>(res_out + (size_t)row * K)[u] = *reinterpret_cast<const uint4*>(sv);
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+        if (lane == 0) part[warp][row] = ss;
+    }
+    __syncthreads();
+    // this CTA's K slice only (the warps read chunks cbeg .. cend)
+    const int su = (cend - cbeg) * 8;
+    for (int u = threadIdx.x; u < M * su; u += blockDim.x) {
+        const int row = u / su, col = cbeg * 64 + (u % su) * 8;
+        float tot = 0.f;
+        for (int w = 0; w < nwarps; ++w) tot += part[w][row];
+        const float rstd = rsqrtf(tot / (float)K + eps);
+        const uint4 wv = __ldg(reinterpret_cast<const uint4*>(nw + col));
+        const dt* wp = reinterpret_cast<const dt*>(&wv);
+        dt* sp = xs + row * xpitch + col;
+        __align__(16) dt ov[8];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) ov[e] = f_to_dt(dt_to_f(f_to_dt(dt_to_f(sp[e]) * rstd)) * dt_to_f(wp[e]));
+        *reinterpret_cast<uint4*>(sp) = *reinterpret_cast<const uint4*>(ov);
+    }
+    __syncthreads();
+}
+#endif
+
 #ifndef ACT
 #define ACT 0
 #endif
@@ -98,7 +158,8 @@ __device__ __forceinline__ void store_out(const float (&acc)[TW][NB][4], dt* out
 extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB)
 w4_mma_gemm(const dt* __restrict__ x, int M, long long stride_x, const uint4* __restrict__ wq,
             const float* __restrict__ sc, const dt* __restrict__ zp, int N, int KC, int gc_rt, int cps, float* __restrict__ ws,
-            int* __restrict__ cnt, dt* __restrict__ out, long long stride_o) {
+            int* __restrict__ cnt, dt* __restrict__ out, long long stride_o, const dt* __restrict__ res,
+            const dt* __restrict__ nw, float eps, dt* __restrict__ res_out) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int NBLK = N >> 6;
@@ -133,9 +194,10 @@ w4_mma_gemm(const dt* __restrict__ x, int M, long long stride_x, const uint4* __
 #if CPA  // the stages first; this thread's unit 0 of stage 0 (shared-space byte address)
     const unsigned ring = smem_u32(smem_raw) + threadIdx.x * 16;
 #endif
-#if XS  // then x[0:M, cbeg*64 : cend*64), row pitch xpitch
+#if XS  // then x[0:M, cbeg*64 : cend*64), row pitch xpitch (NORM: whole rows, for their norms)
     dt* xs = reinterpret_cast<dt*>(smem_raw + STAGE_BYTES);
-    const int xpitch = cps * 64 + 8;  // +16 bytes: lanes g and g + 1 hit different banks
+    const int xpitch = (NORM ? KC : cps) * 64 + 8;  // +16 bytes: lanes g and g + 1 hit different banks
+    const int xoff = NORM ? 0 : cbeg * 64;           // the copy's first column
 #endif
 
     // this lane's entries of a (group, nblk, g) record: (tile0 + a, r) at 2 * (tile0 + a) + r
@@ -144,7 +206,7 @@ w4_mma_gemm(const dt* __restrict__ x, int M, long long stride_x, const uint4* __
 #pragma unroll
     for (int b = 0; b < NB; ++b)  // tokens past M re-read row M - 1; their outputs are dropped
 #if XS
-        xp[b] = xs + min(b * 8 + g, M - 1) * xpitch + 16 * t - (size_t)cbeg * 64;
+        xp[b] = xs + min(b * 8 + g, M - 1) * xpitch + 16 * t - xoff;
 #else
         xp[b] = x + (size_t)min(b * 8 + g, M - 1) * stride_x + 16 * t;
 #endif
@@ -166,7 +228,9 @@ w4_mma_gemm(const dt* __restrict__ x, int M, long long stride_x, const uint4* __
             if (s < nloc) load_stage(st[s], wp, xp, sc, zp, rec0, rec_step, chunk_of(s), GC);
     }
 #endif
-#if XS
+#if NORM
+    fill_x_norm(xs, x, M, stride_x, xpitch, KC * 64, res, nw, eps, res_out, cbeg, cend);  // every thread
+#elif XS
     fill_x(xs, x, M, stride_x, xpitch, cbeg, cend);  // every thread: it ends in a CTA barrier
 #endif
     if (live) {

@@ -195,6 +195,43 @@ def mma_gemm(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: 
     ValueError for another dtype, a shape the layout does not hold, zeros in another dtype
     than x (the layout is made for the model's dtype), scales / zeros not in the layout's
     shape, or a ``config`` that is not a launchable one covering M (:func:`check_config`)."""
+    return _gemm(x, words, scales, zeros, group_size, n, config, silu_and_mul, None)[0]
+
+
+#: Most tokens the RMSNorm prologue (``NORM``) takes: one token block, whole rows in shared memory.
+MAX_NORM_M = 8
+
+
+def mma_gemm_rmsnorm(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                     words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, *, group_size: int, n: int,
+                     config: "dict | None" = None, silu_and_mul: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pre-norm of a transformer block folded into the GEMM's prologue: with r = x +
+    residual (rounded to x's dtype), returns (``mma_gemm(RMSNorm(r) * norm_weight)``, r), the
+    same numbers as ``kvforge.layers.triton_ops.rmsnorm`` then :func:`mma_gemm` up to the
+    fp32 sum order of the norm. x, residual [M, K] and norm_weight [K] in one dtype, M <=
+    ``MAX_NORM_M``; eps > 0. Every CTA computes the rows' norms itself (M x K reads from L2),
+    so a batch-1 decode layer launches one kernel where it launched two. Raises ValueError as
+    :func:`mma_gemm` does, and for M > ``MAX_NORM_M`` or operands of another shape / dtype."""
+    m, k = x.shape
+    if not 1 <= m <= MAX_NORM_M:
+        raise ValueError(f"w4 mma GEMM + RMSNorm: M {m} must be 1..{MAX_NORM_M} (one token block)")
+    if residual.shape != x.shape or norm_weight.shape != (k,) or residual.dtype != x.dtype \
+            or norm_weight.dtype != x.dtype:
+        raise ValueError(f"w4 mma GEMM + RMSNorm: residual {tuple(residual.shape)} {residual.dtype} and norm weight "
+                         f"{tuple(norm_weight.shape)} {norm_weight.dtype} must be x's shape [{m}, {k}] / [{k}] "
+                         f"and dtype {x.dtype}")
+    if not eps > 0:
+        raise ValueError(f"w4 mma GEMM + RMSNorm: eps must be > 0, got {eps}")
+    return _gemm(x, words, scales, zeros, group_size, n, config, silu_and_mul,
+                 (_aligned(residual), _aligned(norm_weight), float(eps)))
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` contiguous with its first element 16-byte aligned (the kernel's row loads)."""
+    return t if t.is_contiguous() and t.data_ptr() % 16 == 0 else t.clone(memory_format=torch.contiguous_format)
+
+
+def _gemm(x, words, scales, zeros, group_size, n, config, silu_and_mul, norm):
     from .w4_mma_jit import kernels
     m, k = x.shape
     if config is not None:
@@ -210,13 +247,13 @@ def mma_gemm(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: 
         raise ValueError(f"w4 mma GEMM: scales {scales.dtype} {tuple(scales.shape)} / zeros {tuple(zeros.shape)} "
                          f"must be contiguous, float32 / x's dtype, of shape {groups} (pack_mma_groups)")
     if m == 0:
-        return x.new_empty((0, n // 2 if silu_and_mul else n))
+        return x.new_empty((0, n // 2 if silu_and_mul else n)), None
     if x.stride(-1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
         x = x.clone(memory_format=torch.contiguous_format)  # 16-byte row loads (a fresh, aligned allocation)
     if m > MAX_FUSED_M:
         wt = torch.empty((n, k), dtype=x.dtype, device=x.device)
         kernels().dequant(words, scales, zeros, wt, n=n, k=k, group_chunks=group_size // 64)
-        return silu_and_mul_interleaved(x @ wt.t()) if silu_and_mul else x @ wt.t()
+        return (silu_and_mul_interleaved(x @ wt.t()) if silu_and_mul else x @ wt.t()), None
     given = config is not None
     if config is None:  # the defaults and the shipped table pass check_config (tests): not re-checked per call
         tuned = lookup("w4_mma", m, n, k, x.device)
@@ -229,9 +266,13 @@ def mma_gemm(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: 
         check_config(cfg, m)
     cfg = fit_kw(cfg, k, group_size)
     cfg["ACT"] = int(silu_and_mul)  # the epilogue, not a tuning choice
+    if norm is not None:  # the normalized rows live in shared memory, whole (x_bytes)
+        cfg["NORM"], cfg["XS"] = 1, 1
     ctas_n, cps, splits = plan(m, n, k, group_size, cfg, _num_sms(x.device.index or 0))
-    xs = m * (cps * 64 + 8) * x.element_size() if cfg["XS"] else 0
-    if (xs or cfg.get("CPA")) and xs + stage_bytes(cfg) > _smem_limit(x.device):  # (query only when asked)
+    xs = x_bytes(cfg, m, k, cps, x.element_size())
+    if norm is not None and cfg.get("CPA") and xs + stage_bytes(cfg) > _smem_limit(x.device):
+        cfg["CPA"] = 0  # the rows must stay: the stages go to registers (S) instead
+    elif (xs or cfg.get("CPA")) and xs + stage_bytes(cfg) > _smem_limit(x.device):  # (query only when asked)
         cfg["XS"], xs = 0, 0  # the x slice does not fit beside the stages: each warp loads x itself
     smem = max(xs + stage_bytes(cfg), reduce_bytes(cfg))
     if smem and smem > _smem_limit(x.device):
@@ -242,9 +283,21 @@ def mma_gemm(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: 
     if splits > 1:
         ws = torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
         cnt = arrival_counters(ctas_n, x.device)
+    res_out = None
+    if norm is not None:
+        res_out = torch.empty((m, k), dtype=x.dtype, device=x.device)
+        norm = (*norm, res_out)
     kernels().gemm(x, words, scales, zeros, out, ws, cnt, n=n, group_chunks=group_size // 64, chunks_per_split=cps,
-                   splits=splits, cfg=cfg, smem=smem)
-    return out
+                   splits=splits, cfg=cfg, smem=smem, norm=norm)
+    return out, res_out
+
+
+def x_bytes(cfg: dict, m: int, k: int, cps: int, esize: int) -> int:
+    """Shared memory of the x copy: XS, M rows of the split's ``cps`` chunks (+16 bytes of
+    pitch); NORM, M whole rows of K (each CTA normalizes them); 0 without XS."""
+    if not cfg["XS"]:
+        return 0
+    return m * ((k if cfg.get("NORM") else cps * 64) + 8) * esize
 
 
 #: Launch-config keys: the kernel's compile-time constants (GCC is set per call) and the split rule.

@@ -21,7 +21,7 @@ from kvforge.layers.cupy_launch import ptr as _ptr
 SOURCE = "\n".join(Path(__file__).with_name(f).read_text()
                    for f in ("w4_mma_ops.cuh", "w4_mma_stages.cuh", "w4_mma.cu"))
 _LOCK = threading.Lock()
-_DEFINES = (("NB", 1), ("TW", 4), ("WARPS", 4), ("S", 2), ("XS", 0), ("SCALE_A", 0), ("MINB", 1), ("LDW", 0), ("GCC", 0), ("CPA", 0), ("KW", 1), ("ACT", 0), ("PDL", 0), ("PDLP", -1))
+_DEFINES = (("NB", 1), ("TW", 4), ("WARPS", 4), ("S", 2), ("XS", 0), ("SCALE_A", 0), ("MINB", 1), ("LDW", 0), ("GCC", 0), ("CPA", 0), ("KW", 1), ("ACT", 0), ("PDL", 0), ("PDLP", -1), ("NORM", 0))
 
 
 def nvrtc_options(dtype: torch.dtype, cfg: "dict | None" = None) -> tuple[str, ...]:
@@ -61,10 +61,13 @@ class W4MmaKernels:
         return fn
 
     def gemm(self, x, words, scales, zeros, out, ws, cnt, *, n: int, group_chunks: int, chunks_per_split: int,
-             splits: int, cfg: dict, smem: int = 0) -> None:
+             splits: int, cfg: dict, smem: int = 0, norm: "tuple | None" = None) -> None:
         """out [M, N] = x [M, K] @ W (with ``cfg["ACT"]``: out [M, N / 2] = silu(gate) * up of
         an interleaved gate|up weight); operands as in ``w4_mma.py`` (x rows 16-byte aligned);
-        ``smem``: dynamic shared memory bytes (the x slice with XS, CPA stages, KW sums)."""
+        ``smem``: dynamic shared memory bytes (the x slice with XS, CPA stages, KW sums).
+        With ``cfg["NORM"]``, ``norm`` is (residual [M, K] contiguous, RMSNorm weight [K],
+        eps, residual_out [M, K]): the kernel multiplies RMSNorm(x + residual) * weight and
+        writes x + residual to residual_out."""
         m, k = x.shape
         # the kernel fetches a group's scales at its first chunk and walks whole groups:
         # splits and K must hold whole groups
@@ -81,6 +84,11 @@ class W4MmaKernels:
         args = (_ptr(x), np.int32(m), np.int64(x.stride(0)), _ptr(words), _ptr(scales), _ptr(zeros), np.int32(n),
                 np.int32(k // 64), np.int32(group_chunks), np.int32(chunks_per_split), _ptr(ws), _ptr(cnt),
                 _ptr(out), np.int64(out.stride(0)))
+        if cfg.get("NORM"):
+            res, nw, eps, res_out = norm
+            args += (_ptr(res), _ptr(nw), np.float32(eps), _ptr(res_out))
+        else:
+            args += (np.uint64(0), np.uint64(0), np.float32(0.0), np.uint64(0))
         with self._streams.current(x.device):
             if not (use_pdl and pdl.launch(fn.kernel.ptr, grid, block, args, smem,
                                            torch.cuda.current_stream(x.device).cuda_stream)):
