@@ -352,5 +352,6 @@ def reduce_bytes(cfg: dict) -> int:
 
 
 def _smem_limit(device: torch.device) -> int:
-    """Dynamic shared memory a CTA may take (the opt-in maximum less 1 KB for the kernel's own)."""
-    return torch.cuda.get_device_properties(device).shared_memory_per_block_optin - 1024
+    """Dynamic shared memory a CTA may take: the opt-in maximum less 2 KB for the kernel's
+    static shared memory (at most 1 KB of NORM sums and the split-K flag)."""
+    return torch.cuda.get_device_properties(device).shared_memory_per_block_optin - 2048

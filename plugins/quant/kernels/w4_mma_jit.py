@@ -52,9 +52,10 @@ class W4MmaKernels:
                 try:
                     with self.cupy.cuda.Device(index):  # a module is loaded into one device's context
                         fn = self.cupy.RawModule(code=SOURCE, options=opts).get_function(name)
-                        # allow the shared-memory x slice past the 48 KB default (XS)
+                        # allow the shared-memory x slice past the 48 KB default (XS); the
+                        # kernel's static shared memory (NORM's sums, the split-K flag) comes first
                         optin = torch.cuda.get_device_properties(index).shared_memory_per_block_optin
-                        fn.max_dynamic_shared_size_bytes = optin - 1024  # a RawKernel (CuPy >= 12)
+                        fn.max_dynamic_shared_size_bytes = optin - fn.shared_size_bytes  # a RawKernel (CuPy >= 12)
                 except Exception as e:
                     raise RuntimeError(f"w4_mma: NVRTC compile failed for {key}: {e}") from e
                 self._mods[key] = fn
