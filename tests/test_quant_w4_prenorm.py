@@ -144,12 +144,13 @@ def test_gpu_model_prenorm_matches_unfused(tmp_path, gen, monkeypatch):
     # the qkv and gate|up GEMMs, against the same engine with fuse_norm false. Measured
     # difference: the unfused run's own fp16 noise (the normalized x may differ in its last bit).
     import json
+    import shutil
 
     from safetensors.torch import save_file
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from helpers import make_engine, prompt_logits
-    from test_quant_fixtures import AWQ_ORDER, PROJ, pack_along_cols, rtn_groups
+    from test_quant_fixtures import AUX_FILES, AWQ_ORDER, PROJ, STORIES, pack_along_cols, rtn_groups
     if w4_mma.runtime_blocker(torch.device("cuda")):
         pytest.skip(w4_mma.runtime_blocker(torch.device("cuda")))
     torch.manual_seed(gen.initial_seed())
@@ -168,6 +169,9 @@ def test_gpu_model_prenorm_matches_unfused(tmp_path, gen, monkeypatch):
         else:
             tensors[name] = t.contiguous()
     save_file(tensors, str(tmp_path / "model.safetensors"))
+    for f in AUX_FILES:  # stories260K's tokenizer: its 512 ids are this model's vocabulary
+        if (STORIES / f).exists():
+            shutil.copy(STORIES / f, tmp_path / f)
     (tmp_path / "config.json").write_text(json.dumps({
         **cfg.to_dict(), "architectures": ["LlamaForCausalLM"],
         "quantization_config": {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
