@@ -182,7 +182,9 @@ def test_gpu_model_prenorm_matches_unfused(tmp_path, gen, monkeypatch):
     ids = torch.randint(3, 512, (24,), generator=gen).tolist()
     logits = {}
     for fuse in (True, False):
+        # eager: each step calls the layers' Python (a replayed CUDA graph would not reach the spy)
         engine = make_engine(model=str(tmp_path), device="cuda", dtype="float16", kv_cache_memory_bytes=1 << 24,
+                             enforce_eager=True,
                              **{"quantization.settings.int4_layout": "mma",
                                 "quantization.settings.fuse_norm": fuse})
         n0 = len(calls)

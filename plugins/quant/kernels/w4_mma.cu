@@ -68,48 +68,85 @@ __device__ __forceinline__ void fill_x(dt* xs, const dt* x, int M, long long str
 // sum is rounded to x's dtype (the new residual stream, written by CTA (0, 0) to res_out),
 // squares summed in fp32 (per thread in unit order, warps in xor-shuffle order, then warp 0..
 // in order: deterministic), y = dt(s * rstd), then dt(y * nw). M <= 8 (one token block).
+__device__ __forceinline__ uint4 add_round(const uint4& hv, const uint4& rv, float& ss) {
+    // dt(h + r) of 8 values; their squares (fp32) into ss in element order
+    const dt* hp = reinterpret_cast<const dt*>(&hv);
+    const dt* rp = reinterpret_cast<const dt*>(&rv);
+    __align__(16) dt sv[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+        sv[e] = f_to_dt(dt_to_f(hp[e]) + dt_to_f(rp[e]));
+        const float f = dt_to_f(sv[e]);
+        ss += f * f;
+    }
+    return *reinterpret_cast<const uint4*>(sv);
+}
+
+__device__ __forceinline__ void scale_units(dt* sp, const uint4& wv, float rstd) {
+    // 8 values of the shared copy: dt(dt(s * rstd) * w), in place
+    const dt* wp = reinterpret_cast<const dt*>(&wv);
+    __align__(16) dt ov[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) ov[e] = f_to_dt(dt_to_f(f_to_dt(dt_to_f(sp[e]) * rstd)) * dt_to_f(wp[e]));
+    *reinterpret_cast<uint4*>(sp) = *reinterpret_cast<const uint4*>(ov);
+}
+
+#define NORM_BATCH 4  // 16-byte units a thread has in flight at once
 __device__ __forceinline__ void fill_x_norm(dt* xs, const dt* h, int M, long long stride_h, int xpitch, int K,
                                             const dt* res, const dt* nw, float eps, dt* res_out, int cbeg,
                                             int cend) {
     __shared__ float part[32][8];  // [warp][row] sums of squares
     const int units = K / 8, lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    const int nt = blockDim.x, su = (cend - cbeg) * 8;  // su: units of this CTA's K slice per row
     const bool writer = blockIdx.x == 0 && blockIdx.y == 0;
-    for (int row = 0; row < M; ++row) {
-        float ss = 0.f;
-        for (int u = threadIdx.x; u < units; u += blockDim.x) {
-            const uint4 hv = __ldg(reinterpret_cast<const uint4*>(h + (size_t)row * stride_h) + u);
-            const uint4 rv = __ldg(reinterpret_cast<const uint4*>(res + (size_t)row * K) + u);
-            const dt* hp = reinterpret_cast<const dt*>(&hv);
-            const dt* rp = reinterpret_cast<const dt*>(&rv);
-            __align__(16) dt sv[8];
+    // the norm weight of this thread's first slice units, requested before anything waits
+    uint4 wpre[NORM_BATCH];
 #pragma unroll
-            for (int e = 0; e < 8; ++e) {
-                sv[e] = f_to_dt(dt_to_f(hp[e]) + dt_to_f(rp[e]));
-                const float f = dt_to_f(sv[e]);
-                ss += f * f;
+    for (int i = 0; i < NORM_BATCH; ++i) {
+        const int u = threadIdx.x + i * nt;
+        if (u < M * su) wpre[i] = __ldg(reinterpret_cast<const uint4*>(nw + cbeg * 64) + u % su);
+    }
+    for (int row = 0; row < M; ++row) {
+        const uint4* hr = reinterpret_cast<const uint4*>(h + (size_t)row * stride_h);
+        const uint4* rr = reinterpret_cast<const uint4*>(res + (size_t)row * K);
+        float ss = 0.f;
+        for (int u0 = threadIdx.x; u0 < units; u0 += NORM_BATCH * nt) {
+            uint4 hv[NORM_BATCH], rv[NORM_BATCH];
+#pragma unroll
+            for (int i = 0; i < NORM_BATCH; ++i)  // all loads first: one L2 round trip per batch
+                if (u0 + i * nt < units) hv[i] = __ldg(hr + u0 + i * nt), rv[i] = __ldg(rr + u0 + i * nt);
+#pragma unroll
+            for (int i = 0; i < NORM_BATCH; ++i) {
+                const int u = u0 + i * nt;
+                if (u < units) {
+                    const uint4 sv = add_round(hv[i], rv[i], ss);
+                    *reinterpret_cast<uint4*>(xs + row * xpitch + u * 8) = sv;
+                    if (writer) reinterpret_cast<uint4*>(res_out + (size_t)row * K)[u] = sv;
+                }
             }
-            *reinterpret_cast<uint4*>(xs + row * xpitch + u * 8) = *reinterpret_cast<const uint4*>(sv);
-            if (writer) reinterpret_cast<uint4*>(res_out + (size_t)row * K)[u] = *reinterpret_cast<const uint4*>(sv);
         }
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
         if (lane == 0) part[warp][row] = ss;
     }
     __syncthreads();
-    // this CTA's K slice only (the warps read chunks cbeg .. cend)
-    const int su = (cend - cbeg) * 8;
-    for (int u = threadIdx.x; u < M * su; u += blockDim.x) {
-        const int row = u / su, col = cbeg * 64 + (u % su) * 8;
+    // this CTA's K slice only (its warps read chunks cbeg .. cend)
+#pragma unroll
+    for (int i = 0; i < NORM_BATCH; ++i) {
+        const int u = threadIdx.x + i * nt;
+        if (u < M * su) {
+            const int row = u / su;
+            float tot = 0.f;
+            for (int w = 0; w < nwarps; ++w) tot += part[w][row];
+            scale_units(xs + row * xpitch + cbeg * 64 + (u % su) * 8, wpre[i], rsqrtf(tot / (float)K + eps));
+        }
+    }
+    for (int u = threadIdx.x + NORM_BATCH * nt; u < M * su; u += nt) {
+        const int row = u / su;
         float tot = 0.f;
         for (int w = 0; w < nwarps; ++w) tot += part[w][row];
-        const float rstd = rsqrtf(tot / (float)K + eps);
-        const uint4 wv = __ldg(reinterpret_cast<const uint4*>(nw + col));
-        const dt* wp = reinterpret_cast<const dt*>(&wv);
-        dt* sp = xs + row * xpitch + col;
-        __align__(16) dt ov[8];
-#pragma unroll
-        for (int e = 0; e < 8; ++e) ov[e] = f_to_dt(dt_to_f(f_to_dt(dt_to_f(sp[e]) * rstd)) * dt_to_f(wp[e]));
-        *reinterpret_cast<uint4*>(sp) = *reinterpret_cast<const uint4*>(ov);
+        scale_units(xs + row * xpitch + cbeg * 64 + (u % su) * 8,
+                    __ldg(reinterpret_cast<const uint4*>(nw + cbeg * 64) + u % su), rsqrtf(tot / (float)K + eps));
     }
     __syncthreads();
 }
@@ -187,6 +224,13 @@ w4_mma_gemm(const dt* __restrict__ x, int M, long long stride_x, const uint4* __
             for (int a = 0; a < TW; ++a)
                 asm volatile("prefetch.global.L2 [%0];" ::"l"(wp + (size_t)chunk_of(j) * 128 + a * 32));
     asm volatile("griddepcontrol.wait;" ::: "memory");  // the previous kernel's writes (x) are visible
+#endif
+#if NORM && !PDL  // the norm prologue waits on L2 round trips: have the first chunks on their way
+    if (live && (lane & 7) == 0)
+        for (int j = 0; j < min(nloc, 2); ++j)
+#pragma unroll
+            for (int a = 0; a < TW; ++a)
+                asm volatile("prefetch.global.L2 [%0];" ::"l"(wp + (size_t)chunk_of(j) * 128 + a * 32));
 #endif
 #if XS || CPA || KW > 1
     extern __shared__ __align__(16) unsigned char smem_raw[];
