@@ -91,7 +91,7 @@ __device__ __forceinline__ void scale_units(dt* sp, const uint4& wv, float rstd)
     *reinterpret_cast<uint4*>(sp) = *reinterpret_cast<const uint4*>(ov);
 }
 
-#define NORM_BATCH 4  // 16-byte units a thread has in flight at once
+#define NORM_BATCH 2  // 16-byte units a thread has in flight at once (K 4096 at 256 threads: all)
 __device__ __forceinline__ void fill_x_norm(dt* xs, const dt* h, int M, long long stride_h, int xpitch, int K,
                                             const dt* res, const dt* nw, float eps, dt* res_out, int cbeg,
                                             int cend) {
@@ -225,13 +225,6 @@ w4_mma_gemm(const dt* __restrict__ x, int M, long long stride_x, const uint4* __
                 asm volatile("prefetch.global.L2 [%0];" ::"l"(wp + (size_t)chunk_of(j) * 128 + a * 32));
     asm volatile("griddepcontrol.wait;" ::: "memory");  // the previous kernel's writes (x) are visible
 #endif
-#if NORM && !PDL  // the norm prologue waits on L2 round trips: have the first chunks on their way
-    if (live && (lane & 7) == 0)
-        for (int j = 0; j < min(nloc, 2); ++j)
-#pragma unroll
-            for (int a = 0; a < TW; ++a)
-                asm volatile("prefetch.global.L2 [%0];" ::"l"(wp + (size_t)chunk_of(j) * 128 + a * 32));
-#endif
 #if XS || CPA || KW > 1
     extern __shared__ __align__(16) unsigned char smem_raw[];
 #endif
@@ -270,6 +263,8 @@ w4_mma_gemm(const dt* __restrict__ x, int M, long long stride_x, const uint4* __
 #pragma unroll
         for (int s = 0; s < S - 1; ++s)
             if (s < nloc) load_stage(st[s], wp, xp, sc, zp, rec0, rec_step, chunk_of(s), GC);
+        // the norm prologue waits on L2 round trips: with S = 1 the first chunk loads meanwhile
+        if (NORM && S == 1 && nloc > 0) load_stage(st[0], wp, xp, sc, zp, rec0, rec_step, chunk_of(0), GC);
     }
 #endif
 #if NORM
@@ -301,7 +296,7 @@ w4_mma_gemm(const dt* __restrict__ x, int M, long long stride_x, const uint4* __
 #pragma unroll
             for (int s = 0; s < S; ++s) {
                 const int j = j0 + s;
-                if (S == 1 && j < nloc)  // no prefetch: load, then compute (fewer registers, more warps)
+                if (S == 1 && j < nloc && !(NORM && j == 0))  // load, then compute (fewer registers, more warps)
                     load_stage(st[0], wp, xp, sc, zp, rec0, rec_step, chunk_of(j), GC);
                 else if (S > 1 && j + S - 1 < nloc)  // keep S - 1 chunks in flight
                     load_stage(st[(s + S - 1) % S], wp, xp, sc, zp, rec0, rec_step, chunk_of(j + S - 1), GC);
