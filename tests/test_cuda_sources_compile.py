@@ -49,8 +49,8 @@ def _compile(nvrtc, src: str, name: str, opts: tuple[str, ...], entries: tuple[s
 def _w4_configs() -> list[dict]:
     """The defaults, every tuned config of the shipped choices table (what the H200 runs) and
     the configs the GPU tests and the emulation run, each with and without the group chunks
-    compiled in (GCC); and those with the SwiGLU epilogue (ACT), the PDL prologue and the RMSNorm
-    prologue (NORM)."""
+    compiled in (GCC); and those with the SwiGLU epilogue (ACT), the PDL prologue, the RMSNorm
+    prologue (NORM) and the RoPE epilogue (ROPE)."""
     table = json.loads((ROOT / "plugins/quant/kernels/gemm_choices.json").read_text())
     tuned = [{k: v for k, v in cfg.items() if k not in ("schema", "waves")}
              for gpu in table.values() for cfg in gpu.get("w4_mma", {}).values()]
@@ -70,7 +70,10 @@ def _w4_configs() -> list[dict]:
     for cfg in [{}] + tuned + [c for *_, c in CASES if c]:
         for c in ({**cfg, "GCC": 2, "ACT": 1}, {**cfg, "GCC": 2, "ACT": 1, "PDL": 1}, {**cfg, "GCC": 2, "PDL": 1},
                   {**cfg, "GCC": 2, "PDL": 1, "PDLP": 2}, {**cfg, "GCC": 2, "NORM": 1, "XS": 1},
-                  {**cfg, "GCC": 2, "NORM": 1, "XS": 1, "ACT": 1, "PDL": 1}):
+                  {**cfg, "GCC": 2, "NORM": 1, "XS": 1, "ACT": 1, "PDL": 1}, {**cfg, "GCC": 2, "ROPE": 1},
+                  {**cfg, "GCC": 2, "NORM": 1, "XS": 1, "ROPE": 2}):
+            if c.get("ROPE") == 2 and c.get("NB", 1) > 2:
+                continue  # the rotation runs with the norm, M <= 8: NB 1 (the M = 1 entries), 2 at most
             if c not in out:
                 out.append(c)
     return out

@@ -71,18 +71,35 @@ def norm_rows(dtype, x_bits, M, stride_x, K, norm):
     return bits(y), bits(s)
 
 
-def gemm_emu(cfg, dtype, x_bits, M, stride_x, wq, sc, zp, N, KC, gc_rt, cps, splits, norm=None):
+def rope_emu(out, M, N, rope, rotate):
+    """``store_out``'s ROPE epilogue on the unrounded result in layout order: the q|k rows
+    (rotary layout) back in head order, rotated where ``rotate`` (ROPE 2)."""
+    rows, hd = rope[0], rope[1]
+    y = out.reshape(M, N).copy()
+    qk = y[:, :rows].reshape(M, rows // hd, hd // 16, 2, 8)
+    x1, x2 = (qk[:, :, :, h, :].reshape(M, rows // hd, hd // 2) for h in (0, 1))
+    if rotate:
+        pos, cos, sin = (np.asarray(v) for v in rope[2:])
+        c, sn = cos[pos][:, None, :].astype(np.float64), sin[pos][:, None, :].astype(np.float64)
+        x1, x2 = x1 * c - x2 * sn, x2 * c + x1 * sn
+    y[:, :rows] = np.concatenate([x1, x2], -1).reshape(M, rows)
+    return y.reshape(-1)
+
+
+def gemm_emu(cfg, dtype, x_bits, M, stride_x, wq, sc, zp, N, KC, gc_rt, cps, splits, norm=None, rope=None):
     """``w4_mma_gemm`` on flat arrays (x as uint16 bits, words uint32, scales fp32, zeros
     uint16 bits) with the kernel's launch constants ``cfg``; returns y [M * N] float64.
     With ``cfg["NORM"]``, ``norm`` is (residual bits [M * K], norm weight bits [K], eps) and
     the result is (y, residual out bits [M, K])."""
     TW, NB, WARPS, S, XS, SA = (int(cfg[k]) for k in ("TW", "NB", "WARPS", "S", "XS", "SCALE_A"))
     NORM = int(cfg.get("NORM", 0))
+    ROPE = int(cfg.get("ROPE", 0))  # (rows, head_dim, positions, cos, sin) in ``rope``
     assert not NORM or (XS and M <= 8 and norm is not None), "NORM needs XS, M <= 8 and its operands"
     if NORM:
         normed, res_out = norm_rows(dtype, x_bits, M, stride_x, KC * 64, norm)
     CPA = int(cfg.get("CPA", 0))
     ACT = int(cfg.get("ACT", 0))  # the SwiGLU epilogue: finished rows are kept unrounded, activated at the end
+    assert not (ROPE and ACT) and (not ROPE or (rope[0] % 16 == 0 and rope[0] <= N))
     KW = int(cfg.get("KW", 1))
     COLS = WARPS // KW  # columns of warps along N; the KW warps of a column split K
     if KW > 1:  # every fragment slot of the shared-memory sums inside the bytes the host asked for
@@ -248,7 +265,7 @@ def gemm_emu(cfg, dtype, x_bits, M, stride_x, wq, sc, zp, N, KC, gc_rt, cps, spl
                     m = tok < M
                     assert (row < N).all()
                     if splits == 1:
-                        out[(tok * N + row)[m]] = acc[a, b, f][m] if ACT else rnd(acc[a, b, f][m], dtype)
+                        out[(tok * N + row)[m]] = acc[a, b, f][m] if ACT or ROPE else rnd(acc[a, b, f][m], dtype)
                     else:
                         ws[((by * M + tok) * N + row)[m]] = acc[a, b, f][m]
             if splits > 1:
@@ -265,12 +282,14 @@ def gemm_emu(cfg, dtype, x_bits, M, stride_x, wq, sc, zp, N, KC, gc_rt, cps, spl
                                 v = ws[((k * M + tok) * N + row)[m]]
                                 assert not np.isnan(v).any(), "ws read before written"
                                 tot[m] += v
-                            out[(tok * N + row)[m]] = tot[m] if ACT else rnd(tot[m], dtype)
+                            out[(tok * N + row)[m]] = tot[m] if ACT or ROPE else rnd(tot[m], dtype)
     assert (cnt == 0).all()
     if ACT:  # gate and up of feature 8T + i are rows 16T + i and 16T + 8 + i
         y = out.reshape(M, N // 16, 2, 8)
         gate, up = y[:, :, 0], y[:, :, 1]
         out = rnd(gate / (1 + np.exp(-gate)) * up, dtype).reshape(-1)
+    if ROPE:
+        out = rnd(rope_emu(out, M, N, rope, ROPE == 2), dtype)
     return (out, res_out) if NORM else out
 
 
@@ -308,7 +327,7 @@ class FakeKernels:
         self.calls: list[dict] = []
 
     def gemm(self, x, words, scales, zeros, out, ws, cnt, *, n, group_chunks, chunks_per_split, splits, cfg, smem=0,
-             norm=None):
+             norm=None, rope=None):
         m, k = x.shape
         xs = w4_mma.x_bytes(cfg, m, k, chunks_per_split, x.element_size())
         assert smem == max(xs + w4_mma.stage_bytes(cfg), w4_mma.reduce_bytes(cfg))
@@ -330,7 +349,9 @@ class FakeKernels:
             emu_norm = tuple(t.reshape(-1).view(torch.int16).numpy().astype(np.uint16) for t in (res, nw)) + (eps,)
         y = gemm_emu(cfg, x.dtype, flat, m, x.stride(0), words.contiguous().view(-1).numpy().view(np.uint32),
                      scales.reshape(-1).numpy(), zeros.reshape(-1).view(torch.int16).numpy().astype(np.uint16),
-                     n, k // 64, group_chunks, chunks_per_split, splits, emu_norm)
+                     n, k // 64, group_chunks, chunks_per_split, splits, emu_norm,
+                     None if not cfg.get("ROPE") else
+                     (*rope[:2], *(v.cpu().numpy() if v is not None else None for v in rope[2:])))
         if cfg.get("NORM"):
             y, r_bits = y
             res_out.copy_(torch.from_numpy(r_bits.astype(np.int16)).view(x.dtype).reshape(m, k))

@@ -40,13 +40,16 @@ class LinearMethod(ABC):
 
     def apply_add_rmsnorm(self, layer: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor,
                           norm_weight: torch.Tensor, eps: float, bias: torch.Tensor | None,
-                          silu_and_mul: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
+                          silu_and_mul: bool = False, rope: tuple | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Optional: a pre-norm block's add + RMSNorm folded into this layer's GEMM. With
         r = x + residual (rounded to x's dtype), returns (y, r) where y is :meth:`apply`
         (``silu_and_mul``: :meth:`apply_silu_and_mul`) of RMSNorm(r) * norm_weight; x,
-        residual [T, input_size], norm_weight [input_size], all in the activation dtype. None
-        where this method has no such path for these operands (the layer then runs
-        ``kvforge.layers.layernorm.RMSNorm`` and the GEMM separately)."""
+        residual [T, input_size], norm_weight [input_size], all in the activation dtype.
+        ``rope`` (positions int64 [T], a ``kvforge.layers.rotary.RotaryEmbedding``), for a
+        q|k|v layer (``layer.head_dim``): y's q and k heads must come back rotated. None where
+        this method has no such path for these operands (the layer then runs
+        ``kvforge.layers.layernorm.RMSNorm``, the GEMM and the rotation separately)."""
         return None
 
 

@@ -74,19 +74,40 @@ class FusedLinear(torch.nn.Module):
         y = fused(self, x, self.bias) if fused is not None else None
         return y if y is not None else silu_and_mul(self(x))
 
-    def forward_prenorm(self, x: torch.Tensor, residual: torch.Tensor, norm,
-                        silu_and_mul: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_prenorm(self, x: torch.Tensor, residual: torch.Tensor, norm, silu_and_mul: bool = False,
+                        rope: "tuple | None" = None) -> tuple[torch.Tensor, torch.Tensor]:
         """A pre-norm block's ``h, r = norm(x, residual)`` then ``self(h)`` (``silu_and_mul``:
         :meth:`silu_and_mul` of h): x, residual [T, in] -> (y, r = x + residual). ``norm`` is
-        a ``kvforge.layers.layernorm.RMSNorm``. The method folds the norm into its GEMM where
-        it can (``LinearMethod.apply_add_rmsnorm``: one kernel instead of two, e.g. the int4
-        mma kernel at batch <= 8). Raises ValueError for ``silu_and_mul`` on a layer that is
-        not a gate|up pair."""
+        a ``kvforge.layers.layernorm.RMSNorm``. ``rope`` (positions int64 [T], a
+        ``kvforge.layers.rotary.RotaryEmbedding``), for a q|k|v layer: y's q and k heads come
+        back rotated. The method folds the norm (and the rotation) into its GEMM where it can
+        (``LinearMethod.apply_add_rmsnorm``: one kernel instead of three, e.g. the int4 mma
+        kernel at batch <= 8). Raises ValueError for ``silu_and_mul`` on a layer that is not a
+        gate|up pair, or ``rope`` on one that is not q|k|v."""
         if silu_and_mul and not self.gate_up:
             raise ValueError(f"{self.prefix}: silu_and_mul needs a gate|up layer (MergedColumnParallelLinear)")
+        if rope is not None and not hasattr(self, "head_dim"):
+            raise ValueError(f"{self.prefix}: rope needs a q|k|v layer (QKVParallelLinear)")
         fused = getattr(self.method, "apply_add_rmsnorm", None)
-        out = fused(self, x, residual, norm.weight, norm.eps, self.bias, silu_and_mul) if fused is not None else None
+        out = None
+        if fused is not None:
+            out = (fused(self, x, residual, norm.weight, norm.eps, self.bias, silu_and_mul, rope) if rope is not None
+                   else fused(self, x, residual, norm.weight, norm.eps, self.bias, silu_and_mul))
         if out is not None:
             return out
         h, r = norm(x, residual)
-        return (self.silu_and_mul(h) if silu_and_mul else self(h)), r
+        y = self.silu_and_mul(h) if silu_and_mul else self(h)
+        if rope is not None:
+            y = self.rotate(y, *rope)
+        return y, r
+
+    def rotate(self, y: torch.Tensor, positions: torch.Tensor, rotary) -> torch.Tensor:
+        """RoPE on the q and k heads of a q|k|v output y [T, q + 2 kv] (``rotary`` at
+        ``positions``); returns y (rotated in place where the rotary kernel runs)."""
+        t, d = y.shape[0], self.head_dim
+        q, k = y[:, :self.output_sizes[0]], y[:, self.output_sizes[0]:self.output_sizes[0] + self.output_sizes[1]]
+        q2, k2 = rotary(positions, q.view(t, -1, d), k.view(t, -1, d))
+        if q2.data_ptr() != q.data_ptr():  # rotated out of place (the torch path)
+            q.copy_(q2.reshape(t, -1))
+            k.copy_(k2.reshape(t, -1))
+        return y

@@ -135,7 +135,10 @@ class QKVParallelLinear(ColumnParallelLinear):
             kv_local, kv_start = 1, rank // (tp // num_kv_heads)
         q_local = num_heads // tp
         self.num_heads, self.num_kv_heads = q_local, kv_local
-        d = head_dim
+        self.head_dim = d = head_dim
+        #: heads (q and k) the model rotates in full: the quantization method may lay their
+        #: rows out for a fused rotation (``FusedLinear.forward_prenorm(rope=...)``); 0: none
+        self.rope_heads = 0
         slices = [(rank * q_local * d, q_local * d), (kv_start * d, kv_local * d), (kv_start * d, kv_local * d)]
         super().__init__(hidden_size, [num_heads * d, num_kv_heads * d, num_kv_heads * d], bias, quant_config,
                          prefix, params_dtype, shard_slices=slices, parallel=parallel)

@@ -55,6 +55,8 @@ class LlamaAttention(torch.nn.Module):
         self.o_proj = RowParallelLinear(total_heads * self.head_dim, cfg.hidden_size, o_bias, ctx.quant_config,
                                         f"{prefix}.o_proj", ctx.dtype)
         self.rotary = RotaryEmbedding(cfg, self.head_dim, cfg.max_position_embeddings)
+        if self.rotary.rotary_dim == self.head_dim:  # the method may fold RoPE into the qkv GEMM
+            self.qkv_proj.rope_heads = self.num_heads + self.num_kv_heads
         window = self.sliding_window(cfg, layer_idx)
         self.attn = PagedAttention(ctx.attention_backend, AttentionLayer(
             layer_idx, self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5, window))
@@ -72,15 +74,18 @@ class LlamaAttention(torch.nn.Module):
     def forward_prenorm(self, positions, x, residual, norm, meta) -> tuple[torch.Tensor, torch.Tensor]:
         """``norm(x, residual)`` then :meth:`forward`, the norm folded into the qkv GEMM
         where its method can (``FusedLinear.forward_prenorm``); returns (out, x + residual)."""
-        qkv, residual = self.qkv_proj.forward_prenorm(x, residual, norm)
-        return self.attend(positions, qkv, meta), residual
+        qkv, residual = self.qkv_proj.forward_prenorm(x, residual, norm, rope=(positions, self.rotary))
+        return self.attend(positions, qkv, meta, rotated=True), residual
 
-    def attend(self, positions: torch.Tensor, qkv: torch.Tensor, meta: ForwardMetadata) -> torch.Tensor:
-        """qkv [T, q_size + 2 * kv_size] -> RoPE, paged attention, o_proj: [T, hidden]."""
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor, meta: ForwardMetadata,
+               rotated: bool = False) -> torch.Tensor:
+        """qkv [T, q_size + 2 * kv_size] -> RoPE (unless ``rotated``), paged attention,
+        o_proj: [T, hidden]."""
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         t = qkv.shape[0]
-        q, k = self.rotary(positions, q.view(t, self.num_heads, self.head_dim),
-                           k.view(t, self.num_kv_heads, self.head_dim))
+        q, k = q.view(t, self.num_heads, self.head_dim), k.view(t, self.num_kv_heads, self.head_dim)
+        if not rotated:
+            q, k = self.rotary(positions, q, k)
         out = self.attn(q.reshape(t, -1), k.reshape(t, -1), v, meta)
         return self.o_proj(out)
 

@@ -168,6 +168,7 @@ class WNA16LinearMethod(LinearMethod):
         layer.wna16_tile_k = None  # set when the weight is repacked into the pairs layout
         layer.wna16_layout = "checkpoint"
         layer.wna16_gated = False  # set when a gate|up pair is repacked interleaved (mma layout)
+        layer.wna16_rope = None  # (heads, head_dim) when q|k rows are repacked in the rotary layout (mma)
         if self.fmt == "gptq":
             self._act_order(layer, k, gs, device)
         want = self.int4_layout
@@ -247,8 +248,17 @@ class WNA16LinearMethod(LinearMethod):
         n = layer.wna16_n
         half = n // 2
         gated = bool(getattr(layer, "gate_up", False)) and layer.output_sizes == [half, half] and half % 8 == 0
+        # q|k|v whose q and k heads the model rotates in full (rope_heads, set by the attention
+        # layer): their rows go to the rotary layout, so the kernel can apply RoPE on the way out
+        heads, hd = getattr(layer, "rope_heads", 0), getattr(layer, "head_dim", 0)
+        rope = (heads, hd) if heads and hd % 16 == 0 and not gated else None
+        order = w4_mma.interleave_heads(torch.arange(n), *rope) if rope else None
 
         def columns(c0, c1):  # the 4-bit ints of layout columns [c0, c1) (c0, c1 multiples of 16)
+            if rope:  # the permutation stays inside heads: read the span it covers
+                idx = order[c0:c1]
+                lo, hi = int(idx.min()), int(idx.max()) + 1
+                return self._unpacked_columns(layer, lo, hi)[:, idx - lo]
             if not gated:
                 return self._unpacked_columns(layer, c0, c1)
             g, u = (self._unpacked_columns(layer, h * half + c0 // 2, h * half + c1 // 2) for h in (0, 1))
@@ -259,7 +269,10 @@ class WNA16LinearMethod(LinearMethod):
         scales, zeros = layer.scales.data, layer.wzeros
         if gated:
             scales, zeros = w4_mma.interleave_gate_up(scales), w4_mma.interleave_gate_up(zeros)
+        if rope:
+            scales, zeros = scales[:, order.to(scales.device)], zeros[:, order.to(zeros.device)]
         layer.wna16_gated = gated
+        layer.wna16_rope = rope
         sc, zb = w4_mma.pack_mma_groups(scales, zeros, layer.wna16_dtype)
         del layer.scales
         layer.register_buffer("mma_scales", sc, persistent=False)
@@ -288,7 +301,7 @@ class WNA16LinearMethod(LinearMethod):
     # -- compute ---------------------------------------------------------------------------
     def dequantized(self, layer, dtype: torch.dtype) -> torch.Tensor:
         """W^T [K, N] in ``dtype`` (reference path), in the layout's column order (gate|up
-        interleaved where ``layer.wna16_gated``)."""
+        interleaved where ``layer.wna16_gated``, q|k heads where ``layer.wna16_rope``)."""
         if layer.wna16_layout == "mma":
             return w4_mma.dequantize_mma(layer.qweight, layer.mma_scales, layer.wzeros, group_size=layer.wna16_group,
                                          dtype=dtype)
@@ -313,16 +326,25 @@ class WNA16LinearMethod(LinearMethod):
             y = w4_mma.silu_and_mul_interleaved(x2 @ self.dequantized(layer, x2.dtype))
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
-    def apply_add_rmsnorm(self, layer, x, residual, norm_weight, eps, bias, silu_and_mul=False):
+    def apply_add_rmsnorm(self, layer, x, residual, norm_weight, eps, bias, silu_and_mul=False, rope=None):
         """The pre-norm folded into the mma kernel's prologue (``w4_mma.mma_gemm_rmsnorm``)
-        for T <= 8 tokens; None elsewhere: another layout, a bias, GPTQ act-order (x would
-        be normalized in the permuted order), a gate|up layer asked for [gate | up]."""
-        if not (self.fuse_norm and layer.wna16_kernel and layer.wna16_layout == "mma" and bias is None and layer.perm is None
-                and silu_and_mul == bool(getattr(layer, "wna16_gated", False)) and x.dim() == 2
-                and 1 <= x.shape[0] <= w4_mma.MAX_NORM_M and x.dtype == layer.wzeros.dtype):
+        for T <= 8 tokens, and with ``rope`` (positions, rotary) the q|k heads rotated in its
+        epilogue; None elsewhere: another layout, a bias, GPTQ act-order (x would be
+        normalized in the permuted order), a gate|up layer asked for [gate | up], a rotation
+        the layer's layout does not hold (or none asked of a layer in the rotary layout)."""
+        if not (self.fuse_norm and layer.wna16_kernel and layer.wna16_layout == "mma" and bias is None
+                and layer.perm is None and silu_and_mul == bool(getattr(layer, "wna16_gated", False))
+                and x.dim() == 2 and 1 <= x.shape[0] <= w4_mma.MAX_NORM_M and x.dtype == layer.wzeros.dtype):
             return None
+        fused_rope = None
+        if rope is not None or layer.wna16_rope is not None:
+            if rope is None or layer.wna16_rope is None or rope[1].rotary_dim != layer.wna16_rope[1]:
+                return None
+            positions, rotary = rope
+            fused_rope = (*layer.wna16_rope, positions, rotary.cos, rotary.sin)
         return w4_mma.mma_gemm_rmsnorm(x, residual, norm_weight, eps, layer.qweight, layer.mma_scales, layer.wzeros,
-                                       group_size=layer.wna16_group, n=layer.wna16_n, silu_and_mul=silu_and_mul)
+                                       group_size=layer.wna16_group, n=layer.wna16_n, silu_and_mul=silu_and_mul,
+                                       rope=fused_rope)
 
     @staticmethod
     def _kernel_input(layer, x):
@@ -335,9 +357,11 @@ class WNA16LinearMethod(LinearMethod):
         if layer.wna16_kernel:
             if layer.wna16_layout == "mma" and x2.dtype == layer.wzeros.dtype:
                 y = w4_mma.mma_gemm(x2, layer.qweight, layer.mma_scales, layer.wzeros, group_size=layer.wna16_group,
-                                    n=layer.wna16_n)
+                                    n=layer.wna16_n, rope_layout=layer.wna16_rope)  # (back in head order)
             elif layer.wna16_layout == "mma":
                 y = x2 @ self.dequantized(layer, x2.dtype)
+                if layer.wna16_rope:
+                    y = w4_mma.deinterleave_heads(y, *layer.wna16_rope)
             elif layer.wna16_tile_k and x2.dtype in PAIRS_DTYPES:
                 y = pairs_gemm(x2, layer.qweight, layer.scales, layer.wzeros, group_size=layer.wna16_group,
                                tile_k=layer.wna16_tile_k, n=layer.wna16_n)

@@ -156,12 +156,57 @@ __device__ __forceinline__ void fill_x_norm(dt* xs, const dt* h, int M, long lon
 #define ACT 0
 #endif
 
+#ifndef ROPE
+#define ROPE 0
+#endif
+#if ROPE && ACT
+#error "ROPE (a q|k|v weight) and ACT (a gate|up weight) exclude each other"
+#endif
+// ROPE 1: rows below rope_rows (the q and k heads) are packed in the rotary layout
+// (w4_mma.interleave_heads: each head's two halves interleaved 8 by 8, as ACT's gate|up), so a
+// lane's f = 0, 1 fragments hold dim d and f = 2, 3 dim d + hd / 2 of one head and token; they
+// are stored in head order. ROPE 2: also rotated on the way out (RoPE, rotate-half as HF Llama,
+// Su et al. 2021) by cos / sin fp32 [max_pos][hd / 2] at the token's position pos[tok] (int64),
+// so the separate rotary kernel goes. Its cos / sin are fetched at the kernel's start (rope_load)
+// and wait in registers: the epilogue adds no memory round trip.
+struct RopeCS {
+#if ROPE == 2
+    float c[TW][NB][2], s[TW][NB][2];
+#else
+    int unused;
+#endif
+};
+
+__device__ __forceinline__ int rope_dim(int row0, int hd) { return ((row0 % hd) >> 4) * 8 + (row0 & 7); }
+
+__device__ __forceinline__ void rope_load(RopeCS& cs, int nbase, int t, int M, int rope_rows, int hd,
+                                          const long long* pos, const float* cosp, const float* sinp) {
+#if ROPE == 2
+#pragma unroll
+    for (int a = 0; a < TW; ++a)
+#pragma unroll
+        for (int b = 0; b < NB; ++b)
+#pragma unroll
+            for (int f = 0; f < 2; ++f) {
+                const int row0 = nbase + 16 * a, tok = 8 * b + 2 * t + f;
+                float c = 1.f, sn = 0.f;
+                if (row0 < rope_rows && tok < M) {
+                    const size_t at = (size_t)__ldg(pos + tok) * (hd / 2) + rope_dim(row0, hd);
+                    c = __ldg(cosp + at);
+                    sn = __ldg(sinp + at);
+                }
+                cs.c[a][b][f] = c;
+                cs.s[a][b][f] = sn;
+            }
+#endif
+}
+
 // y[token][row] for the lane's fragments (rows past nbase as in the kernel's epilogue). ACT 1
 // (a gate|up weight packed with gate and up rows interleaved 8 by 8, w4_mma.interleave_gate_up):
 // a lane's f = 0, 1 fragments are gate rows and f = 2, 3 the up rows of the same features and
 // tokens, so silu(gate) * up (SwiGLU, fp32, rounded once) is written to feature 8 * tile + g.
 __device__ __forceinline__ void store_out(const float (&acc)[TW][NB][4], dt* out, long long stride_o, int M,
-                                          int nbase, int t) {
+                                          int nbase, int t, const RopeCS& cs, int rope_rows, int hd) {
 #if ACT
     const int g = nbase & 7, col0 = (nbase - g) / 2 + g;  // nbase = 16 * tile + g
 #pragma unroll
@@ -173,6 +218,31 @@ __device__ __forceinline__ void store_out(const float (&acc)[TW][NB][4], dt* out
                 const int tok = 8 * b + 2 * t + f;
                 const float gate = acc[a][b][f], up = acc[a][b][f + 2];
                 if (tok < M) out[(size_t)tok * stride_o + col0 + 8 * a] = f_to_dt(gate / (1.f + __expf(-gate)) * up);
+            }
+#elif ROPE
+#pragma unroll
+    for (int a = 0; a < TW; ++a)
+#pragma unroll
+        for (int b = 0; b < NB; ++b)
+#pragma unroll
+            for (int f = 0; f < 2; ++f) {
+                const int row0 = nbase + 16 * a, tok = 8 * b + 2 * t + f;
+                if (tok >= M) continue;
+                dt* o = out + (size_t)tok * stride_o;
+                float x1 = acc[a][b][f], x2 = acc[a][b][f + 2];
+                if (row0 < rope_rows) {  // dims d and d + hd / 2 of one head (rope_rows: a multiple of 16)
+                    const int d = row0 - row0 % hd + rope_dim(row0, hd);
+#if ROPE == 2
+                    const float c = cs.c[a][b][f], sn = cs.s[a][b][f], y1 = x1 * c - x2 * sn;
+                    x2 = x2 * c + x1 * sn;
+                    x1 = y1;
+#endif
+                    o[d] = f_to_dt(x1);
+                    o[d + hd / 2] = f_to_dt(x2);
+                } else {
+                    o[row0] = f_to_dt(x1);
+                    o[row0 + 8] = f_to_dt(x2);
+                }
             }
 #else
     FOR_FRAGS {
@@ -196,7 +266,8 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB)
 w4_mma_gemm(const dt* __restrict__ x, int M, long long stride_x, const uint4* __restrict__ wq,
             const float* __restrict__ sc, const dt* __restrict__ zp, int N, int KC, int gc_rt, int cps, float* __restrict__ ws,
             int* __restrict__ cnt, dt* __restrict__ out, long long stride_o, const dt* __restrict__ res,
-            const dt* __restrict__ nw, float eps, dt* __restrict__ res_out) {
+            const dt* __restrict__ nw, float eps, dt* __restrict__ res_out, int rope_rows, int hd,
+            const long long* __restrict__ pos, const float* __restrict__ cosp, const float* __restrict__ sinp) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int NBLK = N >> 6;
@@ -249,6 +320,8 @@ w4_mma_gemm(const dt* __restrict__ x, int M, long long stride_x, const uint4* __
 #endif
     Acc A;
     FOR_FRAGS A.acc[a][b][f] = 0.f;
+    RopeCS cs;  // (ROPE 2) the storing warps' cos / sin, requested now, used by the epilogue
+    if (ROPE == 2 && live && kw == 0) rope_load(cs, nblk * 64 + tile0 * 16 + g, t, M, rope_rows, hd, pos, cosp, sinp);
 #if CPA
     if (live) {  // prologue: chunks cbeg .. cbeg + CPA - 2 in flight (one commit group each)
 #pragma unroll
@@ -341,7 +414,7 @@ w4_mma_gemm(const dt* __restrict__ x, int M, long long stride_x, const uint4* __
 #define FRAG_TOK (8 * b + 2 * t + (f & 1))
 #define FRAG_ROW (nbase + 16 * a + 8 * (f >> 1))
     if (splits == 1) {
-        if (owner) store_out(A.acc, out, stride_o, M, nbase, t);
+        if (owner) store_out(A.acc, out, stride_o, M, nbase, t, cs, rope_rows, hd);
         return;
     }
     if (owner) {
@@ -363,7 +436,7 @@ w4_mma_gemm(const dt* __restrict__ x, int M, long long stride_x, const uint4* __
         const float* wk = ws + (size_t)k * M * N;
         FOR_FRAGS if (FRAG_TOK < M) A.acc[a][b][f] += __ldcg(wk + (size_t)FRAG_TOK * N + FRAG_ROW);
     }
-    store_out(A.acc, out, stride_o, M, nbase, t);
+    store_out(A.acc, out, stride_o, M, nbase, t, cs, rope_rows, hd);
 #undef FRAG_TOK
 #undef FRAG_ROW
 }

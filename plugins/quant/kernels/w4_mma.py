@@ -187,15 +187,42 @@ def plan(m: int, n: int, k: int, group_size: int, cfg: dict, num_sms: int) -> tu
     return ctas_n, per * (group_size // 64), -(-groups // per)
 
 
+def interleave_heads(t: torch.Tensor, heads: int, head_dim: int, dim: int = -1) -> torch.Tensor:
+    """The rotary layout of a q|k|v weight: along ``dim``, the first ``heads`` heads of
+    ``head_dim`` features each get their two halves interleaved 8 by 8 (as
+    :func:`interleave_gate_up` does to a gate|up pair), so a lane's fragments hold dims d and
+    d + head_dim / 2 of one head and the kernel can rotate them (``ROPE``); the rest (v) stays.
+    Raises ValueError unless head_dim is a multiple of 16."""
+    if head_dim % 16:
+        raise ValueError(f"head_dim {head_dim} does not interleave 8 by 8 (needs a multiple of 16)")
+    dim = dim % t.dim()
+    rows = heads * head_dim
+    qk = t.narrow(dim, 0, rows)
+    s = qk.shape
+    qk = interleave_gate_up(qk.reshape(*s[:dim], heads, head_dim, *s[dim + 1:]), dim + 1).reshape(s)
+    return torch.cat([qk, t.narrow(dim, rows, t.shape[dim] - rows)], dim)
+
+
+def deinterleave_heads(y: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
+    """Inverse of :func:`interleave_heads` on the last dim (a copy)."""
+    rows = heads * head_dim
+    qk = deinterleave_gate_up(y[..., :rows].reshape(*y.shape[:-1], heads, head_dim)).reshape(*y.shape[:-1], rows)
+    return torch.cat([qk, y[..., rows:]], -1)
+
+
 def mma_gemm(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, *,
-             group_size: int, n: int, config: "dict | None" = None, silu_and_mul: bool = False) -> torch.Tensor:
+             group_size: int, n: int, config: "dict | None" = None, silu_and_mul: bool = False,
+             rope_layout: "tuple[int, int] | None" = None) -> torch.Tensor:
     """``x`` [M, K] fp16/bf16 on CUDA -> [M, N] in ``x.dtype``; operands as in the module
     docstring. With ``silu_and_mul`` the weight is a gate|up pair packed interleaved
     (:func:`interleave_gate_up`) and the result is silu(gate) * up, [M, N / 2]. Raises
     ValueError for another dtype, a shape the layout does not hold, zeros in another dtype
     than x (the layout is made for the model's dtype), scales / zeros not in the layout's
-    shape, or a ``config`` that is not a launchable one covering M (:func:`check_config`)."""
-    return _gemm(x, words, scales, zeros, group_size, n, config, silu_and_mul, None)[0]
+    shape, or a ``config`` that is not a launchable one covering M (:func:`check_config`).
+    ``rope_layout`` (heads, head_dim): the weight's first heads * head_dim rows are in the
+    rotary layout (:func:`interleave_heads`); the result comes back in head order."""
+    rope = (*rope_layout, None, None, None) if rope_layout else None
+    return _gemm(x, words, scales, zeros, group_size, n, config, silu_and_mul, None, rope)[0]
 
 
 #: Most tokens the RMSNorm prologue (``NORM``) takes: one token block, whole rows in shared memory.
@@ -204,14 +231,18 @@ MAX_NORM_M = 8
 
 def mma_gemm_rmsnorm(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                      words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, *, group_size: int, n: int,
-                     config: "dict | None" = None, silu_and_mul: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                     config: "dict | None" = None, silu_and_mul: bool = False,
+                     rope: "tuple | None" = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The pre-norm of a transformer block folded into the GEMM's prologue: with r = x +
     residual (rounded to x's dtype), returns (``mma_gemm(RMSNorm(r) * norm_weight)``, r), the
     same numbers as ``kvforge.layers.triton_ops.rmsnorm`` then :func:`mma_gemm` up to the
     fp32 sum order of the norm. x, residual [M, K] and norm_weight [K] in one dtype, M <=
     ``MAX_NORM_M``; eps > 0. Every CTA computes the rows' norms itself (M x K reads from L2),
     so a batch-1 decode layer launches one kernel where it launched two. Raises ValueError as
-    :func:`mma_gemm` does, and for M > ``MAX_NORM_M`` or operands of another shape / dtype."""
+    :func:`mma_gemm` does, and for M > ``MAX_NORM_M`` or operands of another shape / dtype.
+    ``rope`` (heads, head_dim, positions int64 [M], cos, sin fp32 [max_pos, head_dim / 2]): a
+    q|k|v weight in the rotary layout (:func:`interleave_heads`) whose q and k heads come back
+    rotated (rotate-half RoPE at each token's position, as ``kvforge.layers.rotary``)."""
     m, k = x.shape
     if not 1 <= m <= MAX_NORM_M:
         raise ValueError(f"w4 mma GEMM + RMSNorm: M {m} must be 1..{MAX_NORM_M} (one token block)")
@@ -222,8 +253,16 @@ def mma_gemm_rmsnorm(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch
                          f"and dtype {x.dtype}")
     if not eps > 0:
         raise ValueError(f"w4 mma GEMM + RMSNorm: eps must be > 0, got {eps}")
+    if rope is not None:
+        heads, hd, pos, cos, sin = rope
+        half = (cos.shape[1] if cos.dim() == 2 else -1)
+        if pos.shape != (m,) or pos.dtype != torch.int64 or half != hd // 2 or sin.shape != cos.shape \
+                or cos.dtype != torch.float32 or sin.dtype != torch.float32:
+            raise ValueError(f"w4 mma GEMM + RoPE: positions {tuple(pos.shape)} {pos.dtype} must be int64 [{m}] and "
+                             f"cos / sin {tuple(cos.shape)} / {tuple(sin.shape)} float32 [max_pos, {hd // 2}]")
+        rope = (heads, hd, pos.contiguous(), cos.contiguous(), sin.contiguous())
     return _gemm(x, words, scales, zeros, group_size, n, config, silu_and_mul,
-                 (_aligned(residual), _aligned(norm_weight), float(eps)))
+                 (_aligned(residual), _aligned(norm_weight), float(eps)), rope)
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
@@ -231,7 +270,7 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_contiguous() and t.data_ptr() % 16 == 0 else t.clone(memory_format=torch.contiguous_format)
 
 
-def _gemm(x, words, scales, zeros, group_size, n, config, silu_and_mul, norm):
+def _gemm(x, words, scales, zeros, group_size, n, config, silu_and_mul, norm, rope):
     from .w4_mma_jit import kernels
     m, k = x.shape
     if config is not None:
@@ -250,10 +289,13 @@ def _gemm(x, words, scales, zeros, group_size, n, config, silu_and_mul, norm):
         return x.new_empty((0, n // 2 if silu_and_mul else n)), None
     if x.stride(-1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
         x = x.clone(memory_format=torch.contiguous_format)  # 16-byte row loads (a fresh, aligned allocation)
-    if m > MAX_FUSED_M:
+    if m > MAX_FUSED_M:  # (rope is a layout here: mma_gemm_rmsnorm takes M <= 8)
         wt = torch.empty((n, k), dtype=x.dtype, device=x.device)
         kernels().dequant(words, scales, zeros, wt, n=n, k=k, group_chunks=group_size // 64)
-        return (silu_and_mul_interleaved(x @ wt.t()) if silu_and_mul else x @ wt.t()), None
+        y = x @ wt.t()
+        if rope:
+            y = deinterleave_heads(y, rope[0], rope[1])
+        return (silu_and_mul_interleaved(y) if silu_and_mul else y), None
     given = config is not None
     if config is None:  # the defaults and the shipped table pass check_config (tests): not re-checked per call
         tuned = lookup("w4_mma", m, n, k, x.device)
@@ -268,6 +310,8 @@ def _gemm(x, words, scales, zeros, group_size, n, config, silu_and_mul, norm):
     cfg["ACT"] = int(silu_and_mul)  # the epilogue, not a tuning choice
     if norm is not None:  # the normalized rows live in shared memory, whole (x_bytes)
         cfg["NORM"], cfg["XS"] = 1, 1
+    if rope:
+        cfg["ROPE"] = 2 if rope[2] is not None else 1
     ctas_n, cps, splits = plan(m, n, k, group_size, cfg, _num_sms(x.device.index or 0))
     xs = x_bytes(cfg, m, k, cps, x.element_size())
     if norm is not None and cfg.get("CPA") and xs + stage_bytes(cfg) > _smem_limit(x.device):
@@ -288,7 +332,8 @@ def _gemm(x, words, scales, zeros, group_size, n, config, silu_and_mul, norm):
         res_out = torch.empty((m, k), dtype=x.dtype, device=x.device)
         norm = (*norm, res_out)
     kernels().gemm(x, words, scales, zeros, out, ws, cnt, n=n, group_chunks=group_size // 64, chunks_per_split=cps,
-                   splits=splits, cfg=cfg, smem=smem, norm=norm)
+                   splits=splits, cfg=cfg, smem=smem, norm=norm,
+                   rope=(rope[0] * rope[1], *rope[1:]) if rope else None)
     return out, res_out
 
 

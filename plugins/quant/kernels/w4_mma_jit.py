@@ -21,7 +21,7 @@ from kvforge.layers.cupy_launch import ptr as _ptr
 SOURCE = "\n".join(Path(__file__).with_name(f).read_text()
                    for f in ("w4_mma_ops.cuh", "w4_mma_stages.cuh", "w4_mma.cu"))
 _LOCK = threading.Lock()
-_DEFINES = (("NB", 1), ("TW", 4), ("WARPS", 4), ("S", 2), ("XS", 0), ("SCALE_A", 0), ("MINB", 1), ("LDW", 0), ("GCC", 0), ("CPA", 0), ("KW", 1), ("ACT", 0), ("PDL", 0), ("PDLP", -1), ("NORM", 0))
+_DEFINES = (("NB", 1), ("TW", 4), ("WARPS", 4), ("S", 2), ("XS", 0), ("SCALE_A", 0), ("MINB", 1), ("LDW", 0), ("GCC", 0), ("CPA", 0), ("KW", 1), ("ACT", 0), ("PDL", 0), ("PDLP", -1), ("NORM", 0), ("ROPE", 0))
 
 
 def nvrtc_options(dtype: torch.dtype, cfg: "dict | None" = None) -> tuple[str, ...]:
@@ -62,13 +62,16 @@ class W4MmaKernels:
         return fn
 
     def gemm(self, x, words, scales, zeros, out, ws, cnt, *, n: int, group_chunks: int, chunks_per_split: int,
-             splits: int, cfg: dict, smem: int = 0, norm: "tuple | None" = None) -> None:
+             splits: int, cfg: dict, smem: int = 0, norm: "tuple | None" = None,
+             rope: "tuple | None" = None) -> None:
         """out [M, N] = x [M, K] @ W (with ``cfg["ACT"]``: out [M, N / 2] = silu(gate) * up of
         an interleaved gate|up weight); operands as in ``w4_mma.py`` (x rows 16-byte aligned);
         ``smem``: dynamic shared memory bytes (the x slice with XS, CPA stages, KW sums).
         With ``cfg["NORM"]``, ``norm`` is (residual [M, K] contiguous, RMSNorm weight [K],
         eps, residual_out [M, K]): the kernel multiplies RMSNorm(x + residual) * weight and
-        writes x + residual to residual_out."""
+        writes x + residual to residual_out. With ``cfg["ROPE"]``, ``rope`` is (rows in the
+        rotary layout, head_dim, positions int64 [M] or None, cos, sin fp32 [max_pos,
+        head_dim / 2] or None; the three tensors for ROPE 2)."""
         m, k = x.shape
         # the kernel fetches a group's scales at its first chunk and walks whole groups:
         # splits and K must hold whole groups
@@ -90,6 +93,9 @@ class W4MmaKernels:
             args += (_ptr(res), _ptr(nw), np.float32(eps), _ptr(res_out))
         else:
             args += (np.uint64(0), np.uint64(0), np.float32(0.0), np.uint64(0))
+        rows, hd, pos, cos, sin = rope if cfg.get("ROPE") else (0, 0, None, None, None)
+        args += (np.int32(rows), np.int32(hd),
+                 *(_ptr(v) if v is not None else np.uint64(0) for v in (pos, cos, sin)))
         with self._streams.current(x.device):
             if not (use_pdl and pdl.launch(fn.kernel.ptr, grid, block, args, smem,
                                            torch.cuda.current_stream(x.device).cuda_stream)):
