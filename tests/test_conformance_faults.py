@@ -10,7 +10,8 @@ says what went wrong:
 - a scheduler that starves early arrivals (LIFO)      -> scheduler suite;
 - an attention kernel with an off-by-one causal mask  -> attention suite;
 - a rejection sampler without the correction step     -> drafter suite;
-- a fused SwiGLU that swaps gate and up               -> quantizer suite.
+- a fused SwiGLU that swaps gate and up               -> quantizer suite;
+- a fused pre-norm that leaves out the norm's weight    -> quantizer suite.
 """
 from __future__ import annotations
 
@@ -109,6 +110,25 @@ class SwappedSwiGLUConfig(UnquantizedConfig):
         self._method = SwappedSwiGLUMethod()
 
 
+class UnweightedNormMethod(UnquantizedLinearMethod):
+    """unquantized, plus a fused pre-norm that leaves out the norm's weight."""
+
+    def apply_add_rmsnorm(self, layer, x, residual, norm_weight, eps, bias, silu_and_mul=False, rope=None):
+        if silu_and_mul or rope is not None:
+            return None
+        r = x + residual
+        rf = r.float()
+        h = (rf * torch.rsqrt(rf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)  # the bug: no * norm_weight
+        return self.apply(layer, h, bias), r
+
+
+class UnweightedNormConfig(UnquantizedConfig):
+    name = "unweighted_norm"
+
+    def __init__(self, hf_quant_config=None, settings=None) -> None:
+        self._method = UnweightedNormMethod()
+
+
 def _make_leaky(num_blocks, block_size, settings, cache_config):
     return LeakyPaged(num_blocks, block_size, cache_config.enable_prefix_caching)
 
@@ -138,7 +158,8 @@ def registry():
                     [(("over_budget", queue_factory(OverBudgetScheduler), QueueSettings), {})])
     attn = _plugin("planted_attn", "kvforge_register_attention_backends",
                    [(("off_by_one", OffByOneMaskBackend), {"priority": -1})])
-    quant = _plugin("planted_quant", "kvforge_register_quantizers", [(("swapped_swiglu", SwappedSwiGLUConfig), {})])
+    quant = _plugin("planted_quant", "kvforge_register_quantizers",
+                    [(("swapped_swiglu", SwappedSwiGLUConfig), {}), (("unweighted_norm", UnweightedNormConfig), {})])
     sys.path.insert(0, str(FIXTURE_PKG))
     try:
         sys.modules.pop("kvforge_example_sched", None)
@@ -195,6 +216,11 @@ def test_swapped_fused_swiglu_is_caught(registry):
     quant_suite.check_linear_matches_dequantized_reference(Target("quantizer", "unquantized", registry))
     _fails(quant_suite.check_linear_matches_dequantized_reference, Target("quantizer", "swapped_swiglu", registry),
            "silu_and_mul", "gate_up_proj")
+
+
+def test_fused_prenorm_without_its_weight_is_caught(registry):
+    _fails(quant_suite.check_linear_matches_dequantized_reference, Target("quantizer", "unweighted_norm", registry),
+           "forward_prenorm")
 
 
 def _without_correction(real):

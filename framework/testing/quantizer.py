@@ -7,7 +7,8 @@ tensors shard by shard with the parameters' own ``weight_loader`` (as the model
 loader does), calls ``process_weights_after_loading`` and compares ``apply`` with
 the dequantized reference ``x @ W_deq^T + b`` computed in float32; for the gate|up
 layer also ``silu_and_mul`` (``LinearMethod.apply_silu_and_mul`` where the method fuses
-it) with silu(gate) * up of that reference.
+it) with silu(gate) * up of that reference; and every layer's ``forward_prenorm`` (the
+method's ``apply_add_rmsnorm`` where it has one) with the reference of RMSNorm(x + residual).
 
 Checkpoint formats are the quantizer's own business, so a quantizer provides
 the test weights through a small optional protocol on its ``LinearMethod``::
@@ -165,6 +166,7 @@ def check_linear_matches_dequantized_reference(target: Target) -> None:
                             raise AssertionError(f"{where}: max|y - x W_deq^T| / max|ref| = {err:.3g} > {rtol}")
                         if layer.gate_up:
                             _check_silu_and_mul(layer, x.to(device), ref, outs, rtol, where)
+                        _check_prenorm(layer, x, w_ref, b, outs, rtol, where, gen, device)
                     ran += 1
     if ran == 0:
         raise AssertionError(f"{target}: validate() rejected every dtype on {device}:\n  " + "\n  ".join(rejected))
@@ -187,6 +189,38 @@ def _check_silu_and_mul(layer, x, ref, outs, rtol: float, where: str) -> None:
     err = ((act.float().cpu() - want).abs().max() / want.abs().max().clamp_min(1e-6)).item()
     if err > 4 * rtol:
         raise AssertionError(f"{where}: max|silu_and_mul - silu(gate) * up| / max|ref| = {err:.3g} > {4 * rtol}")
+
+
+def _check_prenorm(layer, x, w_ref, b, outs, rtol: float, where: str, gen, device) -> None:
+    """``forward_prenorm(x, residual, norm)`` (the method's ``apply_add_rmsnorm`` where it has
+    one, else the norm then ``apply``) against the float32 reference of RMSNorm(x + residual)
+    (torch path, rounded to x's dtype as the model's norm output); the new residual must be
+    x + residual exactly. A gate|up layer also with ``silu_and_mul`` (bound 4 x rtol)."""
+    import torch
+    import torch.nn.functional as F
+
+    from kvforge.layers.layernorm import RMSNorm
+    k = x.shape[1]
+    norm = RMSNorm(k, 1e-5, x.dtype)
+    norm.weight.data.copy_((1 + 0.2 * torch.randn(k, generator=gen)).to(x.dtype))
+    res = torch.randn(x.shape, generator=gen).to(x.dtype)
+    r_ref = x + res
+    ref = norm._norm(r_ref).float() @ w_ref.T + (b.float() if b is not None else 0)
+    norm = norm.to(device)
+    for act in ((False, True) if layer.gate_up else (False,)):
+        with torch.inference_mode():
+            y, r = layer.forward_prenorm(x.to(device), res.to(device), norm, silu_and_mul=act)
+        want = F.silu(ref.split(list(outs), dim=-1)[0]) * ref.split(list(outs), dim=-1)[1] if act else ref
+        what = "forward_prenorm" + (" (silu_and_mul)" if act else "")
+        if not torch.equal(r.cpu(), r_ref):
+            raise AssertionError(f"{where}: {what} returned a residual other than x + residual")
+        if tuple(y.shape) != tuple(want.shape) or y.dtype != x.dtype:
+            raise AssertionError(f"{where}: {what} returned {tuple(y.shape)} {y.dtype}, expected "
+                                 f"{tuple(want.shape)} {x.dtype}")
+        err = ((y.float().cpu() - want).abs().max() / want.abs().max().clamp_min(1e-6)).item()
+        bound = (4 if act else 1) * rtol
+        if err > bound:
+            raise AssertionError(f"{where}: max|{what} - reference| / max|ref| = {err:.3g} > {bound}")
 
 
 def check_engine_smoke(target: Target) -> None:
