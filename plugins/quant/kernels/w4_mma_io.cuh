@@ -141,22 +141,17 @@ __device__ __forceinline__ int rope_dim(int row0, int hd) { return ((row0 % hd) 
 __device__ __forceinline__ void rope_load(RopeCS& cs, int nbase, int t, int M, int rope_rows, int hd,
                                           const long long* pos, const float* cosp, const float* sinp) {
 #if ROPE == 2
-#pragma unroll
-    for (int a = 0; a < TW; ++a)
-#pragma unroll
-        for (int b = 0; b < NB; ++b)
-#pragma unroll
-            for (int f = 0; f < 2; ++f) {
-                const int row0 = nbase + 16 * a, tok = 8 * b + 2 * t + f;
-                float c = 1.f, sn = 0.f;
-                if (row0 < rope_rows && tok < M) {
-                    const size_t at = (size_t)__ldg(pos + tok) * (hd / 2) + rope_dim(row0, hd);
-                    c = __ldg(cosp + at);
-                    sn = __ldg(sinp + at);
-                }
-                cs.c[a][b][f] = c;
-                cs.s[a][b][f] = sn;
-            }
+    FOR_PAIRS {
+        const int row0 = nbase + 16 * a, tok = 8 * b + 2 * t + f;
+        float c = 1.f, sn = 0.f;
+        if (row0 < rope_rows && tok < M) {
+            const size_t at = (size_t)__ldg(pos + tok) * (hd / 2) + rope_dim(row0, hd);
+            c = __ldg(cosp + at);
+            sn = __ldg(sinp + at);
+        }
+        cs.c[a][b][f] = c;
+        cs.s[a][b][f] = sn;
+    }
 #endif
 }
 
@@ -168,41 +163,31 @@ __device__ __forceinline__ void store_out(const float (&acc)[TW][NB][4], dt* out
                                           int nbase, int t, const RopeCS& cs, int rope_rows, int hd) {
 #if ACT
     const int g = nbase & 7, col0 = (nbase - g) / 2 + g;  // nbase = 16 * tile + g
-#pragma unroll
-    for (int a = 0; a < TW; ++a)
-#pragma unroll
-        for (int b = 0; b < NB; ++b)
-#pragma unroll
-            for (int f = 0; f < 2; ++f) {
-                const int tok = 8 * b + 2 * t + f;
-                const float gate = acc[a][b][f], up = acc[a][b][f + 2];
-                if (tok < M) out[(size_t)tok * stride_o + col0 + 8 * a] = f_to_dt(gate / (1.f + __expf(-gate)) * up);
-            }
+    FOR_PAIRS {
+        const int tok = 8 * b + 2 * t + f;
+        const float gate = acc[a][b][f], up = acc[a][b][f + 2];
+        if (tok < M) out[(size_t)tok * stride_o + col0 + 8 * a] = f_to_dt(gate / (1.f + __expf(-gate)) * up);
+    }
 #elif ROPE
-#pragma unroll
-    for (int a = 0; a < TW; ++a)
-#pragma unroll
-        for (int b = 0; b < NB; ++b)
-#pragma unroll
-            for (int f = 0; f < 2; ++f) {
-                const int row0 = nbase + 16 * a, tok = 8 * b + 2 * t + f;
-                if (tok >= M) continue;
-                dt* o = out + (size_t)tok * stride_o;
-                float x1 = acc[a][b][f], x2 = acc[a][b][f + 2];
-                if (row0 < rope_rows) {  // dims d and d + hd / 2 of one head (rope_rows: a multiple of 16)
-                    const int d = row0 - row0 % hd + rope_dim(row0, hd);
+    FOR_PAIRS {
+        const int row0 = nbase + 16 * a, tok = 8 * b + 2 * t + f;
+        if (tok >= M) continue;
+        dt* o = out + (size_t)tok * stride_o;
+        float x1 = acc[a][b][f], x2 = acc[a][b][f + 2];
+        if (row0 < rope_rows) {  // dims d and d + hd / 2 of one head (rope_rows: a multiple of 16)
+            const int d = row0 - row0 % hd + rope_dim(row0, hd);
 #if ROPE == 2
-                    const float c = cs.c[a][b][f], sn = cs.s[a][b][f], y1 = x1 * c - x2 * sn;
-                    x2 = x2 * c + x1 * sn;
-                    x1 = y1;
+            const float c = cs.c[a][b][f], sn = cs.s[a][b][f], y1 = x1 * c - x2 * sn;
+            x2 = x2 * c + x1 * sn;
+            x1 = y1;
 #endif
-                    o[d] = f_to_dt(x1);
-                    o[d + hd / 2] = f_to_dt(x2);
-                } else {
-                    o[row0] = f_to_dt(x1);
-                    o[row0 + 8] = f_to_dt(x2);
-                }
-            }
+            o[d] = f_to_dt(x1);
+            o[d + hd / 2] = f_to_dt(x2);
+        } else {
+            o[row0] = f_to_dt(x1);
+            o[row0 + 8] = f_to_dt(x2);
+        }
+    }
 #else
     FOR_FRAGS {
         const int tok = 8 * b + 2 * t + (f & 1);

@@ -34,6 +34,11 @@ __device__ __forceinline__ unsigned dup2(dt v) { return (unsigned)v | ((unsigned
     _Pragma("unroll") for (int a = 0; a < TW; ++a)      \
     _Pragma("unroll") for (int b = 0; b < NB; ++b)      \
     _Pragma("unroll") for (int f = 0; f < 4; ++f)
+// the lane's fragment pairs: f (token 8b + 2t + f) and f + 2 (the same token, the row 8 below)
+#define FOR_PAIRS                                       \
+    _Pragma("unroll") for (int a = 0; a < TW; ++a)      \
+    _Pragma("unroll") for (int b = 0; b < NB; ++b)      \
+    _Pragma("unroll") for (int f = 0; f < 2; ++f)
 
 __device__ __forceinline__ unsigned pair_bits(unsigned w, int j) {
     unsigned r;  // (w >> 4j) & 0x000f000f | BIAS, one LOP3 after the shift
