@@ -55,6 +55,14 @@ def test_prefetch_chunks_from_the_environment():
             pdl.prefetch_chunks({"KVFORGE_PDL_PREFETCH": bad})
 
 
+def test_prefetch_setting_is_read_once(monkeypatch):
+    monkeypatch.setitem(pdl._state, "prefetch", None)
+    monkeypatch.setenv("KVFORGE_PDL_PREFETCH", "2")
+    assert pdl.prefetch_setting() == 2
+    monkeypatch.setenv("KVFORGE_PDL_PREFETCH", "bad")  # not read again
+    assert pdl.prefetch_setting() == 2
+
+
 def test_launch_passes_the_config_and_a_refusal_turns_pdl_off(monkeypatch, caplog):
     seen = {}
 

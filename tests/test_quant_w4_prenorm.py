@@ -194,3 +194,20 @@ def test_gpu_model_prenorm_matches_unfused(tmp_path, gen, monkeypatch):
     ref = logits[False]
     rel = ((logits[True] - ref).abs().max() / ref.abs().max()).item()
     assert rel <= 1e-2, f"seed {gen.initial_seed()}: fused vs unfused logits differ by {rel:.2e} of max |logit|"
+
+
+def test_decoder_layer_keeps_an_overridden_forward():
+    # a plugin's attention / MLP subclass that replaces forward is called as before (the
+    # norm then runs apart), not bypassed by forward_prenorm
+    from kvforge_plugins.models.llama import LlamaAttention, LlamaMLP, _keeps_forward
+
+    class MyMLP(LlamaMLP):
+        def forward(self, x):
+            return x
+
+    class SameMLP(LlamaMLP):
+        pass
+    assert not _keeps_forward(object.__new__(MyMLP), LlamaMLP)
+    assert _keeps_forward(object.__new__(SameMLP), LlamaMLP)
+    assert _keeps_forward(object.__new__(LlamaAttention), LlamaAttention)
+    assert not _keeps_forward(torch.nn.Identity(), LlamaMLP)

@@ -151,3 +151,53 @@ def test_gpu_qkv_layer_rope(dtype, gen):
         assert torch.equal(r, r_ref)
         ref = _roped_ref(h_ref.double() @ w_ref.double(), positions, rotary, hq, hk, hd, dtype)
         assert _err(y, ref) <= BOUND[dtype], f"seed {gen.initial_seed()} M={m}"
+
+
+def test_rope_layout_is_checked_before_launch(gen, monkeypatch):
+    import w4_mma_emulate
+    fake = w4_mma_emulate.install(monkeypatch)
+    k, n = 128, 192
+    q, s, z, _ = _quant(k, n, 64, gen)
+    ps, pz = w4_mma.pack_mma_groups(s, z, torch.float16)
+    words, x = w4_mma.pack_mma(q), torch.randn(2, k, generator=gen).half()
+    for bad in ((2, 128), (2, 24), (0, 64), (-1, 64)):  # past N, not a multiple of 16, no heads
+        with pytest.raises(ValueError, match="rope layout"):
+            w4_mma.mma_gemm(x, words, ps, pz, group_size=64, n=n, rope_layout=bad)
+    with pytest.raises(ValueError, match="exclude each other"):
+        w4_mma.mma_gemm(x, words, ps, pz, group_size=64, n=n, rope_layout=(1, 64), silu_and_mul=True)
+    assert not fake.calls
+
+
+def test_norm_rows_too_long_for_shared_memory(gen, monkeypatch):
+    # K 8192 at M = 8 needs 131 KB of rows: on a 99 KB GPU the layer runs the norm apart
+    import w4_mma_emulate
+    fake = w4_mma_emulate.install(monkeypatch, smem_limit=99 * 1024)
+    monkeypatch.setattr(w4_mma, "runtime_blocker", lambda device: None)
+    assert not w4_mma.norm_fits(8, 8192, 2, torch.device("cpu")) and w4_mma.norm_fits(1, 8192, 2, torch.device("cpu"))
+    layer, w_ref = _qkv_layer(8192, 2, 1, 32, 1024, torch.float16, "cpu", gen)
+    norm, rotary = _norm(8192, torch.float16, gen), _rotary(32)
+    x, res = (torch.randn(8, 8192, generator=gen).half() for _ in range(2))
+    positions = torch.randint(0, 64, (8,), generator=gen)
+    assert layer.method.apply_add_rmsnorm(layer, x, res, norm.weight, norm.eps, None, False,
+                                          (positions, rotary)) is None
+    y, r = layer.forward_prenorm(x, res, norm, rope=(positions, rotary))  # the fallback
+    h_ref, r_ref = _ref(x, res, norm)
+    assert torch.equal(r, r_ref) and not any(c["cfg"].get("NORM") for c in fake.calls)
+    ref = _roped_ref(h_ref.double() @ w_ref.double(), positions, rotary, 2, 1, 32, torch.float16)
+    assert _err(y, ref) <= BOUND[torch.float16]
+    with pytest.raises(ValueError, match="need 131200 bytes of shared memory"):
+        w4_mma.mma_gemm_rmsnorm(x, res, norm.weight, norm.eps, layer.qweight, layer.mma_scales, layer.wzeros,
+                                group_size=1024, n=layer.wna16_n)
+
+
+def test_rotary_layout_follows_fuse_norm(gen, monkeypatch):
+    # fuse_norm false is the A/B baseline: the q|k|v weight keeps the plain mma layout
+    import w4_mma_emulate
+    w4_mma_emulate.install(monkeypatch)
+    monkeypatch.setattr(w4_mma, "runtime_blocker", lambda device: None)
+    from kvforge_plugins.quant import weight_only
+    real = weight_only.WNA16LinearMethod.__init__
+    monkeypatch.setattr(weight_only.WNA16LinearMethod, "__init__",
+                        lambda self, *a, **kw: real(self, *a, **{**kw, "fuse_norm": False}))
+    layer, _ = _qkv_layer(256, 4, 2, 64, 64, torch.float16, "cpu", gen)
+    assert layer.wna16_layout == "mma" and layer.wna16_rope is None

@@ -93,7 +93,15 @@ def prefetch_chunks(environ=os.environ) -> int:
     return n
 
 
-_state: dict = {"fn": None, "off": env_off(), "told": False}
+_state: dict = {"fn": None, "off": env_off(), "told": False, "prefetch": None}
+
+
+def prefetch_setting() -> int:
+    """:func:`prefetch_chunks` of the process environment, read once (at the first PDL
+    launch: a bad value raises there, never where PDL is off)."""
+    if _state["prefetch"] is None:
+        _state["prefetch"] = prefetch_chunks()
+    return _state["prefetch"]
 
 
 def _driver_launch():

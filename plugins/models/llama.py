@@ -132,12 +132,21 @@ class LlamaDecoderLayer(torch.nn.Module):
         if residual is None:
             residual, x = x, self.input_layernorm(x)
             x = self.self_attn(positions, x, meta)
-        else:
+        elif _keeps_forward(self.self_attn, LlamaAttention):
             x, residual = self.self_attn.forward_prenorm(positions, x, residual, self.input_layernorm, meta)
-        if isinstance(self.mlp, LlamaMLP):
+        else:
+            x, residual = self.input_layernorm(x, residual)
+            x = self.self_attn(positions, x, meta)
+        if _keeps_forward(self.mlp, LlamaMLP):
             return self.mlp.forward_prenorm(x, residual, self.post_attention_layernorm)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
+
+
+def _keeps_forward(module: torch.nn.Module, base: type) -> bool:
+    """``module`` is a ``base`` whose ``forward`` no subclass replaced: its ``forward_prenorm``
+    computes the same (a plugin's subclass that overrides ``forward`` keeps it called)."""
+    return isinstance(module, base) and type(module).forward is base.forward
 
 
 class PPMissingLayer(torch.nn.Identity):

@@ -251,7 +251,7 @@ class WNA16LinearMethod(LinearMethod):
         # q|k|v whose q and k heads the model rotates in full (rope_heads, set by the attention
         # layer): their rows go to the rotary layout, so the kernel can apply RoPE on the way out
         heads, hd = getattr(layer, "rope_heads", 0), getattr(layer, "head_dim", 0)
-        rope = (heads, hd) if heads and hd % 16 == 0 and not gated else None
+        rope = (heads, hd) if self.fuse_norm and heads and hd % 16 == 0 and not gated else None
         order = w4_mma.interleave_heads(torch.arange(n), *rope) if rope else None
 
         def columns(c0, c1):  # the 4-bit ints of layout columns [c0, c1) (c0, c1 multiples of 16)
@@ -329,22 +329,28 @@ class WNA16LinearMethod(LinearMethod):
     def apply_add_rmsnorm(self, layer, x, residual, norm_weight, eps, bias, silu_and_mul=False, rope=None):
         """The pre-norm folded into the mma kernel's prologue (``w4_mma.mma_gemm_rmsnorm``)
         for T <= 8 tokens, and with ``rope`` (positions, rotary) the q|k heads rotated in its
-        epilogue; None elsewhere: another layout, a bias, GPTQ act-order (x would be
-        normalized in the permuted order), a gate|up layer asked for [gate | up], a rotation
-        the layer's layout does not hold (or none asked of a layer in the rotary layout)."""
+        epilogue where the layer is in the rotary layout (else by the rotary kernel after it);
+        None elsewhere: another layout, a bias, GPTQ act-order (x would be normalized in the
+        permuted order), a gate|up layer asked for [gate | up], rows too long for shared memory."""
         if not (self.fuse_norm and layer.wna16_kernel and layer.wna16_layout == "mma" and bias is None
                 and layer.perm is None and silu_and_mul == bool(getattr(layer, "wna16_gated", False))
                 and x.dim() == 2 and 1 <= x.shape[0] <= w4_mma.MAX_NORM_M and x.dtype == layer.wzeros.dtype):
             return None
+        if not w4_mma.norm_fits(x.shape[0], x.shape[1], x.element_size(), x.device):
+            return None  # the whole rows do not fit in shared memory beside the kernel's own
         fused_rope = None
-        if rope is not None or layer.wna16_rope is not None:
-            if rope is None or layer.wna16_rope is None or rope[1].rotary_dim != layer.wna16_rope[1]:
-                return None
-            positions, rotary = rope
-            fused_rope = (*layer.wna16_rope, positions, rotary.cos, rotary.sin)
-        return w4_mma.mma_gemm_rmsnorm(x, residual, norm_weight, eps, layer.qweight, layer.mma_scales, layer.wzeros,
-                                       group_size=layer.wna16_group, n=layer.wna16_n, silu_and_mul=silu_and_mul,
-                                       rope=fused_rope)
+        if layer.wna16_rope is not None:  # rotary layout: the epilogue rotates (or only restores head order)
+            if rope is not None and rope[1].rotary_dim == layer.wna16_rope[1]:
+                positions, rotary = rope
+                fused_rope, rope = (*layer.wna16_rope, positions, rotary.cos, rotary.sin), None
+            else:
+                fused_rope = (*layer.wna16_rope, None, None, None)
+        y, r = w4_mma.mma_gemm_rmsnorm(x, residual, norm_weight, eps, layer.qweight, layer.mma_scales,
+                                       layer.wzeros, group_size=layer.wna16_group, n=layer.wna16_n,
+                                       silu_and_mul=silu_and_mul, rope=fused_rope)
+        if rope is not None:  # asked for, but not laid out for the epilogue: the rotary kernel
+            y = layer.rotate(y, *rope)
+        return y, r
 
     @staticmethod
     def _kernel_input(layer, x):

@@ -183,9 +183,11 @@ def mma_gemm_rmsnorm(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch
     ``MAX_NORM_M``; eps > 0. Every CTA computes the rows' norms itself (M x K reads from L2),
     so a batch-1 decode layer launches one kernel where it launched two. Raises ValueError as
     :func:`mma_gemm` does, and for M > ``MAX_NORM_M`` or operands of another shape / dtype.
-    ``rope`` (heads, head_dim, positions int64 [M], cos, sin fp32 [max_pos, head_dim / 2]): a
-    q|k|v weight in the rotary layout (:func:`interleave_heads`) whose q and k heads come back
-    rotated (rotate-half RoPE at each token's position, as ``kvforge.layers.rotary``)."""
+    ``rope`` (heads, head_dim, positions int64 [M] each < max_pos, cos, sin fp32 [max_pos,
+    head_dim / 2]): a q|k|v weight in the rotary layout (:func:`interleave_heads`) whose q and
+    k heads come back rotated (rotate-half RoPE at each token's position, as
+    ``kvforge.layers.rotary``, but applied to the fp32 sums before their one rounding; with
+    positions None, head order only)."""
     m, k = x.shape
     if not 1 <= m <= MAX_NORM_M:
         raise ValueError(f"w4 mma GEMM + RMSNorm: M {m} must be 1..{MAX_NORM_M} (one token block)")
@@ -196,16 +198,36 @@ def mma_gemm_rmsnorm(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch
                          f"and dtype {x.dtype}")
     if not eps > 0:
         raise ValueError(f"w4 mma GEMM + RMSNorm: eps must be > 0, got {eps}")
-    if rope is not None:
+    if rope is not None and rope[2] is not None:
         heads, hd, pos, cos, sin = rope
         half = (cos.shape[1] if cos.dim() == 2 else -1)
         if pos.shape != (m,) or pos.dtype != torch.int64 or half != hd // 2 or sin.shape != cos.shape \
                 or cos.dtype != torch.float32 or sin.dtype != torch.float32:
             raise ValueError(f"w4 mma GEMM + RoPE: positions {tuple(pos.shape)} {pos.dtype} must be int64 [{m}] and "
                              f"cos / sin {tuple(cos.shape)} / {tuple(sin.shape)} float32 [max_pos, {hd // 2}]")
+        if pos.device != x.device or cos.device != x.device or sin.device != x.device:
+            raise ValueError(f"w4 mma GEMM + RoPE: positions / cos / sin must be on x's device {x.device}")
         rope = (heads, hd, pos.contiguous(), cos.contiguous(), sin.contiguous())
     return _gemm(x, words, scales, zeros, group_size, n, config, silu_and_mul,
                  (_aligned(residual), _aligned(norm_weight), float(eps)), rope)
+
+
+def norm_fits(m: int, k: int, esize: int, device: torch.device) -> bool:
+    """Whether the NORM prologue's whole rows (M x (K + 8) elements) fit in a CTA's shared
+    memory (e.g. not K = 16384 at M = 8 on an H200, nor K = 8192 at M = 8 on a 99 KB GPU)."""
+    return m * (k + 8) * esize <= _smem_limit(device)
+
+
+def check_rope(rope, n: int, silu_and_mul: bool) -> None:
+    """Raise ValueError unless ``rope`` (heads, head_dim, ...) describes a rotary layout the
+    kernel can store: head_dim a positive multiple of 16, 0 < heads * head_dim <= N, and no
+    SwiGLU epilogue with it (a q|k|v weight is not a gate|up pair)."""
+    heads, hd = rope[0], rope[1]
+    if not (isinstance(heads, int) and isinstance(hd, int) and hd > 0 and hd % 16 == 0 and 0 < heads * hd <= n):
+        raise ValueError(f"w4 mma GEMM: rope layout (heads {heads}, head_dim {hd}) must have head_dim a positive "
+                         f"multiple of 16 and 0 < heads * head_dim <= out features {n}")
+    if silu_and_mul:
+        raise ValueError("w4 mma GEMM: rope layout and silu_and_mul exclude each other (q|k|v vs gate|up)")
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
@@ -216,6 +238,8 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
 def _gemm(x, words, scales, zeros, group_size, n, config, silu_and_mul, norm, rope):
     from .w4_mma_jit import kernels
     m, k = x.shape
+    if rope:
+        check_rope(rope, n, silu_and_mul)
     if config is not None:
         check_config_keys(config)  # a bad config is an error even where the dequantize path ignores it
     if x.dtype not in DTYPES or zeros.dtype != x.dtype:
@@ -257,7 +281,10 @@ def _gemm(x, words, scales, zeros, group_size, n, config, silu_and_mul, norm, ro
         cfg["ROPE"] = 2 if rope[2] is not None else 1
     ctas_n, cps, splits = plan(m, n, k, group_size, cfg, _num_sms(x.device.index or 0))
     xs = x_bytes(cfg, m, k, cps, x.element_size())
-    if norm is not None and cfg.get("CPA") and xs + stage_bytes(cfg) > _smem_limit(x.device):
+    if norm is not None and xs + stage_bytes(cfg) > _smem_limit(x.device):
+        if xs > _smem_limit(x.device):  # (callers ask norm_fits first)
+            raise ValueError(f"w4 mma GEMM + RMSNorm: M {m} rows of K {k} need {xs} bytes of shared memory, more than "
+                             f"the device's {_smem_limit(x.device)}")
         cfg["CPA"] = 0  # the rows must stay: the stages go to registers (S) instead
     elif (xs or cfg.get("CPA")) and xs + stage_bytes(cfg) > _smem_limit(x.device):  # (query only when asked)
         cfg["XS"], xs = 0, 0  # the x slice does not fit beside the stages: each warp loads x itself

@@ -81,7 +81,7 @@ class W4MmaKernels:
         use_pdl = pdl.enabled(x.device)  # a PDL build is correct with either launch
         fn = self._fn("w4_mma_gemm", x.device, x.dtype,
                       {**cfg, "GCC": group_chunks if group_chunks <= 8 else 0, "PDL": int(use_pdl),
-                       "PDLP": pdl.prefetch_chunks()})
+                       "PDLP": pdl.prefetch_setting() if use_pdl else -1})
         units = (n // 16) // cfg["TW"]
         grid = (-(-units // (cfg["WARPS"] // cfg.get("KW", 1))), splits)
         block = (32 * cfg["WARPS"],)
