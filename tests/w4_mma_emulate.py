@@ -1,6 +1,7 @@
 """A CPU mirror of ``w4_mma.cu`` (``w4_mma_gemm`` / ``w4_mma_dequant``): the kernels' own
-index arithmetic (per CTA, warp and lane; stages, groups, the XS shared-memory copy, split-K
-partials and the last-arriver sum, in a random arrival order) replayed in numpy with bounds and
+index arithmetic (per CTA, warp and lane; stages, groups, the XS shared-memory copy, the NORM
+prologue thread by thread, split-K partials and the last-arriver sum, in a random arrival
+order, the ROPE epilogue's stores lane by lane) replayed in numpy with bounds and
 alignment checks on every load, and the m16n8k16 MMAs computed from the PTX ISA's fragment
 layouts. ``install(monkeypatch)`` puts it behind ``w4_mma.mma_gemm`` (a fake ``kernels()``), so
 the host side (``plan``, workspace, XS fallback) runs for real. Keep it in step with the .cu.
@@ -51,39 +52,93 @@ def _frags(unit, TW, NB, g, t):
                 yield a, b, f, 8 * b + 2 * t + (f & 1), nbase + 16 * a + 8 * (f >> 1)
 
 
-def norm_rows(dtype, x_bits, M, stride_x, K, norm):
-    """``fill_x_norm``'s values: (RMSNorm(x + res) * nw as uint16 bits [M, K], x + res bits
-    [M, K]), each rounding where the kernel rounds (the fp32 sum of squares in numpy's order)."""
-    res_bits, nw_bits, eps = norm
-    X = Flat(x_bits, "x", 2)
-    R = Flat(res_bits, "residual", 2)
-    h = np.stack([bits_to_f(X.get([row * stride_x + u * 8 for u in range(K // 8)], 8, align=16).reshape(-1), dtype)
-                  for row in range(M)])
-    r = np.stack([bits_to_f(R.get([row * K + u * 8 for u in range(K // 8)], 8, align=16).reshape(-1), dtype)
-                  for row in range(M)])
-    s = rnd(h + r, dtype)
-    ss = (s.astype(np.float32) ** 2).sum(axis=1, dtype=np.float32)
-    rstd = 1.0 / np.sqrt(np.float32(ss / np.float32(K) + np.float32(eps)))
-    y = rnd(rnd(s * rstd[:, None], dtype) * bits_to_f(Flat(nw_bits, "nw", 2).get([0], K, align=16)[0], dtype), dtype)
-
-    def bits(v):
-        return torch.from_numpy(v.astype(np.float32)).to(dtype).view(torch.int16).numpy().astype(np.uint16)
-    return bits(y), bits(s)
+NORM_BATCH = 2  # w4_mma_io.cuh
 
 
-def rope_emu(out, M, N, rope, rotate):
-    """``store_out``'s ROPE epilogue on the unrounded result in layout order: the q|k rows
-    (rotary layout) back in head order, rotated where ``rotate`` (ROPE 2)."""
+def fill_norm_emu(dtype, X, R, NW, M, stride_x, K, eps, xpitch, cbeg, cend, nt, res_out):
+    """``fill_x_norm`` thread by thread for one CTA: phase 1 (each thread's units in batches
+    of NORM_BATCH: dt(h + r) into the shared rows, squares summed in fp32 in its order, the
+    warp's xor-shuffle tree, part[warp][row]); phase 2 (the CTA's K slice: thread tid's units
+    tid + i * nt, the norm weight it fetched first, dt(dt(s * rstd) * w)). Returns the shared
+    rows (uint16 bits [M * xpitch]); ``res_out`` (uint16 [M * K], or None: not CTA (0, 0)) gets
+    dt(h + r). Each shared unit is checked to be written once per phase."""
+    units, nw_ = K // 8, nt // 32
+    smem = np.zeros(M * xpitch, dtype=np.uint16)
+    seen = np.zeros(M * units, dtype=np.int64)
+    part = np.zeros((nw_, M), dtype=np.float32)
+    for row in range(M):
+        ss = np.zeros(nt, dtype=np.float32)
+        for tid in range(nt):
+            for u0 in range(tid, units, NORM_BATCH * nt):
+                for i in range(NORM_BATCH):
+                    u = u0 + i * nt
+                    if u >= units:
+                        continue
+                    h = bits_to_f(X.get([row * stride_x + u * 8], 8, align=16)[0], dtype)
+                    r = bits_to_f(R.get([row * K + u * 8], 8, align=16)[0], dtype)
+                    sv = rnd(h + r, dtype)
+                    for e in range(8):  # element order, fp32
+                        ss[tid] = np.float32(ss[tid] + np.float32(sv[e]) * np.float32(sv[e]))
+                    bits = torch.from_numpy(sv.astype(np.float32)).to(dtype).view(torch.int16).numpy().astype(np.uint16)
+                    smem[row * xpitch + u * 8: row * xpitch + u * 8 + 8] = bits
+                    seen[row * units + u] += 1
+                    if res_out is not None:
+                        res_out[row * K + u * 8: row * K + u * 8 + 8] = bits
+        for w in range(nw_):  # __shfl_xor_sync over offsets 16, 8, 4, 2, 1: lane 0's value
+            v = ss[32 * w: 32 * w + 32].copy()
+            for o in (16, 8, 4, 2, 1):
+                v = (v + v[np.arange(32) ^ o]).astype(np.float32)
+            part[w, row] = v[0]
+    assert (seen == 1).all(), "phase 1 wrote a unit twice or never"
+    su = (cend - cbeg) * 8
+    scaled = np.zeros(M * su, dtype=np.int64)
+    for tid in range(nt):
+        for u in range(tid, M * su, nt):  # i < NORM_BATCH from wpre, the rest re-read: same unit either way
+            row = u // su
+            tot = np.float32(0)
+            for w in range(nw_):
+                tot = np.float32(tot + part[w, row])
+            rstd = np.float32(1) / np.sqrt(np.float32(tot / np.float32(K) + np.float32(eps)))
+            at = row * xpitch + cbeg * 64 + (u % su) * 8
+            sv = bits_to_f(smem[at: at + 8], dtype)
+            wv = bits_to_f(NW.get([cbeg * 64 + (u % su) * 8], 8, align=16)[0], dtype)
+            y = rnd(rnd(sv * rstd, dtype) * wv, dtype)
+            smem[at: at + 8] = torch.from_numpy(y.astype(np.float32)).to(dtype).view(torch.int16).numpy().astype(np.uint16)
+            scaled[u] += 1
+    assert (scaled == 1).all(), "phase 2 scaled a slice unit twice or never"
+    return smem
+
+
+def store_rope(out, written, M, N, unit, TW, NB, val, rope, rotate, dtype):
+    """``store_out``'s ROPE branch for the 32 lanes of one column unit, index by index:
+    ``val(a, b, f)`` is fragment f of (tile a, token block b) per lane; rows below rope_rows
+    hold dims d (f = 0, 1) and d + hd / 2 (f + 2) of one head (``rope_dim``), rotated by the
+    cos / sin that ``rope_load`` fetches (ROPE 2). ``written`` counts stores per output."""
+    lane = np.arange(32)
+    g, t = lane >> 2, lane & 3
     rows, hd = rope[0], rope[1]
-    y = out.reshape(M, N).copy()
-    qk = y[:, :rows].reshape(M, rows // hd, hd // 16, 2, 8)
-    x1, x2 = (qk[:, :, :, h, :].reshape(M, rows // hd, hd // 2) for h in (0, 1))
-    if rotate:
-        pos, cos, sin = (np.asarray(v) for v in rope[2:])
-        c, sn = cos[pos][:, None, :].astype(np.float64), sin[pos][:, None, :].astype(np.float64)
-        x1, x2 = x1 * c - x2 * sn, x2 * c + x1 * sn
-    y[:, :rows] = np.concatenate([x1, x2], -1).reshape(M, rows)
-    return y.reshape(-1)
+    nbase = unit // (4 // TW) * 64 + (unit % (4 // TW)) * TW * 16 + g
+    for a in range(TW):
+        for b in range(NB):
+            for f in range(2):
+                row0, tok = nbase + 16 * a, 8 * b + 2 * t + f
+                m = tok < M
+                x1, x2 = val(a, b, f).astype(np.float32), val(a, b, f + 2).astype(np.float32)
+                qk = row0 < rows  # rope_rows is a multiple of 16: row0 + 8 is on the same side
+                rdim = ((row0 % hd) >> 4) * 8 + (row0 & 7)
+                if rotate:
+                    pos, cos, sin = rope[2], rope[3], rope[4]
+                    use = qk & m
+                    at = np.where(use, pos[np.minimum(tok, M - 1)] * (hd // 2) + rdim, 0)
+                    c = np.where(use, cos.reshape(-1)[at], 1.0).astype(np.float32)
+                    sn = np.where(use, sin.reshape(-1)[at], 0.0).astype(np.float32)
+                    x1, x2 = x1 * c - x2 * sn, x2 * c + x1 * sn
+                d = row0 - row0 % hd + rdim
+                for dest, v in ((np.where(qk, d, row0), x1), (np.where(qk, d + hd // 2, row0 + 8), x2)):
+                    assert (dest < N).all()
+                    idx = (tok * N + dest)[m]
+                    out[idx] = rnd(v[m], dtype)
+                    written[idx] += 1
 
 
 def gemm_emu(cfg, dtype, x_bits, M, stride_x, wq, sc, zp, N, KC, gc_rt, cps, splits, norm=None, rope=None):
@@ -96,7 +151,8 @@ def gemm_emu(cfg, dtype, x_bits, M, stride_x, wq, sc, zp, N, KC, gc_rt, cps, spl
     ROPE = int(cfg.get("ROPE", 0))  # (rows, head_dim, positions, cos, sin) in ``rope``
     assert not NORM or (XS and M <= 8 and norm is not None), "NORM needs XS, M <= 8 and its operands"
     if NORM:
-        normed, res_out = norm_rows(dtype, x_bits, M, stride_x, KC * 64, norm)
+        R, NW, eps = Flat(norm[0], "residual", 2), Flat(norm[1], "norm weight", 2), norm[2]
+        res_out = np.full(M * KC * 64, 0xFFFF, dtype=np.uint16)  # NaN bits until CTA (0, 0) writes
     CPA = int(cfg.get("CPA", 0))
     ACT = int(cfg.get("ACT", 0))  # the SwiGLU epilogue: finished rows are kept unrounded, activated at the end
     assert not (ROPE and ACT) and (not ROPE or (rope[0] % 16 == 0 and rope[0] <= N))
@@ -124,6 +180,7 @@ def gemm_emu(cfg, dtype, x_bits, M, stride_x, wq, sc, zp, N, KC, gc_rt, cps, spl
     Z = Flat(zp, "zp", 2)
     ws = np.full(splits * M * N, np.nan)
     out = np.full(M * N, np.nan)
+    written = np.zeros(M * N, dtype=np.int64)
     cnt = np.zeros(gx, dtype=np.int64)
     bias = BIAS[dtype]
     for bx in range(gx):
@@ -135,15 +192,18 @@ def gemm_emu(cfg, dtype, x_bits, M, stride_x, wq, sc, zp, N, KC, gc_rt, cps, spl
             if XS:
                 xpitch = (KC if NORM else cps) * 64 + 8
                 xoff = 0 if NORM else cbeg * 64  # NORM: whole rows (each CTA takes their norms)
-                smem = np.zeros(M * xpitch, dtype=np.uint16)
                 assert M * xpitch * 2 == w4_mma.x_bytes(cfg, M, KC * 64, cps, 2)
-                units_ = (cend - cbeg) * 8  # the columns the CTA's warps read: its split's
-                for u in range(M * units_):
-                    row, col = u // units_, cbeg * 64 + (u % units_) * 8
-                    src = normed[row, col:col + 8] if NORM else X.get([row * stride_x + col], 8, align=16)[0]
-                    at = row * xpitch + col - xoff
-                    assert at + 8 <= len(smem) and (at * 2) % 16 == 0
-                    smem[at: at + 8] = src
+                if NORM:
+                    smem = fill_norm_emu(dtype, X, R, NW, M, stride_x, KC * 64, eps, xpitch, cbeg, cend, 32 * WARPS,
+                                         res_out if bx == 0 and by == 0 else None)
+                else:
+                    smem = np.zeros(M * xpitch, dtype=np.uint16)
+                    units_ = (cend - cbeg) * 8  # the columns the CTA's warps read: its split's
+                    for u in range(M * units_):
+                        row, col = u // units_, cbeg * 64 + (u % units_) * 8
+                        at = row * xpitch + col - xoff
+                        assert at + 8 <= len(smem) and (at * 2) % 16 == 0
+                        smem[at: at + 8] = X.get([row * stride_x + col], 8, align=16)[0]
                 XSM = Flat(smem, "xs", 2)
             accs = {}
             ngrp = (cend - cbeg) // GC
@@ -261,11 +321,15 @@ def gemm_emu(cfg, dtype, x_bits, M, stride_x, wq, sc, zp, N, KC, gc_rt, cps, spl
                 else:
                     owners[col] += acc
             for col, acc in owners.items():
+                if ROPE and splits == 1:
+                    store_rope(out, written, M, N, bx * COLS + col, TW, NB, lambda a, b, f: acc[a, b, f], rope,
+                               ROPE == 2, dtype)
+                    continue
                 for a, b, f, tok, row in _frags(bx * COLS + col, TW, NB, g, t):
                     m = tok < M
                     assert (row < N).all()
                     if splits == 1:
-                        out[(tok * N + row)[m]] = acc[a, b, f][m] if ACT or ROPE else rnd(acc[a, b, f][m], dtype)
+                        out[(tok * N + row)[m]] = acc[a, b, f][m] if ACT else rnd(acc[a, b, f][m], dtype)
                     else:
                         ws[((by * M + tok) * N + row)[m]] = acc[a, b, f][m]
             if splits > 1:
@@ -275,6 +339,7 @@ def gemm_emu(cfg, dtype, x_bits, M, stride_x, wq, sc, zp, N, KC, gc_rt, cps, spl
                     for col in range(COLS):
                         if (bx * COLS + col) // (4 // TW) >= NBLK:
                             continue
+                        sums = {}
                         for a, b, f, tok, row in _frags(bx * COLS + col, TW, NB, g, t):
                             m = tok < M
                             tot = np.zeros(32)
@@ -282,14 +347,19 @@ def gemm_emu(cfg, dtype, x_bits, M, stride_x, wq, sc, zp, N, KC, gc_rt, cps, spl
                                 v = ws[((k * M + tok) * N + row)[m]]
                                 assert not np.isnan(v).any(), "ws read before written"
                                 tot[m] += v
-                            out[(tok * N + row)[m]] = tot[m] if ACT or ROPE else rnd(tot[m], dtype)
+                            sums[a, b, f] = tot
+                            if not ROPE:
+                                out[(tok * N + row)[m]] = tot[m] if ACT else rnd(tot[m], dtype)
+                        if ROPE:
+                            store_rope(out, written, M, N, bx * COLS + col, TW, NB, lambda a, b, f: sums[a, b, f],
+                                       rope, ROPE == 2, dtype)
     assert (cnt == 0).all()
     if ACT:  # gate and up of feature 8T + i are rows 16T + i and 16T + 8 + i
         y = out.reshape(M, N // 16, 2, 8)
         gate, up = y[:, :, 0], y[:, :, 1]
         out = rnd(gate / (1 + np.exp(-gate)) * up, dtype).reshape(-1)
     if ROPE:
-        out = rnd(rope_emu(out, M, N, rope, ROPE == 2), dtype)
+        assert (written == 1).all(), "the RoPE epilogue stored an output twice or never"
     return (out, res_out) if NORM else out
 
 
