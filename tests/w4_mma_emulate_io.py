@@ -1,0 +1,106 @@
+"""The CPU mirror of ``w4_mma_io.cuh`` for tests/w4_mma_emulate.py: the NORM prologue
+(``fill_x_norm``) thread by thread and the ROPE epilogue (``store_out``) lane by lane, with
+the kernel's index arithmetic and roundings. Keep it in step with the .cuh."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def bits_to_f(bits: np.ndarray, dtype) -> np.ndarray:
+    """16-bit patterns -> their fp16/bf16 values (float64)."""
+    return torch.from_numpy(bits.astype(np.int16)).view(dtype).float().numpy().astype(np.float64)
+
+
+def rnd(v, dtype):
+    """Round to ``dtype`` as the kernel's conversions do (via fp32)."""
+    return torch.from_numpy(np.asarray(v, dtype=np.float32)).to(dtype).float().numpy().astype(np.float64)
+
+
+NORM_BATCH = 2  # w4_mma_io.cuh
+
+
+def fill_norm_emu(dtype, X, R, NW, M, stride_x, K, eps, xpitch, cbeg, cend, nt, res_out):
+    """``fill_x_norm`` thread by thread for one CTA: phase 1 (each thread's units in batches
+    of NORM_BATCH: dt(h + r) into the shared rows, squares summed in fp32 in its order, the
+    warp's xor-shuffle tree, part[warp][row]); phase 2 (the CTA's K slice: thread tid's units
+    tid + i * nt, the norm weight it fetched first, dt(dt(s * rstd) * w)). Returns the shared
+    rows (uint16 bits [M * xpitch]); ``res_out`` (uint16 [M * K], or None: not CTA (0, 0)) gets
+    dt(h + r). Each shared unit is checked to be written once per phase."""
+    units, nw_ = K // 8, nt // 32
+    smem = np.zeros(M * xpitch, dtype=np.uint16)
+    seen = np.zeros(M * units, dtype=np.int64)
+    part = np.zeros((nw_, M), dtype=np.float32)
+    for row in range(M):
+        ss = np.zeros(nt, dtype=np.float32)
+        for tid in range(nt):
+            for u0 in range(tid, units, NORM_BATCH * nt):
+                for i in range(NORM_BATCH):
+                    u = u0 + i * nt
+                    if u >= units:
+                        continue
+                    h = bits_to_f(X.get([row * stride_x + u * 8], 8, align=16)[0], dtype)
+                    r = bits_to_f(R.get([row * K + u * 8], 8, align=16)[0], dtype)
+                    sv = rnd(h + r, dtype)
+                    for e in range(8):  # element order, fp32
+                        ss[tid] = np.float32(ss[tid] + np.float32(sv[e]) * np.float32(sv[e]))
+                    bits = torch.from_numpy(sv.astype(np.float32)).to(dtype).view(torch.int16).numpy().astype(np.uint16)
+                    smem[row * xpitch + u * 8: row * xpitch + u * 8 + 8] = bits
+                    seen[row * units + u] += 1
+                    if res_out is not None:
+                        res_out[row * K + u * 8: row * K + u * 8 + 8] = bits
+        for w in range(nw_):  # __shfl_xor_sync over offsets 16, 8, 4, 2, 1: lane 0's value
+            v = ss[32 * w: 32 * w + 32].copy()
+            for o in (16, 8, 4, 2, 1):
+                v = (v + v[np.arange(32) ^ o]).astype(np.float32)
+            part[w, row] = v[0]
+    assert (seen == 1).all(), "phase 1 wrote a unit twice or never"
+    su = (cend - cbeg) * 8
+    scaled = np.zeros(M * su, dtype=np.int64)
+    for tid in range(nt):
+        for u in range(tid, M * su, nt):  # i < NORM_BATCH from wpre, the rest re-read: same unit either way
+            row = u // su
+            tot = np.float32(0)
+            for w in range(nw_):
+                tot = np.float32(tot + part[w, row])
+            rstd = np.float32(1) / np.sqrt(np.float32(tot / np.float32(K) + np.float32(eps)))
+            at = row * xpitch + cbeg * 64 + (u % su) * 8
+            sv = bits_to_f(smem[at: at + 8], dtype)
+            wv = bits_to_f(NW.get([cbeg * 64 + (u % su) * 8], 8, align=16)[0], dtype)
+            y = rnd(rnd(sv * rstd, dtype) * wv, dtype)
+            smem[at: at + 8] = torch.from_numpy(y.astype(np.float32)).to(dtype).view(torch.int16).numpy().astype(np.uint16)
+            scaled[u] += 1
+    assert (scaled == 1).all(), "phase 2 scaled a slice unit twice or never"
+    return smem
+
+
+def store_rope(out, written, M, N, unit, TW, NB, val, rope, rotate, dtype):
+    """``store_out``'s ROPE branch for the 32 lanes of one column unit, index by index:
+    ``val(a, b, f)`` is fragment f of (tile a, token block b) per lane; rows below rope_rows
+    hold dims d (f = 0, 1) and d + hd / 2 (f + 2) of one head (``rope_dim``), rotated by the
+    cos / sin that ``rope_load`` fetches (ROPE 2). ``written`` counts stores per output."""
+    lane = np.arange(32)
+    g, t = lane >> 2, lane & 3
+    rows, hd = rope[0], rope[1]
+    nbase = unit // (4 // TW) * 64 + (unit % (4 // TW)) * TW * 16 + g
+    for a in range(TW):
+        for b in range(NB):
+            for f in range(2):
+                row0, tok = nbase + 16 * a, 8 * b + 2 * t + f
+                m = tok < M
+                x1, x2 = val(a, b, f).astype(np.float32), val(a, b, f + 2).astype(np.float32)
+                qk = row0 < rows  # rope_rows is a multiple of 16: row0 + 8 is on the same side
+                rdim = ((row0 % hd) >> 4) * 8 + (row0 & 7)
+                if rotate:
+                    pos, cos, sin = rope[2], rope[3], rope[4]
+                    use = qk & m
+                    at = np.where(use, pos[np.minimum(tok, M - 1)] * (hd // 2) + rdim, 0)
+                    c = np.where(use, cos.reshape(-1)[at], 1.0).astype(np.float32)
+                    sn = np.where(use, sin.reshape(-1)[at], 0.0).astype(np.float32)
+                    x1, x2 = x1 * c - x2 * sn, x2 * c + x1 * sn
+                d = row0 - row0 % hd + rdim
+                for dest, v in ((np.where(qk, d, row0), x1), (np.where(qk, d + hd // 2, row0 + 8), x2)):
+                    assert (dest < N).all()
+                    idx = (tok * N + dest)[m]
+                    out[idx] = rnd(v[m], dtype)
+                    written[idx] += 1
