@@ -11,7 +11,8 @@ says what went wrong:
 - an attention kernel with an off-by-one causal mask  -> attention suite;
 - a rejection sampler without the correction step     -> drafter suite;
 - a fused SwiGLU that swaps gate and up               -> quantizer suite;
-- a fused pre-norm that leaves out the norm's weight    -> quantizer suite.
+- a fused pre-norm that leaves out the norm's weight    -> quantizer suite;
+- a fused pre-norm that drops the rotation asked of it  -> quantizer suite.
 """
 from __future__ import annotations
 
@@ -122,6 +123,25 @@ class UnweightedNormMethod(UnquantizedLinearMethod):
         return self.apply(layer, h, bias), r
 
 
+class UnrotatedMethod(UnquantizedLinearMethod):
+    """unquantized, plus a fused pre-norm that drops the rotation it was asked for."""
+
+    def apply_add_rmsnorm(self, layer, x, residual, norm_weight, eps, bias, silu_and_mul=False, rope=None):
+        if silu_and_mul:
+            return None
+        r = x + residual
+        rf = r.float()
+        h = ((rf * torch.rsqrt(rf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * norm_weight)
+        return self.apply(layer, h, bias), r  # the bug: rope ignored
+
+
+class UnrotatedConfig(UnquantizedConfig):
+    name = "unrotated"
+
+    def __init__(self, hf_quant_config=None, settings=None) -> None:
+        self._method = UnrotatedMethod()
+
+
 class UnweightedNormConfig(UnquantizedConfig):
     name = "unweighted_norm"
 
@@ -159,7 +179,8 @@ def registry():
     attn = _plugin("planted_attn", "kvforge_register_attention_backends",
                    [(("off_by_one", OffByOneMaskBackend), {"priority": -1})])
     quant = _plugin("planted_quant", "kvforge_register_quantizers",
-                    [(("swapped_swiglu", SwappedSwiGLUConfig), {}), (("unweighted_norm", UnweightedNormConfig), {})])
+                    [(("swapped_swiglu", SwappedSwiGLUConfig), {}), (("unweighted_norm", UnweightedNormConfig), {}),
+                     (("unrotated", UnrotatedConfig), {})])
     sys.path.insert(0, str(FIXTURE_PKG))
     try:
         sys.modules.pop("kvforge_example_sched", None)
@@ -221,6 +242,11 @@ def test_swapped_fused_swiglu_is_caught(registry):
 def test_fused_prenorm_without_its_weight_is_caught(registry):
     _fails(quant_suite.check_linear_matches_dequantized_reference, Target("quantizer", "unweighted_norm", registry),
            "forward_prenorm")
+
+
+def test_fused_prenorm_dropping_the_rotation_is_caught(registry):
+    _fails(quant_suite.check_linear_matches_dequantized_reference, Target("quantizer", "unrotated", registry),
+           "forward_prenorm (rope)", "qkv_proj")
 
 
 def _without_correction(real):

@@ -8,7 +8,9 @@ loader does), calls ``process_weights_after_loading`` and compares ``apply`` wit
 the dequantized reference ``x @ W_deq^T + b`` computed in float32; for the gate|up
 layer also ``silu_and_mul`` (``LinearMethod.apply_silu_and_mul`` where the method fuses
 it) with silu(gate) * up of that reference; and every layer's ``forward_prenorm`` (the
-method's ``apply_add_rmsnorm`` where it has one) with the reference of RMSNorm(x + residual).
+method's ``apply_add_rmsnorm`` where it has one) with the reference of RMSNorm(x + residual),
+the q|k|v layer (a ``QKVParallelLinear`` with ``rope_heads`` set, as Llama builds it) also
+with its q and k heads rotated.
 
 Checkpoint formats are the quantizer's own business, so a quantizer provides
 the test weights through a small optional protocol on its ``LinearMethod``::
@@ -98,7 +100,7 @@ def _no_protocol(target: Target, method, layer) -> None:
 def check_linear_matches_dequantized_reference(target: Target) -> None:
     import torch
     from kvforge.layers.linear import FusedLinear
-    from kvforge.layers.parallel_linear import MergedColumnParallelLinear
+    from kvforge.layers.parallel_linear import MergedColumnParallelLinear, QKVParallelLinear
     rng, tag = target.rng("linear")
     device = target.torch_device()
     configs = list(getattr(target.spec.factory, "conformance_quant_configs", None) or [None])
@@ -113,9 +115,16 @@ def check_linear_matches_dequantized_reference(target: Target) -> None:
             for prefix, k, outs in LAYERS:
                 for bias in (False, True):
                     gen = torch.Generator().manual_seed(rng.randrange(1 << 30))
-                    with torch.device(device):  # gate|up as the models build it (a method may fuse SwiGLU)
-                        layer = (MergedColumnParallelLinear(k, outs, bias, qc, prefix, dtype, parallel=False)
-                                 if prefix.endswith("gate_up_proj") else FusedLinear(k, outs, bias, qc, prefix, dtype))
+                    with torch.device(device):  # gate|up and q|k|v as the models build them (a method may
+                        # fuse SwiGLU, or lay q|k rows out for a fused rotation: rope_heads, as Llama sets it)
+                        if prefix.endswith("gate_up_proj"):
+                            layer = MergedColumnParallelLinear(k, outs, bias, qc, prefix, dtype, parallel=False)
+                        elif prefix.endswith("qkv_proj"):
+                            hd = outs[1]
+                            layer = QKVParallelLinear(k, hd, outs[0] // hd, 1, bias, qc, prefix, dtype, parallel=False)
+                            layer.rope_heads = outs[0] // hd + 1
+                        else:
+                            layer = FusedLinear(k, outs, bias, qc, prefix, dtype)
                     method = layer.method
                     make = getattr(method, "make_test_weights", None)
                     deq = getattr(method, "dequantize_test_weights", None)
@@ -195,7 +204,8 @@ def _check_prenorm(layer, x, w_ref, b, outs, rtol: float, where: str, gen, devic
     """``forward_prenorm(x, residual, norm)`` (the method's ``apply_add_rmsnorm`` where it has
     one, else the norm then ``apply``) against the float32 reference of RMSNorm(x + residual)
     (torch path, rounded to x's dtype as the model's norm output); the new residual must be
-    x + residual exactly. A gate|up layer also with ``silu_and_mul`` (bound 4 x rtol)."""
+    x + residual exactly. A gate|up layer also with ``silu_and_mul`` (bound 4 x rtol); a q|k|v
+    layer with ``rope`` (its q and k heads rotated, as ``kvforge.layers.rotary``)."""
     import torch
     import torch.nn.functional as F
 
@@ -207,11 +217,25 @@ def _check_prenorm(layer, x, w_ref, b, outs, rtol: float, where: str, gen, devic
     r_ref = x + res
     ref = norm._norm(r_ref).float() @ w_ref.T + (b.float() if b is not None else 0)
     norm = norm.to(device)
+    rope = None
+    if hasattr(layer, "head_dim"):  # q|k|v: also the rotation (RoPE, theta 10000, random positions)
+        from types import SimpleNamespace
+
+        from kvforge.layers.rotary import RotaryEmbedding
+        rotary = RotaryEmbedding(SimpleNamespace(rope_theta=10000.0), layer.head_dim, 64)
+        positions = torch.randint(0, 64, (x.shape[0],), generator=gen)
+        rope = (positions.to(device), rotary.to(device))
+        t, hd, nq = x.shape[0], layer.head_dim, outs[0]
+        q, kk = ref[:, :nq].view(t, -1, hd), ref[:, nq:nq + outs[1]].view(t, -1, hd)
+        cos, sin = rotary.cos.cpu()[positions], rotary.sin.cpu()[positions]
+        ref = torch.cat([rotary._rotate(q, cos, sin).reshape(t, -1), rotary._rotate(kk, cos, sin).reshape(t, -1),
+                         ref[:, nq + outs[1]:]], 1)
     for act in ((False, True) if layer.gate_up else (False,)):
         with torch.inference_mode():
-            y, r = layer.forward_prenorm(x.to(device), res.to(device), norm, silu_and_mul=act)
+            y, r = (layer.forward_prenorm(x.to(device), res.to(device), norm, silu_and_mul=act) if rope is None
+                    else layer.forward_prenorm(x.to(device), res.to(device), norm, rope=rope))
         want = F.silu(ref.split(list(outs), dim=-1)[0]) * ref.split(list(outs), dim=-1)[1] if act else ref
-        what = "forward_prenorm" + (" (silu_and_mul)" if act else "")
+        what = "forward_prenorm" + (" (silu_and_mul)" if act else " (rope)" if rope is not None else "")
         if not torch.equal(r.cpu(), r_ref):
             raise AssertionError(f"{where}: {what} returned a residual other than x + residual")
         if tuple(y.shape) != tuple(want.shape) or y.dtype != x.dtype:
