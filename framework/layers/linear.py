@@ -86,13 +86,9 @@ class FusedLinear(torch.nn.Module):
         gate|up pair, or ``rope`` on one that is not q|k|v."""
         if silu_and_mul and not self.gate_up:
             raise ValueError(f"{self.prefix}: silu_and_mul needs a gate|up layer (MergedColumnParallelLinear)")
-        if rope is not None and not hasattr(self, "head_dim"):
+        if rope is not None and not hasattr(self, "rotate"):
             raise ValueError(f"{self.prefix}: rope needs a q|k|v layer (QKVParallelLinear)")
-        fused = getattr(self.method, "apply_add_rmsnorm", None)
-        out = None
-        if fused is not None:
-            out = (fused(self, x, residual, norm.weight, norm.eps, self.bias, silu_and_mul, rope) if rope is not None
-                   else fused(self, x, residual, norm.weight, norm.eps, self.bias, silu_and_mul))
+        out = self.method.apply_add_rmsnorm(self, x, residual, norm.weight, norm.eps, self.bias, silu_and_mul, rope)
         if out is not None:
             return out
         h, r = norm(x, residual)
@@ -100,14 +96,3 @@ class FusedLinear(torch.nn.Module):
         if rope is not None:
             y = self.rotate(y, *rope)
         return y, r
-
-    def rotate(self, y: torch.Tensor, positions: torch.Tensor, rotary) -> torch.Tensor:
-        """RoPE on the q and k heads of a q|k|v output y [T, q + 2 kv] (``rotary`` at
-        ``positions``); returns y (rotated in place where the rotary kernel runs)."""
-        t, d = y.shape[0], self.head_dim
-        q, k = y[:, :self.output_sizes[0]], y[:, self.output_sizes[0]:self.output_sizes[0] + self.output_sizes[1]]
-        q2, k2 = rotary(positions, q.view(t, -1, d), k.view(t, -1, d))
-        if q2.data_ptr() != q.data_ptr():  # rotated out of place (the torch path)
-            q.copy_(q2.reshape(t, -1))
-            k.copy_(k2.reshape(t, -1))
-        return y

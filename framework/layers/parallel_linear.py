@@ -144,6 +144,19 @@ class QKVParallelLinear(ColumnParallelLinear):
                          prefix, params_dtype, shard_slices=slices, parallel=parallel)
 
 
+    def rotate(self, y: torch.Tensor, positions: torch.Tensor, rotary) -> torch.Tensor:
+        """RoPE on the q and k heads of this layer's output y [T, q + 2 kv] (``rotary``, a
+        ``kvforge.layers.rotary.RotaryEmbedding``, at int64 ``positions`` [T]); returns y,
+        rotated in place (the torch path's rotated copies are written back)."""
+        t, d, nq, nk = y.shape[0], self.head_dim, self.output_sizes[0], self.output_sizes[1]
+        q, k = y[:, :nq], y[:, nq:nq + nk]
+        q2, k2 = rotary(positions, q.view(t, -1, d), k.view(t, -1, d))
+        if q2.data_ptr() != q.data_ptr():
+            q.copy_(q2.reshape(t, -1))
+            k.copy_(k2.reshape(t, -1))
+        return y
+
+
 class RowParallelLinear(FusedLinear):
     """Input features split across ranks: ``x [T, in / tp] -> [T, out]``, partial sums all-reduced.
 

@@ -13,8 +13,9 @@ graphs keep the overlap.
 
 CuPy's launch takes no launch attributes, so :func:`launch` calls the driver's
 ``cuLaunchKernelEx`` through ctypes with the CuPy function's handle. PDL is opt-in,
-``KVFORGE_PDL=1``: measured on the H200 (BENCHMARKS.md, twelfth session) the int4 model's
-batch-1 decode step was 0.25 ms *slower* with it (2.66 vs 2.40 ms), so it stays off until a
+``KVFORGE_PDL=1``: measured on the H200 (BENCHMARKS.md, twelfth and thirteenth sessions) the
+int4 model's batch-1 decode step was 0.25 ms *slower* with it (2.67 vs 2.41 ms) and no faster
+without the prefetch (``KVFORGE_PDL_PREFETCH=0``: 2.403 vs 2.406 ms), so it stays off until a
 variant wins. A launch the driver refuses turns it off for the process, with one warning,
 and the caller launches the usual way.
 """

@@ -50,8 +50,9 @@ class WeightOnlySettings(QuantSettings):
     cannot hold. ``checkpoint`` keeps the checkpoint's packing (the ``wna16`` kernels), for A/B runs.
 
     ``fuse_norm``: with the ``mma`` layout, a layer after a pre-norm (Llama's qkv and gate|up)
-    computes the add + RMSNorm in its GEMM's prologue at batch <= 8, one kernel where there
-    were two (``w4_mma.mma_gemm_rmsnorm``); false runs them apart, for A/B runs.
+    computes the add + RMSNorm in its GEMM's prologue at batch <= 8 (``w4_mma.mma_gemm_rmsnorm``),
+    and a q|k|v weight is repacked so that GEMM's epilogue applies RoPE too: one kernel where
+    there were three. False keeps the plain layout and runs them apart, for A/B runs.
     """
 
     int4_layout: Int4Layout = "auto"
