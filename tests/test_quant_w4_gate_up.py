@@ -73,21 +73,29 @@ def _gate_up_layer(inter, k, group, dtype, device, gen, backend):
     """An AWQ gate|up layer (``MergedColumnParallelLinear``) loaded shard by shard."""
     from kvforge.layers.parallel_linear import MergedColumnParallelLinear
     from kvforge_plugins.quant.awq import AWQConfig, AWQSettings
-    from kvforge_plugins.quant.common import pack_rows
     qc = AWQConfig({"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm"},
                    AWQSettings(backend=backend, int4_layout="mma"))
-    q, s, z, w_ref = _quant(k, 2 * inter, group, gen)
-    order = torch.arange(inter).view(-1, 8)[:, [0, 2, 4, 6, 1, 3, 5, 7]].reshape(-1)  # AutoAWQ's nibble order
     with torch.device(device):
         layer = MergedColumnParallelLinear(k, [inter, inter], False, qc, "model.layers.0.mlp.gate_up_proj", dtype,
                                            parallel=False)
-    for h in (0, 1):
-        cols = slice(h * inter, (h + 1) * inter)
-        layer.load("qweight", pack_rows(q[:, cols][:, order].t().contiguous(), 4).t().contiguous().to(device), h)
-        layer.load("qzeros", pack_rows(z[:, cols][:, order].t().contiguous(), 4).t().contiguous().to(device), h)
-        layer.load("scales", s[:, cols].half().to(device), h)
+    return layer, load_awq_shards(layer, k, group, gen, device)
+
+
+def load_awq_shards(layer, k, group, gen, device):
+    """Random 4-bit weights for ``layer`` (its ``output_sizes``), loaded shard by shard in
+    AutoAWQ's GEMM format, then processed; returns the dequantized W_ref [K, N] (fp16 scales)."""
+    from kvforge_plugins.quant.common import pack_rows
+    q, s, z, _ = _quant(k, sum(layer.output_sizes), group, gen)
+    c0 = 0
+    for i, size in enumerate(layer.output_sizes):
+        order = torch.arange(size).view(-1, 8)[:, [0, 2, 4, 6, 1, 3, 5, 7]].reshape(-1)  # AutoAWQ's nibble order
+        cols = slice(c0, c0 + size)
+        layer.load("qweight", pack_rows(q[:, cols][:, order].t().contiguous(), 4).t().contiguous().to(device), i)
+        layer.load("qzeros", pack_rows(z[:, cols][:, order].t().contiguous(), 4).t().contiguous().to(device), i)
+        layer.load("scales", s[:, cols].half().to(device), i)
+        c0 += size
     layer.method.process_weights_after_loading(layer)
-    return layer, (q - z[torch.arange(k) // group]).float() * s.half().float()[torch.arange(k) // group]
+    return (q - z[torch.arange(k) // group]).float() * s.half().float()[torch.arange(k) // group]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

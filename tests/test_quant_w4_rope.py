@@ -16,7 +16,7 @@ from transformers import LlamaConfig
 
 from kvforge.layers.rotary import RotaryEmbedding
 from kvforge_plugins.quant.kernels import w4_mma
-from test_quant_w4_gate_up import _err
+from test_quant_w4_gate_up import _err, load_awq_shards
 from test_quant_w4_mma import BOUND, _quant, cuda, gen  # noqa: F401  (gen: the fresh-seed fixture)
 from test_quant_w4_prenorm import _norm, _ref
 
@@ -86,25 +86,13 @@ def _qkv_layer(k, hq, hk, hd, group, dtype, device, gen):
     """An AWQ q|k|v layer (``QKVParallelLinear``, rope_heads set as the Llama attention does)."""
     from kvforge.layers.parallel_linear import QKVParallelLinear
     from kvforge_plugins.quant.awq import AWQConfig, AWQSettings
-    from kvforge_plugins.quant.common import pack_rows
     qc = AWQConfig({"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm"},
                    AWQSettings(backend="auto" if device == "cuda" else "triton", int4_layout="mma"))
     with torch.device(device):
         layer = QKVParallelLinear(k, hd, hq, hk, False, qc, "model.layers.0.self_attn.qkv_proj", dtype,
                                   parallel=False)
     layer.rope_heads = hq + hk
-    n = (hq + 2 * hk) * hd
-    q, s, z, _ = _quant(k, n, group, gen)
-    order = torch.arange(n).view(-1, 8)[:, [0, 2, 4, 6, 1, 3, 5, 7]].reshape(-1)  # AutoAWQ's nibble order
-    bounds = [0, hq * hd, (hq + hk) * hd, n]
-    for i in range(3):
-        cols = slice(bounds[i], bounds[i + 1])
-        sub = order[:bounds[i + 1] - bounds[i]]
-        layer.load("qweight", pack_rows(q[:, cols][:, sub].t().contiguous(), 4).t().contiguous().to(device), i)
-        layer.load("qzeros", pack_rows(z[:, cols][:, sub].t().contiguous(), 4).t().contiguous().to(device), i)
-        layer.load("scales", s[:, cols].half().to(device), i)
-    layer.method.process_weights_after_loading(layer)
-    return layer, (q - z[torch.arange(k) // group]).float() * s.half().float()[torch.arange(k) // group]
+    return layer, load_awq_shards(layer, k, group, gen, device)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
