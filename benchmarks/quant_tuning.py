@@ -77,7 +77,7 @@ def mma_candidates(m: int) -> list[dict]:
             for tw, wa, kw, st, cp, wv in ((1, 16, 16, 2, 0, 1), (1, 8, 8, 2, 0, 2), (2, 8, 8, 1, 0, 1),
                                            (2, 8, 8, 1, 3, 1), (2, 8, 8, 1, 4, 1), (2, 8, 4, 1, 0, 2),
                                            (4, 4, 4, 1, 0, 2), (4, 8, 4, 1, 0, 2), (4, 4, 4, 1, 3, 1),
-                                           (4, 8, 4, 1, 3, 1), (4, 8, 4, 1, 4, 1))]
+                                           (4, 8, 4, 1, 3, 1), (4, 8, 4, 1, 4, 1))] + _xr_candidates(m)
     return [dict(TW=tw, WARPS=wa, S=st, XS=xs, SCALE_A=True, waves=wv, CPA=cp) for tw, wa, st, xs, wv, cp in (
         (1, 4, 1, 0, 2, 0), (1, 4, 2, 0, 2, 0), (1, 8, 1, 1, 2, 0), (1, 8, 2, 0, 2, 0), (2, 4, 1, 0, 2, 0),
         (1, 4, 1, 1, 4, 0), (1, 4, 1, 0, 1, 0), (2, 8, 1, 1, 2, 0),
@@ -85,7 +85,21 @@ def mma_candidates(m: int) -> list[dict]:
         dict(TW=tw, WARPS=wa, KW=kw, S=1, XS=0, SCALE_A=True, CPA=cp, waves=wv)
         # (cp.async stages beside 8 token blocks of x mostly exceed shared memory: few CPA ones)
         for tw, wa, kw, cp, wv in ((1, 8, 4, 0, 2), (1, 8, 8, 0, 1), (2, 8, 4, 0, 1), (2, 8, 8, 0, 1),
-                                   (2, 4, 4, 3, 2))]
+                                   (2, 4, 4, 3, 2))] + _xr_candidates(m)
+
+
+def _xr_candidates(m: int) -> list[dict]:
+    """Configs with x through the CTA's ring (XR, session 14): wide warp tiles sharing one copy
+    of x, weights in cp.async stages; (TW, WARPS, KW, CPA, waves). TW 4 at 8 token blocks spills."""
+    if m <= 16:
+        grid = ((4, 4, 1, 4, 2), (4, 4, 4, 3, 1), (4, 8, 4, 4, 1), (2, 8, 8, 3, 1), (4, 4, 2, 4, 1))
+    elif m <= 32:
+        grid = ((4, 8, 1, 3, 1), (4, 4, 1, 4, 2), (4, 8, 2, 3, 1), (2, 8, 1, 4, 1), (2, 8, 4, 3, 1), (4, 4, 4, 3, 1))
+    else:
+        grid = ((2, 8, 1, 3, 1), (2, 8, 1, 4, 1), (2, 8, 1, 4, 2), (2, 4, 1, 4, 2), (2, 8, 2, 3, 1),
+                (2, 8, 4, 3, 1), (2, 4, 2, 4, 1), (1, 8, 1, 4, 2), (1, 8, 4, 4, 1))
+    return [dict(TW=tw, WARPS=wa, KW=kw, S=1, XS=0, XR=1, CPA=cp, SCALE_A=True, LDW=1, MINB=1, waves=wv)
+            for tw, wa, kw, cp, wv in grid]
 
 
 def wide_mma_candidates(m: int) -> list[dict]:

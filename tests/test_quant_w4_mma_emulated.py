@@ -16,8 +16,8 @@ from test_quant_w4_mma import BOUND, _quant, gen  # noqa: F401  (gen: the fresh-
 # bounds- and alignment-checked, each stage holding the chunk being computed, split-K partials
 # summed in a random arrival order. (K, N, group, M, config): odd N / 64, uneven last splits,
 # TW 1/2 with tile0 != 0, XS, S up to 4, SCALE_A, per-channel groups, the dequantize path, and
-# cp.async stages (CPA 2-8: more stages than a split has chunks, with and without XS), and K
-# split by a CTA's warps (KW, with idle warps, beside split K).
+# cp.async stages (CPA 2-8: more stages than a split has chunks, with and without XS), K
+# split by a CTA's warps (KW, with idle warps, beside split K), and the XR x ring.
 EMULATED = [
     (512, 192, 64, 3, None),
     (512, 320, 128, 17, None),
@@ -39,6 +39,13 @@ EMULATED = [
     (768, 320, 64, 3, dict(TW=1, WARPS=8, KW=4, CPA=3, XS=1)),
     (1152, 448, 384, 17, dict(TW=4, WARPS=4, KW=4, S=1, SCALE_A=False)),
     (512, 128, 128, 1, dict(TW=2, WARPS=8, KW=8, CPA=4, split_k=1)),
+    # XR: x through the CTA's ring (M not a multiple of 8, dead warps in the barrier loop, KW
+    # shares with uneven chunk counts, more stages than a split has chunks, split K beside)
+    (768, 320, 256, 64, dict(NB=8, TW=2, WARPS=2, CPA=3, XR=1, SCALE_A=True)),
+    (640, 192, 128, 37, dict(NB=8, TW=2, WARPS=4, CPA=2, XR=1, SCALE_A=True, split_k=3)),
+    (1152, 448, 384, 17, dict(NB=4, TW=1, WARPS=4, KW=2, CPA=4, XR=1, SCALE_A=False)),
+    (512, 128, 64, 9, dict(NB=2, TW=4, WARPS=2, CPA=8, XR=1, split_k=2)),
+    (512, 192, 64, 1, dict(NB=1, TW=2, WARPS=4, KW=4, CPA=3, XR=1)),
 ]
 
 

@@ -1,5 +1,5 @@
 """A CPU mirror of ``w4_mma.cu`` (``w4_mma_gemm`` / ``w4_mma_dequant``): the kernels' own
-index arithmetic (per CTA, warp and lane; stages, groups, the XS shared-memory copy, the NORM
+index arithmetic (per CTA, warp and lane; stages, groups, the XS shared-memory copy, the XR ring, the NORM
 prologue thread by thread, split-K partials and the last-arriver sum, in a random arrival
 order, the ROPE epilogue's stores lane by lane) replayed in numpy with bounds and
 alignment checks on every load, and the m16n8k16 MMAs computed from the PTX ISA's fragment
@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from kvforge_plugins.quant.kernels import w4_mma, w4_mma_jit
-from w4_mma_emulate_io import bits_to_f, fill_norm_emu, rnd, store_rope  # noqa: F401  (re-exported)
+from w4_mma_emulate_io import bits_to_f, fill_norm_emu, rnd, store_rope, xr_ring_emu  # noqa: F401  (re-exported)
 
 BIAS = {torch.bfloat16: 128.0, torch.float16: 1024.0}
 
@@ -56,6 +56,8 @@ def gemm_emu(cfg, dtype, x_bits, M, stride_x, wq, sc, zp, N, KC, gc_rt, cps, spl
         R, NW, eps = Flat(norm[0], "residual", 2), Flat(norm[1], "norm weight", 2), norm[2]
         res_out = np.full(M * KC * 64, 0xFFFF, dtype=np.uint16)  # NaN bits until CTA (0, 0) writes
     CPA = int(cfg.get("CPA", 0))
+    XR = int(cfg.get("XR", 0))  # x through the CTA's ring of CPA chunk slots
+    assert not XR or (CPA and not XS and not NORM), "XR needs CPA, and not XS or NORM"
     ACT = int(cfg.get("ACT", 0))  # the SwiGLU epilogue: finished rows are kept unrounded, activated at the end
     assert not (ROPE and ACT) and (not ROPE or (rope[0] % 16 == 0 and rope[0] <= N))
     KW = int(cfg.get("KW", 1))
@@ -65,7 +67,7 @@ def gemm_emu(cfg, dtype, x_bits, M, stride_x, wq, sc, zp, N, KC, gc_rt, cps, spl
                  for col in range(COLS) for i in range(TW * NB * 4) for ln in range(32)}
         assert len(slots) == (KW - 1) * COLS * TW * NB * 128 and 4 * (max(slots) + 1) <= w4_mma.reduce_bytes(cfg)
     if CPA:  # the stages' 16-byte units: one owner each, inside the bytes the host asked for
-        units = TW + (0 if XS else 2 * NB) + (TW + 1) // 2 + 1
+        units = TW + (0 if XS or XR else 2 * NB) + (TW + 1) // 2 + 1
         addr = {((s * units + u) * 32 * WARPS + tid) * 16 for s in range(CPA) for u in range(units)
                 for tid in range(32 * WARPS)}
         assert len(addr) == CPA * units * 32 * WARPS and max(addr) + 16 <= w4_mma.stage_bytes(cfg)
@@ -109,6 +111,9 @@ def gemm_emu(cfg, dtype, x_bits, M, stride_x, wq, sc, zp, N, KC, gc_rt, cps, spl
                 XSM = Flat(smem, "xs", 2)
             accs = {}
             ngrp = (cend - cbeg) // GC
+            if XR:
+                xr_slots = xr_ring_emu(X, M, stride_x, cbeg, ngrp, GC, KW, NB, CPA, 32 * WARPS, w4_mma.xr_bytes(cfg),
+                                       w4_mma.XR_PITCH)
             for warp in range(WARPS):
                 kw = warp % KW
                 unit = bx * COLS + warp // KW
@@ -133,7 +138,7 @@ def gemm_emu(cfg, dtype, x_bits, M, stride_x, wq, sc, zp, N, KC, gc_rt, cps, spl
                 def load(c):
                     d = {"c": c}
                     d["w"] = [W.get(4 * (wp + c * 128 + a * 32), 4, align=16) for a in range(TW)]
-                    if not XS:
+                    if not (XS or XR):
                         d["x"] = [X.get(xp[b] + c * 64, 16, align=16) for b in range(NB)]
                     if c % GC == 0:
                         rec = rec0 + (c // GC) * rec_step
@@ -174,6 +179,10 @@ def gemm_emu(cfg, dtype, x_bits, M, stride_x, wq, sc, zp, N, KC, gc_rt, cps, spl
                     seen.append(c)
                     if XS:
                         cur["x"] = [XSM.get(xp[b] + c * 64, 16, align=16) for b in range(NB)]
+                    if XR:  # rows 8b + g of this share's part of the slot (no clamp to M - 1)
+                        pitch = w4_mma.XR_PITCH // 2
+                        xr = Flat(xr_slots[jl], "x ring", 2)
+                        cur["x"] = [xr.get((kw * NB * 8 + 8 * b + g) * pitch + 16 * t, 16, align=16) for b in range(NB)]
                     if jl % GC == 0:
                         assert "s" in cur, "scales not loaded at group start"
                         zv = bits_to_f(cur["z"], dtype) - bias  # [32, 2TW]
@@ -302,7 +311,7 @@ class FakeKernels:
              norm=None, rope=None):
         m, k = x.shape
         xs = w4_mma.x_bytes(cfg, m, k, chunks_per_split, x.element_size())
-        assert smem == max(xs + w4_mma.stage_bytes(cfg), w4_mma.reduce_bytes(cfg))
+        assert smem == max(xs + w4_mma.stage_bytes(cfg) + w4_mma.xr_bytes(cfg), w4_mma.reduce_bytes(cfg))
         if splits > 1:
             cols = cfg["WARPS"] // cfg.get("KW", 1)
             assert ws.shape == (splits, m, n) and cnt.numel() >= -(-((n // 16) // cfg["TW"]) // cols)

@@ -1,6 +1,8 @@
-"""The CPU mirror of ``w4_mma_io.cuh`` for tests/w4_mma_emulate.py: the NORM prologue
-(``fill_x_norm``) thread by thread and the ROPE epilogue (``store_out``) lane by lane, with
-the kernel's index arithmetic and roundings. Keep it in step with the .cuh."""
+"""The CPU mirror of how x comes into ``w4_mma_gemm`` and y goes out, for
+tests/w4_mma_emulate.py: the XR ring (``issue_x`` of w4_mma_stages.cuh) in the CTA's chunk
+order, the NORM prologue (``fill_x_norm``) thread by thread and the ROPE epilogue
+(``store_out``) lane by lane, with the kernels' index arithmetic and roundings. Keep it in step
+with the .cuh files."""
 from __future__ import annotations
 
 import numpy as np
@@ -15,6 +17,44 @@ def bits_to_f(bits: np.ndarray, dtype) -> np.ndarray:
 def rnd(v, dtype):
     """Round to ``dtype`` as the kernel's conversions do (via fp32)."""
     return torch.from_numpy(np.asarray(v, dtype=np.float32)).to(dtype).float().numpy().astype(np.float64)
+
+
+def xr_ring_emu(X, M, stride_x, cbeg, ngrp, GC, KW, NB, CPA, nt, ring_bytes, pitch_bytes):
+    """One CTA's XR ring: the prologue's CPA - 1 chunks, then at each local chunk j the copy of
+    chunk j + CPA - 1 into the slot chunk j - 1 used (after the barrier), then what the warps
+    read: returns the ring slot of each j as uint16 bits [KW * 8 * NB * pitch] (rows past M
+    stay NaN: their tokens' outputs must never be stored). Thread tid copies units tid, tid +
+    nt, ...; every copy is checked in bounds, 16-byte aligned and from x's rows < M."""
+    pitch = pitch_bytes // 2
+    slot_el = NB * 8 * pitch
+    ring = np.full(ring_bytes // 2, 0x7FFF, dtype=np.uint16)  # NaN in fp16 and bf16
+
+    def nloc_of(k):
+        return ((ngrp - 1 - k) // KW + 1) * GC if k < ngrp else 0
+
+    def chunk_at(j, k):
+        return cbeg + j if KW == 1 else cbeg + ((j // GC) * KW + k) * GC + j % GC
+
+    def issue(slot, j):
+        per = M * 8
+        for tid in range(nt):
+            for u in range(tid, KW * per, nt):
+                k2, rem = (0, u) if KW == 1 else divmod(u, per)
+                if j < nloc_of(k2):
+                    r, col = rem >> 3, (rem & 7) * 8
+                    at = slot * KW * slot_el + (k2 * NB * 8 + r) * pitch + col
+                    assert 0 <= at and at + 8 <= len(ring) and (at * 2) % 16 == 0, "x ring: copy out of bounds"
+                    ring[at:at + 8] = X.get(r * stride_x + chunk_at(j, k2) * 64 + col, 8, align=16)
+    nmax = nloc_of(0)
+    for s in range(CPA - 1):
+        if s < nmax:
+            issue(s, s)
+    slots = []
+    for j in range(nmax):
+        if j + CPA - 1 < nmax:
+            issue((j + CPA - 1) % CPA, j + CPA - 1)
+        slots.append(ring[(j % CPA) * KW * slot_el:(j % CPA + 1) * KW * slot_el].copy())
+    return slots
 
 
 NORM_BATCH = 2  # w4_mma_io.cuh

@@ -17,6 +17,9 @@
 // L1 and prefetch 256 bytes into L2), GCC (64-wide chunks per scale group when it is a
 // compile-time constant, else 0), CPA (0: operands through registers as S says; P > 1: a
 // P-stage cp.async pipeline in shared memory, P - 1 chunks in flight without holding registers),
+// XR (1, with CPA: x goes through a CTA-wide ring of CPA chunk slots in shared memory, one CTA
+// barrier per chunk, and each warp reads it half a chunk at a time, so many token blocks (M = 64)
+// cost neither 8 * NB registers per lane nor a per-warp copy of x from L1: Marlin's shared A tile),
 // ACT (1: the SwiGLU epilogue of store_out, output N / 2 wide), PDL (1: launched as a
 // programmatic dependent: weight prefetch, then griddepcontrol.wait; sm_90+), PDLP (chunks
 // per warp PDL prefetches into L2; -1: all), KW (warps of a CTA splitting its K range: warp kw takes the split's groups kw, kw + KW, ...;
@@ -74,8 +77,8 @@ w4_mma_gemm(const dt* __restrict__ x, int M, long long stride_x, const uint4* __
     const uint4* wp = wq + (size_t)nblk * KC * 128 + tile0 * 32 + lane;  // this lane's weight vectors
     // this warp's chunks: local chunk j is chunk_of(j); splits hold whole groups
     const int ngrp = (cend - cbeg) / GC;
-    const int nloc = kw < ngrp ? ((ngrp - 1 - kw) / KW + 1) * GC : 0;
-#define chunk_of(j) (KW == 1 ? cbeg + (j) : cbeg + (((j) / GC) * KW + kw) * GC + (j) % GC)
+    const int nloc = chunks_of(kw, ngrp, GC);
+#define chunk_of(j) chunk_at(j, kw, cbeg, GC)
 #if PDL  // launched as a programmatic dependent (kvforge/layers/pdl.py): only static weights
     // before the wait. Prefetch this warp's into L2 while the kernel before finishes: a warp's
     // 16-byte vectors of one tile are 512 contiguous bytes, so lanes 0, 8, 16, 24 cover its lines.
@@ -88,7 +91,7 @@ w4_mma_gemm(const dt* __restrict__ x, int M, long long stride_x, const uint4* __
                 asm volatile("prefetch.global.L2 [%0];" ::"l"(wp + (size_t)chunk_of(j) * 128 + a * 32));
     asm volatile("griddepcontrol.wait;" ::: "memory");  // the previous kernel's writes (x) are visible
 #endif
-#if XS || CPA || KW > 1
+#if XS || CPA || KW > 1  // (XR needs CPA)
     extern __shared__ __align__(16) unsigned char smem_raw[];
 #endif
 #if CPA  // the stages first; this thread's unit 0 of stage 0 (shared-space byte address)
@@ -114,7 +117,7 @@ w4_mma_gemm(const dt* __restrict__ x, int M, long long stride_x, const uint4* __
     FOR_FRAGS A.acc[a][b][f] = 0.f;
     RopeCS cs;  // (ROPE 2) the storing warps' cos / sin, requested now, used by the epilogue
     if (ROPE == 2 && live && kw == 0) rope_load(cs, nblk * 64 + tile0 * 16 + g, t, M, rope_rows, hd, pos, cosp, sinp);
-#if CPA
+#if CPA && !XR
     if (live) {  // prologue: chunks cbeg .. cbeg + CPA - 2 in flight (one commit group each)
 #pragma unroll
         for (int s = 0; s < CPA - 1; ++s) {
@@ -137,6 +140,42 @@ w4_mma_gemm(const dt* __restrict__ x, int M, long long stride_x, const uint4* __
 #elif XS
     fill_x(xs, x, M, stride_x, xpitch, cbeg, cend);  // every thread: it ends in a CTA barrier
 #endif
+#if XR  // x through the CTA's ring, weights through each thread's stages, one commit group per chunk
+    {
+        // the ring follows the stages; this lane's x (row g, column 16t) of share kw in slot 0
+        const unsigned xring = smem_u32(smem_raw) + STAGE_BYTES;
+        const unsigned xlane = xring + (kw * NB * 8 + g) * XR_PITCH + 32 * t;
+        // kw 0 has the most chunks: every warp runs its count, so all reach each barrier
+        const int nmax = chunks_of(0, ngrp, GC);
+#pragma unroll
+        for (int s = 0; s < CPA - 1; ++s) {  // prologue: chunks 0 .. CPA - 2 in flight
+            if (s < nmax) {
+                if (live && s < nloc) issue_stage(ring + s * UNITS * NT * 16, wp, xp, sc, zp, rec0, rec_step, chunk_of(s), GC);
+                issue_x(xring + s * KW * XR_SLOT, x, M, stride_x, s, cbeg, ngrp, GC);
+            }
+            cp_async_commit();
+        }
+        for (int j = 0; j < nmax; ++j) {
+            cp_async_wait<CPA - 2>();  // this thread's copies of chunk j have landed ...
+            __syncthreads();           // ... and every thread's; every warp is done with chunk j - 1
+            const int nxt = j + CPA - 1, nslot = nxt % CPA;  // (the slot chunk j - 1 used)
+            if (nxt < nmax) {
+                if (live && nxt < nloc)
+                    issue_stage(ring + nslot * UNITS * NT * 16, wp, xp, sc, zp, rec0, rec_step, chunk_of(nxt), GC);
+                issue_x(xring + nslot * KW * XR_SLOT, x, M, stride_x, nxt, cbeg, ngrp, GC);
+            }
+            cp_async_commit();
+            if (live && j < nloc) {
+                const int slot = j % CPA;
+                const bool gstart = j % GC == 0;
+                Stage cur;
+                read_stage(cur, ring + slot * UNITS * NT * 16, gstart);
+                compute_chunk(A, cur, gstart, j % GC == GC - 1, xlane + slot * KW * XR_SLOT);
+            }
+        }
+        cp_async_wait<0>();  // no copy may land after the CTA ends
+    }
+#else
     if (live) {
 #if CPA
         int slot = 0;  // the stage holding local chunk j; chunk j + CPA - 1 goes to the one before it
@@ -175,6 +214,7 @@ w4_mma_gemm(const dt* __restrict__ x, int M, long long stride_x, const uint4* __
         }
 #endif
     }
+#endif  // XR
 
 #undef chunk_of
 #if PDL  // the loads are done: the next kernel (if launched as a dependent) may start its prologue

@@ -45,7 +45,8 @@ MAX_FUSED_M = 64
 #: dropped where it does not fit), SCALE_A (group scale in the operand instead of a second
 #: accumulator), MINB, LDW (weight loads bypass L1), CPA (0, or cp.async stages in shared
 #: memory: the weights and x of CPA - 1 chunks in flight per thread), KW (warps of a CTA that
-#: split its K range, summed in shared memory; WARPS / KW columns of warps along N);
+#: split its K range, summed in shared memory; WARPS / KW columns of warps along N), XR (with
+#: CPA: x through a CTA-wide ring of CPA chunk slots in shared memory, read half a chunk at a time);
 #: ``waves``: split K until about waves x SMs CTAs; GCC (chunks per group) is set per call.
 #: Tuned entries (choices table kind "w4_mma", ``bench_quant.py --tune-mma``,
 #: ``--tune-mma-wide``) override these; an M = 1 entry also serves M = 2..8 (the
@@ -276,7 +277,7 @@ def _gemm(x, words, scales, zeros, group_size, n, config, silu_and_mul, norm, ro
     cfg = fit_kw(cfg, k, group_size)
     cfg["ACT"] = int(silu_and_mul)  # the epilogue, not a tuning choice
     if norm is not None:  # the normalized rows live in shared memory, whole (x_bytes)
-        cfg["NORM"], cfg["XS"] = 1, 1
+        cfg["NORM"], cfg["XS"], cfg["XR"] = 1, 1, 0
     if rope:
         cfg["ROPE"] = 2 if rope[2] is not None else 1
     ctas_n, cps, splits = plan(m, n, k, group_size, cfg, _num_sms(x.device.index or 0))
@@ -285,12 +286,12 @@ def _gemm(x, words, scales, zeros, group_size, n, config, silu_and_mul, norm, ro
         if xs > _smem_limit(x.device):  # (callers ask norm_fits first)
             raise ValueError(f"w4 mma GEMM + RMSNorm: M {m} rows of K {k} need {xs} bytes of shared memory, more than "
                              f"the device's {_smem_limit(x.device)}")
-        cfg["CPA"] = 0  # the rows must stay: the stages go to registers (S) instead
+        cfg["CPA"] = 0  # the rows must stay: the stages go to registers (S) instead (XR is off with NORM)
     elif (xs or cfg.get("CPA")) and xs + stage_bytes(cfg) > _smem_limit(x.device):  # (query only when asked)
         cfg["XS"], xs = 0, 0  # the x slice does not fit beside the stages: each warp loads x itself
-    smem = max(xs + stage_bytes(cfg), reduce_bytes(cfg))
+    smem = max(xs + stage_bytes(cfg) + xr_bytes(cfg), reduce_bytes(cfg))
     if smem and smem > _smem_limit(x.device):
-        raise ValueError(f"w4 mma GEMM: config {cfg} needs {smem} bytes of shared memory for its CPA stages / KW sums, "
+        raise ValueError(f"w4 mma GEMM: config {cfg} needs {smem} bytes of shared memory for its CPA stages / x ring / KW sums, "
                          f"more than the device's {_smem_limit(x.device)}")
     out = torch.empty((m, n // 2 if silu_and_mul else n), dtype=x.dtype, device=x.device)
     ws = cnt = out
@@ -316,7 +317,7 @@ def x_bytes(cfg: dict, m: int, k: int, cps: int, esize: int) -> int:
 
 
 #: Launch-config keys: the kernel's compile-time constants (GCC is set per call) and the split rule.
-CONFIG_KEYS = ("NB", "TW", "WARPS", "S", "XS", "SCALE_A", "MINB", "LDW", "CPA", "KW", "waves", "split_k")
+CONFIG_KEYS = ("NB", "TW", "WARPS", "S", "XS", "SCALE_A", "MINB", "LDW", "CPA", "KW", "XR", "waves", "split_k")
 
 
 def check_config_keys(cfg: dict) -> None:
@@ -337,26 +338,41 @@ def check_config_keys(cfg: dict) -> None:
 def check_config(cfg: dict, m: int) -> None:
     """Raise ValueError unless the full config ``cfg`` launches and its tiles cover M tokens:
     M <= 8 * NB <= MAX_FUSED_M, TW in 1/2/4, 1 <= WARPS <= 32 (1024 threads), S >= 1, XS /
-    SCALE_A / LDW 0 or 1, MINB >= 1, CPA 0 or 2..8, KW >= 1 dividing WARPS, split_k >= 0 (0 /
-    None: by ``waves``)."""
+    SCALE_A / LDW / XR 0 or 1, MINB >= 1, CPA 0 or 2..8, KW >= 1 dividing WARPS, split_k >= 0 (0 /
+    None: by ``waves``); XR needs CPA and excludes XS."""
     check_config_keys(cfg)
-    flags = all(int(cfg.get(key, 0)) in (0, 1) for key in ("XS", "SCALE_A", "LDW"))
+    flags = all(int(cfg.get(key, 0)) in (0, 1) for key in ("XS", "SCALE_A", "LDW", "XR"))
+    if cfg.get("XR") and (not cfg.get("CPA") or cfg.get("XS")):
+        raise ValueError(f"w4 mma GEMM: config {cfg}: XR (the x ring) needs CPA >= 2 (its stages) and XS 0")
     if not (m <= 8 * cfg["NB"] <= MAX_FUSED_M and cfg["TW"] in (1, 2, 4) and 1 <= cfg["WARPS"] <= 32
             and cfg["S"] >= 1 and flags and cfg.get("MINB", 1) >= 1 and cfg.get("CPA", 0) in (0, *range(2, 9))
             and cfg.get("KW", 1) >= 1 and cfg["WARPS"] % cfg.get("KW", 1) == 0
             and (cfg.get("split_k") or 0) >= 0 and cfg.get("waves", 1) > 0):
         raise ValueError(f"w4 mma GEMM: config {cfg} does not cover M {m} or cannot launch (needs M <= 8 * NB <= "
                          f"{MAX_FUSED_M}, TW in 1/2/4, 1 <= WARPS <= 32, S >= 1, XS / SCALE_A / LDW 0 or 1, "
-                         "MINB >= 1, CPA 0 or 2..8, KW >= 1 dividing WARPS, split_k >= 0, waves > 0)")
+                         "MINB >= 1, CPA 0 or 2..8, KW >= 1 dividing WARPS, split_k >= 0, waves > 0, XR 0 or 1)")
 
 
 def stage_bytes(cfg: dict) -> int:
     """Shared memory of the cp.async stages (``CPA``; 0 without): per stage and thread, 16-byte
-    units for TW weight vectors, 2 * NB x runs (unless XS), the scales and the zeros."""
+    units for TW weight vectors, 2 * NB x runs (unless XS or XR), the scales and the zeros."""
     if not cfg.get("CPA"):
         return 0
-    units = cfg["TW"] + (0 if cfg["XS"] else 2 * cfg["NB"]) + (cfg["TW"] + 1) // 2 + 1
+    units = cfg["TW"] + (0 if cfg["XS"] or cfg.get("XR") else 2 * cfg["NB"]) + (cfg["TW"] + 1) // 2 + 1
     return cfg["CPA"] * units * 32 * cfg["WARPS"] * 16
+
+
+#: Bytes between two x rows in the XR ring: 64 elements + 16, so the lanes of a quarter warp
+#: read 16-byte runs from distinct banks (``XR_PITCH`` in w4_mma_stages.cuh).
+XR_PITCH = 144
+
+
+def xr_bytes(cfg: dict) -> int:
+    """Shared memory of the XR ring (after the stages): CPA slots x KW shares x 8 * NB rows of
+    one 64-wide chunk (0 without XR)."""
+    if not cfg.get("XR"):
+        return 0
+    return cfg["CPA"] * cfg.get("KW", 1) * cfg["NB"] * 8 * XR_PITCH
 
 
 def reduce_bytes(cfg: dict) -> int:

@@ -52,6 +52,13 @@ __device__ __forceinline__ void mma(float* c, const unsigned* a, unsigned b0, un
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+__device__ __forceinline__ unsigned smem_u32(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ uint4 lds128(unsigned a) {
+    uint4 v;
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(a));
+    return v;
+}
+
 __device__ __forceinline__ unsigned word_of(const uint4& v, int i) {
     return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }
@@ -59,6 +66,10 @@ __device__ __forceinline__ unsigned word_of(const uint4& v, int i) {
 #ifndef XS
 #define XS 0
 #endif
+#ifndef XR
+#define XR 0
+#endif
+#define XIN (XS || XR)  // x does not travel in a warp's own loads / stages: a CTA copy holds it
 #ifndef S
 #define S 2
 #endif
@@ -113,7 +124,7 @@ __device__ __forceinline__ void load_stage(Stage& st, const uint4* wp, const dt*
                                            const dt* zp, size_t rec0, size_t rec_step, int c, int GC) {
 #pragma unroll
     for (int a = 0; a < TW; ++a) st.w[a] = ld_weights(wp + (size_t)c * 128 + a * 32);
-#if !XS
+#if !XIN
 #pragma unroll
     for (int b = 0; b < NB; ++b) {
         const uint4* p = reinterpret_cast<const uint4*>(xp[b] + (size_t)c * 64);

@@ -13,9 +13,30 @@ struct Acc {
 #endif
 };
 
+// Register j of the A fragment of MMA i (tile a): q - z from word i's nibbles (exact), times the
+// group scale with SCALE_A (rounded once).
+__device__ __forceinline__ void dequant_frag(unsigned* fr, const Acc& A, unsigned w, int a) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {  // register j: row n0 (j even) or n1 (j odd)
+        fr[j] = fma2(pair_bits(w, j), ONE2, A.zb[a][j & 1]);
+#if SCALE_A
+        fr[j] = fma2(fr[j], A.sa[a][j & 1], NEG_ZERO2);
+#endif
+    }
+}
+
+#ifndef XR
+#define XR 0
+#endif
+// XR: x rows of one chunk in the CTA's ring, 64 elements + 16 bytes apart, so the 16-byte reads
+// of lanes (g, t) and (g + 1, t) fall in different banks (a quarter warp reads 128 distinct bytes)
+#define XR_PITCH 144
+#define XR_SLOT (NB * 8 * XR_PITCH)  // one chunk for 8 * NB token rows (rows >= M are never written)
+
 // One 64-wide K chunk: dequantize the lane's weight words into A fragments, TW * 4 * NB MMAs.
-// gstart / gend: the chunk opens / closes a scale group.
-__device__ __forceinline__ void compute_chunk(Acc& A, const Stage& cur, bool gstart, bool gend) {
+// gstart / gend: the chunk opens / closes a scale group. XR: ``xsm`` is the shared address of
+// this lane's x (row g, column 16t) in the chunk's ring slot.
+__device__ __forceinline__ void compute_chunk(Acc& A, const Stage& cur, bool gstart, bool gend, unsigned xsm = 0) {
     if (gstart) {  // a group starts: its zeros / scales, a fresh product
 #pragma unroll
         for (int a = 0; a < TW; ++a)
@@ -32,19 +53,36 @@ __device__ __forceinline__ void compute_chunk(Acc& A, const Stage& cur, bool gst
         FOR_FRAGS A.tmp[a][b][f] = 0.f;
 #endif
     }
+#if XR  // x from the ring, half a chunk (MMAs 2h, 2h + 1) at a time: 4 * NB registers live, not 8 * NB
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        uint4 xh[NB];
+#pragma unroll
+        for (int b = 0; b < NB; ++b) xh[b] = lds128(xsm + b * 8 * XR_PITCH + 16 * h);
+#pragma unroll
+        for (int i = 2 * h; i < 2 * h + 2; ++i)
+#pragma unroll
+            for (int a = 0; a < TW; ++a) {
+                unsigned fr[4];
+                dequant_frag(fr, A, word_of(cur.w[a], i), a);
+#pragma unroll
+                for (int b = 0; b < NB; ++b) {
+                    const unsigned b0 = (i & 1) ? xh[b].z : xh[b].x, b1 = (i & 1) ? xh[b].w : xh[b].y;
+#if SCALE_A
+                    mma(A.acc[a][b], fr, b0, b1);
+#else
+                    mma(A.tmp[a][b], fr, b0, b1);
+#endif
+                }
+            }
+    }
+#else
 #pragma unroll
     for (int a = 0; a < TW; ++a)
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-            const unsigned w = word_of(cur.w[a], i);
             unsigned fr[4];
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {  // register j: row n0 (j even) or n1 (j odd)
-                fr[j] = fma2(pair_bits(w, j), ONE2, A.zb[a][j & 1]);
-#if SCALE_A
-                fr[j] = fma2(fr[j], A.sa[a][j & 1], NEG_ZERO2);
-#endif
-            }
+            dequant_frag(fr, A, word_of(cur.w[a], i), a);
 #pragma unroll
             for (int b = 0; b < NB; ++b) {
                 const uint4& xa = cur.x[b][i >> 1];  // MMA i: x registers 2i, 2i + 1
@@ -56,6 +94,7 @@ __device__ __forceinline__ void compute_chunk(Acc& A, const Stage& cur, bool gst
 #endif
             }
         }
+#endif
 #if !SCALE_A
     if (gend) {  // the group ends: scale its product in
         FOR_FRAGS A.acc[a][b][f] += A.sf[a][f >> 1] * A.tmp[a][b][f];
@@ -85,7 +124,7 @@ __device__ __forceinline__ void x_from_smem(Stage& cur, const dt* const* xp, int
 // barrier. Units: TW weight vectors, 2 * NB x runs (unless XS), the scales (8 * TW bytes),
 // the zeros (4 * TW bytes).
 #define U_X TW
-#define U_S (U_X + (XS ? 0 : 2 * NB))
+#define U_S (U_X + (XIN ? 0 : 2 * NB))
 #define U_Z (U_S + (TW + 1) / 2)
 #define UNITS (U_Z + 1)
 #if CPA < 2
@@ -96,7 +135,6 @@ __device__ __forceinline__ void x_from_smem(Stage& cur, const dt* const* xp, int
 #define STAGE_BYTES 0
 #endif
 
-__device__ __forceinline__ unsigned smem_u32(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
 template <int BYTES>  // .ca: x and the group records are re-read by the CTA's other warps
 __device__ __forceinline__ void cp_async_ca(unsigned dst, const void* src) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" ::"r"(dst), "l"(src), "n"(BYTES) : "memory");
@@ -118,7 +156,7 @@ __device__ __forceinline__ void issue_stage(unsigned st, const uint4* wp, const 
                                             const dt* zp, size_t rec0, size_t rec_step, int c, int GC) {
 #pragma unroll
     for (int a = 0; a < TW; ++a) cp_async_weights(st + a * NT * 16, wp + (size_t)c * 128 + a * 32);
-#if !XS
+#if !XIN
 #pragma unroll
     for (int b = 0; b < NB; ++b) {
         cp_async_ca<16>(st + (U_X + 2 * b) * NT * 16, xp[b] + (size_t)c * 64);
@@ -137,17 +175,11 @@ __device__ __forceinline__ void issue_stage(unsigned st, const uint4* wp, const 
     }
 }
 
-__device__ __forceinline__ uint4 lds128(unsigned a) {
-    uint4 v;
-    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(a));
-    return v;
-}
-
 // The landed stage at `st` into registers (the group records only where a group starts).
 __device__ __forceinline__ void read_stage(Stage& cur, unsigned st, bool gstart) {
 #pragma unroll
     for (int a = 0; a < TW; ++a) cur.w[a] = lds128(st + a * NT * 16);
-#if !XS
+#if !XIN
 #pragma unroll
     for (int b = 0; b < NB; ++b) {
         cur.x[b][0] = lds128(st + (U_X + 2 * b) * NT * 16);
@@ -162,6 +194,38 @@ __device__ __forceinline__ void read_stage(Stage& cur, unsigned st, bool gstart)
         for (int i = 0; i < 2 * TW; ++i) cur.s[i] = __uint_as_float(word_of(s[i >> 2], i & 3));
 #pragma unroll
         for (int i = 0; i < 2 * TW; ++i) cur.z[i] = (dt)(word_of(z, i >> 1) >> (16 * (i & 1)));
+    }
+}
+#endif
+
+// The split's chunk that the warps of share kw take as their local chunk j (KW > 1: whole
+// groups kw, kw + KW, ... of the split), and how many local chunks they have.
+__device__ __forceinline__ int chunk_at(int j, int kw, int cbeg, int GC) {
+    return KW == 1 ? cbeg + j : cbeg + ((j / GC) * KW + kw) * GC + j % GC;
+}
+__device__ __forceinline__ int chunks_of(int kw, int ngrp, int GC) {
+    return kw < ngrp ? ((ngrp - 1 - kw) / KW + 1) * GC : 0;
+}
+
+#if XR
+#if !CPA || XS || NORM
+#error "XR streams x through a CTA ring in step with the CPA stages: it needs CPA >= 2, and not XS or NORM"
+#endif
+// XR (Marlin's shared activation tile, here a ring of CPA slots in step with the stages): the
+// CTA's threads copy local chunk j of x (rows 0..M-1, for each of the KW shares) into slot
+// ``slot`` with cp.async, 16-byte units spread over all threads. Each warp then reads every
+// x value once per chunk from shared memory instead of from L1 / L2 once per warp.
+__device__ __forceinline__ void issue_x(unsigned slot, const dt* x, int M, long long stride_x, int j, int cbeg,
+                                        int ngrp, int GC) {
+    const int per = M * 8;  // 16-byte units of one chunk of M rows
+    for (int u = threadIdx.x; u < KW * per; u += NT) {
+        const int k2 = KW == 1 ? 0 : u / per, rem = KW == 1 ? u : u - k2 * per;
+        if (j < chunks_of(k2, ngrp, GC)) {
+            const int r = rem >> 3, col = (rem & 7) * 8;
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(slot + (k2 * NB * 8 + r) * XR_PITCH + col * 2),
+                         "l"(x + (size_t)r * stride_x + (size_t)chunk_at(j, k2, cbeg, GC) * 64 + col)
+                         : "memory");
+        }
     }
 }
 #endif
