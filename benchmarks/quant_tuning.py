@@ -90,7 +90,8 @@ def mma_candidates(m: int) -> list[dict]:
 
 def _xr_candidates(m: int) -> list[dict]:
     """Configs with x through the CTA's ring (XR, session 14): wide warp tiles sharing one copy
-    of x, weights in cp.async stages; (TW, WARPS, KW, CPA, waves). TW 4 at 8 token blocks spills."""
+    of x, weights in cp.async stages; (TW, WARPS, KW, CPA, waves). TW 4 at 8 token blocks spills.
+    And the same ring read by warpgroup MMAs (WG)."""
     if m <= 16:
         grid = ((4, 4, 1, 4, 2), (4, 4, 4, 3, 1), (4, 8, 4, 4, 1), (2, 8, 8, 3, 1), (4, 4, 2, 4, 1))
     elif m <= 32:
@@ -98,8 +99,13 @@ def _xr_candidates(m: int) -> list[dict]:
     else:
         grid = ((2, 8, 1, 3, 1), (2, 8, 1, 4, 1), (2, 8, 1, 4, 2), (2, 4, 1, 4, 2), (2, 8, 2, 3, 1),
                 (2, 8, 4, 3, 1), (2, 4, 2, 4, 1), (1, 8, 1, 4, 2), (1, 8, 4, 4, 1))
+    # WG (warpgroup MMAs, sm_90a): one 64-row block per 4 warps; (WARPS, CPA, waves)
+    wg = ((4, 4, 2), (8, 4, 1), (8, 4, 2), (16, 4, 1), (4, 4, 4)) if m <= 32 else \
+        ((4, 4, 2), (8, 4, 1), (8, 4, 2), (16, 4, 1), (16, 3, 1), (8, 6, 1), (4, 4, 4))
     return [dict(TW=tw, WARPS=wa, KW=kw, S=1, XS=0, XR=1, CPA=cp, SCALE_A=True, LDW=1, MINB=1, waves=wv)
-            for tw, wa, kw, cp, wv in grid]
+            for tw, wa, kw, cp, wv in grid] + [
+        dict(TW=1, WARPS=wa, KW=1, S=1, XS=0, XR=1, WG=1, CPA=cp, SCALE_A=True, LDW=1, MINB=1, waves=wv)
+        for wa, cp, wv in wg]
 
 
 def wide_mma_candidates(m: int) -> list[dict]:

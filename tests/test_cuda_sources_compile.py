@@ -29,15 +29,16 @@ def nvrtc():
     return Nvrtc(path)
 
 
-def _compile(nvrtc, src: str, name: str, opts: tuple[str, ...], entries: tuple[str, ...]) -> None:
+def _compile(nvrtc, src: str, name: str, opts: tuple[str, ...], entries: tuple[str, ...], sm: str = "90") -> None:
     """PTX (every entry present) and an sm_90 cubin through ptxas, whose report must show no
     register spills: these kernels are written to keep their tiles in registers, and a spill
-    is a performance bug the GPU tests would not notice."""
-    for arch in (("-arch=compute_90",), ("-arch=sm_90", "--ptxas-options=-v")):
+    is a performance bug the GPU tests would not notice. ``sm`` "90a": the arch-specific
+    target (wgmma)."""
+    for arch in ((f"-arch=compute_{sm}",), (f"-arch=sm_{sm}", "--ptxas-options=-v")):
         ok, log, out = nvrtc.compile(src, name, opts + arch)
         assert ok, f"{name} {opts} {arch}:\n{log}"
         assert "warning" not in log.lower(), f"{name} {opts} {arch}:\n{log}"
-        if arch[0].endswith("compute_90"):
+        if arch[0].startswith("-arch=compute_"):
             ptx = out.decode(errors="replace")
             for e in entries:
                 assert re.search(rf"\.entry\s+{e}\b", ptx), f"{name}: no kernel {e} in the PTX"
@@ -85,7 +86,8 @@ def test_w4_mma_kernels_compile(nvrtc, dtype):
     configs = _w4_configs()
     assert len(configs) > 2, "the shipped choices table has no w4_mma configs"
     for cfg in configs:
-        _compile(nvrtc, SOURCE, "w4_mma.cu", nvrtc_options(dtype, cfg), ("w4_mma_gemm", "w4_mma_dequant"))
+        _compile(nvrtc, SOURCE, "w4_mma.cu", nvrtc_options(dtype, cfg), ("w4_mma_gemm", "w4_mma_dequant"),
+                 "90a" if cfg.get("WG") else "90")
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])

@@ -162,7 +162,10 @@ GPU_CONFIGS = [dict(split_k=1), dict(WARPS=1, TW=1, S=3, XS=1), dict(WARPS=2, TW
                dict(TW=4, WARPS=4, KW=2, SCALE_A=True, split_k=2),
                # x through the CTA's ring (XR), alone, with KW shares and split K
                dict(TW=2, WARPS=8, CPA=4, XR=1, SCALE_A=True), dict(TW=2, WARPS=4, KW=2, CPA=3, XR=1, split_k=2),
-               dict(TW=1, WARPS=8, CPA=2, XR=1, SCALE_A=False)]
+               dict(TW=1, WARPS=8, CPA=2, XR=1, SCALE_A=False),
+               # warpgroup MMAs (WG; sm_90a, elsewhere the same tiles on mma.sync), alone and with split K
+               dict(TW=1, WARPS=4, CPA=4, XR=1, WG=1, SCALE_A=True),
+               dict(TW=1, WARPS=8, CPA=3, XR=1, WG=1, SCALE_A=True, split_k=2)]
 
 
 @cuda

@@ -17,7 +17,7 @@ from test_quant_w4_mma import BOUND, _quant, gen  # noqa: F401  (gen: the fresh-
 # summed in a random arrival order. (K, N, group, M, config): odd N / 64, uneven last splits,
 # TW 1/2 with tile0 != 0, XS, S up to 4, SCALE_A, per-channel groups, the dequantize path, and
 # cp.async stages (CPA 2-8: more stages than a split has chunks, with and without XS), K
-# split by a CTA's warps (KW, with idle warps, beside split K), and the XR x ring.
+# split by a CTA's warps (KW, with idle warps, beside split K), the XR x ring and WG's wgmma.
 EMULATED = [
     (512, 192, 64, 3, None),
     (512, 320, 128, 17, None),
@@ -46,6 +46,10 @@ EMULATED = [
     (1152, 448, 384, 17, dict(NB=4, TW=1, WARPS=4, KW=2, CPA=4, XR=1, SCALE_A=False)),
     (512, 128, 64, 9, dict(NB=2, TW=4, WARPS=2, CPA=8, XR=1, split_k=2)),
     (512, 192, 64, 1, dict(NB=1, TW=2, WARPS=4, KW=4, CPA=3, XR=1)),
+    # WG: warpgroup MMAs reading x from the ring by descriptor (a dead warpgroup, split K)
+    (768, 320, 256, 64, dict(NB=8, TW=1, WARPS=4, CPA=3, XR=1, WG=1, SCALE_A=True)),
+    (640, 192, 128, 13, dict(NB=2, TW=1, WARPS=8, CPA=2, XR=1, WG=1, SCALE_A=True, split_k=3)),
+    (512, 128, 64, 5, dict(NB=1, TW=1, WARPS=4, CPA=8, XR=1, WG=1, SCALE_A=True, split_k=2)),
 ]
 
 

@@ -15,7 +15,8 @@ import numpy as np
 import torch
 
 from kvforge_plugins.quant.kernels import w4_mma, w4_mma_jit
-from w4_mma_emulate_io import bits_to_f, fill_norm_emu, rnd, store_rope, xr_ring_emu  # noqa: F401  (re-exported)
+from w4_mma_emulate_io import (bits_to_f, fill_norm_emu, rnd, store_rope, wg_lane_x, wg_ring_emu,  # noqa: F401
+                               xr_ring_emu)
 
 BIAS = {torch.bfloat16: 128.0, torch.float16: 1024.0}
 
@@ -58,6 +59,8 @@ def gemm_emu(cfg, dtype, x_bits, M, stride_x, wq, sc, zp, N, KC, gc_rt, cps, spl
     CPA = int(cfg.get("CPA", 0))
     XR = int(cfg.get("XR", 0))  # x through the CTA's ring of CPA chunk slots
     assert not XR or (CPA and not XS and not NORM), "XR needs CPA, and not XS or NORM"
+    WG = int(cfg.get("WG", 0))  # warpgroup MMAs: x from the ring by descriptor
+    assert not WG or (XR and TW == 1 and int(cfg.get("KW", 1)) == 1 and WARPS % 4 == 0 and SA and NB in (1, 2, 4, 8))
     ACT = int(cfg.get("ACT", 0))  # the SwiGLU epilogue: finished rows are kept unrounded, activated at the end
     assert not (ROPE and ACT) and (not ROPE or (rope[0] % 16 == 0 and rope[0] <= N))
     KW = int(cfg.get("KW", 1))
@@ -111,7 +114,9 @@ def gemm_emu(cfg, dtype, x_bits, M, stride_x, wq, sc, zp, N, KC, gc_rt, cps, spl
                 XSM = Flat(smem, "xs", 2)
             accs = {}
             ngrp = (cend - cbeg) // GC
-            if XR:
+            if WG:
+                xr_slots = wg_ring_emu(X, M, stride_x, cbeg, ngrp * GC, NB, CPA, 32 * WARPS, w4_mma.xr_bytes(cfg))
+            elif XR:
                 xr_slots = xr_ring_emu(X, M, stride_x, cbeg, ngrp, GC, KW, NB, CPA, 32 * WARPS, w4_mma.xr_bytes(cfg),
                                        w4_mma.XR_PITCH)
             for warp in range(WARPS):
@@ -179,7 +184,9 @@ def gemm_emu(cfg, dtype, x_bits, M, stride_x, wq, sc, zp, N, KC, gc_rt, cps, spl
                     seen.append(c)
                     if XS:
                         cur["x"] = [XSM.get(xp[b] + c * 64, 16, align=16) for b in range(NB)]
-                    if XR:  # rows 8b + g of this share's part of the slot (no clamp to M - 1)
+                    if WG:
+                        cur["x"] = wg_lane_x(xr_slots[jl], NB, g, t)
+                    elif XR:  # rows 8b + g of this share's part of the slot (no clamp to M - 1)
                         pitch = w4_mma.XR_PITCH // 2
                         xr = Flat(xr_slots[jl], "x ring", 2)
                         cur["x"] = [xr.get((kw * NB * 8 + 8 * b + g) * pitch + 16 * t, 16, align=16) for b in range(NB)]
@@ -352,4 +359,5 @@ def install(monkeypatch, num_sms: int = 132, smem_limit: int = 227 * 1024) -> Fa
     monkeypatch.setattr(w4_mma, "_num_sms", lambda index: num_sms)
     monkeypatch.setattr(w4_mma, "_smem_limit", lambda device: smem_limit)
     monkeypatch.setattr(w4_mma, "lookup", lambda *a, **k: None)
+    monkeypatch.setattr(w4_mma, "wgmma_capable", lambda device: True)  # WG configs run (emulated) as on an H200
     return fk

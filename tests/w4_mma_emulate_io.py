@@ -57,6 +57,63 @@ def xr_ring_emu(X, M, stride_x, cbeg, ngrp, GC, KW, NB, CPA, nt, ring_bytes, pit
     return slots
 
 
+WG_SBO = 1024  # w4_wgmma.cuh: 8 token rows of 128 bytes
+
+
+def swizzle128(addr):
+    """The 128-byte swizzle of a shared byte address: bits 4-6 XOR bits 7-9."""
+    return addr ^ (((addr >> 7) & 7) << 4)
+
+
+def wg_ring_emu(X, M, stride_x, cbeg, nloc, NB, CPA, nt, ring_bytes):
+    """WG's ring for one CTA (KW 1): ``issue_x_wg`` thread by thread (4-byte pairs to their
+    swizzled places), in the same chunk order as :func:`xr_ring_emu`; returns the slot each
+    local chunk j is read from (uint16 bits [NB * 512]; rows past M stay NaN). Slot 0 starts at
+    the ring's first byte (the kernel aligns it to 1024 inside the host's 1 KB of slack, which
+    the emulation checks it does not need more than). Each pair is checked written once."""
+    slot_el = NB * 512
+    assert CPA * slot_el * 2 + 1024 <= ring_bytes, "WG ring: the host's bytes miss the alignment slack"
+    ring = np.full(ring_bytes // 2, 0x7FFF, dtype=np.uint16)
+
+    def issue(slot, j):
+        seen = set()
+        for tid in range(nt):
+            for u in range(tid, M * 32, nt):
+                row, p = u >> 5, u & 31
+                t, i, s = p >> 3, (p >> 1) & 3, p & 1
+                at = slot * slot_el + (row * 128 + (((2 * i + s) ^ (row & 7)) << 4) + t * 4) // 2
+                assert 0 <= at and at + 2 <= CPA * slot_el and at not in seen, "WG ring: copy out of bounds or twice"
+                seen.add(at)
+                ring[at:at + 2] = X.get(row * stride_x + (cbeg + j) * 64 + 2 * p, 2, align=4)
+    for s in range(CPA - 1):
+        if s < nloc:
+            issue(s, s)
+    slots = []
+    for j in range(nloc):
+        if j + CPA - 1 < nloc:
+            issue((j + CPA - 1) % CPA, j + CPA - 1)
+        slots.append(ring[(j % CPA) * slot_el:(j % CPA + 1) * slot_el].copy())
+    return slots
+
+
+def wg_lane_x(slot, NB, g, t):
+    """What the warpgroup MMAs multiply a lane's A fragments with, in the mma path's terms: per
+    token block b, [32 lanes, 16] with entry 4i + 2s + h = B_i(k = 8s + 2t + h, n = 8b + g), B_i
+    read as the descriptor of K step i says: start 32 * i bytes into the (1024-aligned) slot,
+    element (k, n) at start + (n // 8) * SBO + (n % 8) * 128 + 2k, then the 128-byte swizzle."""
+    out = []
+    for b in range(NB):
+        v = np.zeros((32, 16), dtype=np.uint16)
+        for i in range(4):
+            for s in range(2):
+                for h in range(2):
+                    k, n = 8 * s + 2 * t + h, 8 * b + g
+                    byte = swizzle128(32 * i + (n // 8) * WG_SBO + (n % 8) * 128 + 2 * k)
+                    v[:, 4 * i + 2 * s + h] = slot[byte // 2]
+        out.append(v)
+    return out
+
+
 NORM_BATCH = 2  # w4_mma_io.cuh
 
 

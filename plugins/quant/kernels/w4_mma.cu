@@ -20,6 +20,7 @@
 // XR (1, with CPA: x goes through a CTA-wide ring of CPA chunk slots in shared memory, one CTA
 // barrier per chunk, and each warp reads it half a chunk at a time, so many token blocks (M = 64)
 // cost neither 8 * NB registers per lane nor a per-warp copy of x from L1: Marlin's shared A tile),
+// WG (1, with XR, sm_90a: warpgroup MMAs with x read from the ring by descriptor, w4_wgmma.cuh),
 // ACT (1: the SwiGLU epilogue of store_out, output N / 2 wide), PDL (1: launched as a
 // programmatic dependent: weight prefetch, then griddepcontrol.wait; sm_90+), PDLP (chunks
 // per warp PDL prefetches into L2; -1: all), KW (warps of a CTA splitting its K range: warp kw takes the split's groups kw, kw + KW, ...;
@@ -43,7 +44,7 @@
 // the last CTA of a column block to arrive (an arrival counter it resets) sums them in split
 // order (deterministic) and writes y.
 //
-// Source: w4_mma_ops.cuh (helpers), w4_mma_stages.cuh (one chunk; cp.async stages),
+// Source: w4_mma_ops.cuh (helpers), w4_mma_stages.cuh (one chunk; cp.async stages), w4_wgmma.cuh (WG),
 // w4_mma_io.cuh (x in: the shared copy, the RMSNorm prologue; y out: the SwiGLU / RoPE
 // epilogues), then this file, joined by w4_mma_jit.SOURCE (one NVRTC translation unit).
 
@@ -55,6 +56,11 @@
 #endif
 #ifndef PDLP
 #define PDLP -1
+#endif
+#if WG
+#define RING_SLOT WG_SLOT  // one chunk of the XR ring (w4_wgmma.cuh's core-matrix layout)
+#else
+#define RING_SLOT (KW * XR_SLOT)
 #endif
 
 extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB)
@@ -143,26 +149,43 @@ w4_mma_gemm(const dt* __restrict__ x, int M, long long stride_x, const uint4* __
 #if XR  // x through the CTA's ring, weights through each thread's stages, one commit group per chunk
     {
         // the ring follows the stages; this lane's x (row g, column 16t) of share kw in slot 0
+#if WG  // the swizzle is anchored on address bits 7-9: 1024-byte aligned slots (the host adds 1 KB)
+        const unsigned xring = (smem_u32(smem_raw) + STAGE_BYTES + 1023) & ~1023u;
+#else
         const unsigned xring = smem_u32(smem_raw) + STAGE_BYTES;
+#endif
+#if !WG
         const unsigned xlane = xring + (kw * NB * 8 + g) * XR_PITCH + 32 * t;
+#endif
         // kw 0 has the most chunks: every warp runs its count, so all reach each barrier
         const int nmax = chunks_of(0, ngrp, GC);
 #pragma unroll
         for (int s = 0; s < CPA - 1; ++s) {  // prologue: chunks 0 .. CPA - 2 in flight
             if (s < nmax) {
                 if (live && s < nloc) issue_stage(ring + s * UNITS * NT * 16, wp, xp, sc, zp, rec0, rec_step, chunk_of(s), GC);
-                issue_x(xring + s * KW * XR_SLOT, x, M, stride_x, s, cbeg, ngrp, GC);
+#if WG
+                issue_x_wg(xring + s * RING_SLOT, x, M, stride_x, cbeg + s);
+#else
+                issue_x(xring + s * RING_SLOT, x, M, stride_x, s, cbeg, ngrp, GC);
+#endif
             }
             cp_async_commit();
         }
         for (int j = 0; j < nmax; ++j) {
             cp_async_wait<CPA - 2>();  // this thread's copies of chunk j have landed ...
+#if WG  // ... and are visible to the tensor cores' (async proxy) reads of the ring
+            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#endif
             __syncthreads();           // ... and every thread's; every warp is done with chunk j - 1
             const int nxt = j + CPA - 1, nslot = nxt % CPA;  // (the slot chunk j - 1 used)
             if (nxt < nmax) {
                 if (live && nxt < nloc)
                     issue_stage(ring + nslot * UNITS * NT * 16, wp, xp, sc, zp, rec0, rec_step, chunk_of(nxt), GC);
-                issue_x(xring + nslot * KW * XR_SLOT, x, M, stride_x, nxt, cbeg, ngrp, GC);
+#if WG
+                issue_x_wg(xring + nslot * RING_SLOT, x, M, stride_x, cbeg + nxt);
+#else
+                issue_x(xring + nslot * RING_SLOT, x, M, stride_x, nxt, cbeg, ngrp, GC);
+#endif
             }
             cp_async_commit();
             if (live && j < nloc) {
@@ -170,7 +193,11 @@ w4_mma_gemm(const dt* __restrict__ x, int M, long long stride_x, const uint4* __
                 const bool gstart = j % GC == 0;
                 Stage cur;
                 read_stage(cur, ring + slot * UNITS * NT * 16, gstart);
-                compute_chunk(A, cur, gstart, j % GC == GC - 1, xlane + slot * KW * XR_SLOT);
+#if WG
+                compute_chunk_wg(A, cur, gstart, xring + slot * RING_SLOT);
+#else
+                compute_chunk(A, cur, gstart, j % GC == GC - 1, xlane + slot * RING_SLOT);
+#endif
             }
         }
         cp_async_wait<0>();  // no copy may land after the CTA ends

@@ -46,7 +46,9 @@ MAX_FUSED_M = 64
 #: accumulator), MINB, LDW (weight loads bypass L1), CPA (0, or cp.async stages in shared
 #: memory: the weights and x of CPA - 1 chunks in flight per thread), KW (warps of a CTA that
 #: split its K range, summed in shared memory; WARPS / KW columns of warps along N), XR (with
-#: CPA: x through a CTA-wide ring of CPA chunk slots in shared memory, read half a chunk at a time);
+#: CPA: x through a CTA-wide ring of CPA chunk slots in shared memory, read half a chunk at a time),
+#: WG (with XR, TW 1, KW 1, WARPS a multiple of 4: Hopper warpgroup MMAs reading x from the ring;
+#: on another GPU the same tiles run on mma.sync);
 #: ``waves``: split K until about waves x SMs CTAs; GCC (chunks per group) is set per call.
 #: Tuned entries (choices table kind "w4_mma", ``bench_quant.py --tune-mma``,
 #: ``--tune-mma-wide``) override these; an M = 1 entry also serves M = 2..8 (the
@@ -277,9 +279,11 @@ def _gemm(x, words, scales, zeros, group_size, n, config, silu_and_mul, norm, ro
     cfg = fit_kw(cfg, k, group_size)
     cfg["ACT"] = int(silu_and_mul)  # the epilogue, not a tuning choice
     if norm is not None:  # the normalized rows live in shared memory, whole (x_bytes)
-        cfg["NORM"], cfg["XS"], cfg["XR"] = 1, 1, 0
+        cfg["NORM"], cfg["XS"], cfg["XR"], cfg["WG"] = 1, 1, 0, 0
     if rope:
         cfg["ROPE"] = 2 if rope[2] is not None else 1
+    if cfg.get("WG") and not wgmma_capable(x.device):
+        cfg["WG"] = 0  # wgmma is sm_90a only: elsewhere the same tiles run on mma.sync
     ctas_n, cps, splits = plan(m, n, k, group_size, cfg, _num_sms(x.device.index or 0))
     xs = x_bytes(cfg, m, k, cps, x.element_size())
     if norm is not None and xs + stage_bytes(cfg) > _smem_limit(x.device):
@@ -317,7 +321,7 @@ def x_bytes(cfg: dict, m: int, k: int, cps: int, esize: int) -> int:
 
 
 #: Launch-config keys: the kernel's compile-time constants (GCC is set per call) and the split rule.
-CONFIG_KEYS = ("NB", "TW", "WARPS", "S", "XS", "SCALE_A", "MINB", "LDW", "CPA", "KW", "XR", "waves", "split_k")
+CONFIG_KEYS = ("NB", "TW", "WARPS", "S", "XS", "SCALE_A", "MINB", "LDW", "CPA", "KW", "XR", "WG", "waves", "split_k")
 
 
 def check_config_keys(cfg: dict) -> None:
@@ -339,11 +343,16 @@ def check_config(cfg: dict, m: int) -> None:
     """Raise ValueError unless the full config ``cfg`` launches and its tiles cover M tokens:
     M <= 8 * NB <= MAX_FUSED_M, TW in 1/2/4, 1 <= WARPS <= 32 (1024 threads), S >= 1, XS /
     SCALE_A / LDW / XR 0 or 1, MINB >= 1, CPA 0 or 2..8, KW >= 1 dividing WARPS, split_k >= 0 (0 /
-    None: by ``waves``); XR needs CPA and excludes XS."""
+    None: by ``waves``); XR needs CPA and excludes XS; WG needs XR, TW 1, KW 1, WARPS a multiple
+    of 4, SCALE_A and NB in 1, 2, 4, 8 (wgmma's N = 8 * NB)."""
     check_config_keys(cfg)
-    flags = all(int(cfg.get(key, 0)) in (0, 1) for key in ("XS", "SCALE_A", "LDW", "XR"))
+    flags = all(int(cfg.get(key, 0)) in (0, 1) for key in ("XS", "SCALE_A", "LDW", "XR", "WG"))
     if cfg.get("XR") and (not cfg.get("CPA") or cfg.get("XS")):
         raise ValueError(f"w4 mma GEMM: config {cfg}: XR (the x ring) needs CPA >= 2 (its stages) and XS 0")
+    if cfg.get("WG") and not (cfg.get("XR") and cfg["TW"] == 1 and cfg.get("KW", 1) == 1 and cfg["WARPS"] % 4 == 0
+                              and cfg.get("SCALE_A") and cfg["NB"] in (1, 2, 4, 8)):
+        raise ValueError(f"w4 mma GEMM: config {cfg}: WG (warpgroup MMAs) needs XR, TW 1, KW 1, WARPS a multiple "
+                         "of 4, SCALE_A and NB in 1, 2, 4, 8")
     if not (m <= 8 * cfg["NB"] <= MAX_FUSED_M and cfg["TW"] in (1, 2, 4) and 1 <= cfg["WARPS"] <= 32
             and cfg["S"] >= 1 and flags and cfg.get("MINB", 1) >= 1 and cfg.get("CPA", 0) in (0, *range(2, 9))
             and cfg.get("KW", 1) >= 1 and cfg["WARPS"] % cfg.get("KW", 1) == 0
@@ -369,9 +378,12 @@ XR_PITCH = 144
 
 def xr_bytes(cfg: dict) -> int:
     """Shared memory of the XR ring (after the stages): CPA slots x KW shares x 8 * NB rows of
-    one 64-wide chunk (0 without XR)."""
+    one 64-wide chunk; with WG, CPA slots of 8 * NB rows x 128 bytes, 1024-byte aligned (1 KB
+    of slack) for the 128-byte swizzle (0 without XR)."""
     if not cfg.get("XR"):
         return 0
+    if cfg.get("WG"):
+        return cfg["CPA"] * cfg["NB"] * 1024 + 1024
     return cfg["CPA"] * cfg.get("KW", 1) * cfg["NB"] * 8 * XR_PITCH
 
 
@@ -380,6 +392,11 @@ def reduce_bytes(cfg: dict) -> int:
     (KW - 1) * (WARPS / KW) warps x TW * NB * 4 fragments x 32 lanes x 4 bytes (0 for KW 1)."""
     kw = cfg.get("KW", 1)
     return (kw - 1) * (cfg["WARPS"] // kw) * cfg["TW"] * cfg["NB"] * 4 * 32 * 4
+
+
+def wgmma_capable(device: torch.device) -> bool:
+    """Whether ``device`` runs sm_90a code (WG's warpgroup MMAs): compute capability 9.0."""
+    return torch.cuda.get_device_capability(device) == (9, 0)
 
 
 def _smem_limit(device: torch.device) -> int:

@@ -6,6 +6,9 @@ are ordered with torch work and captured by CUDA graphs.
 """
 from __future__ import annotations
 
+import hashlib
+import os
+import tempfile
 import threading
 from pathlib import Path
 
@@ -19,9 +22,9 @@ from kvforge.layers.cupy_launch import ptr as _ptr
 #: The kernels' CUDA C++: helpers, one chunk's stages, x in / y out, the kernels, as one NVRTC translation
 #: unit (joined here rather than #included, so CuPy's on-disk cache key covers every part).
 SOURCE = "\n".join(Path(__file__).with_name(f).read_text()
-                   for f in ("w4_mma_ops.cuh", "w4_mma_stages.cuh", "w4_mma_io.cuh", "w4_mma.cu"))
+                   for f in ("w4_mma_ops.cuh", "w4_mma_stages.cuh", "w4_wgmma.cuh", "w4_mma_io.cuh", "w4_mma.cu"))
 _LOCK = threading.Lock()
-_DEFINES = (("NB", 1), ("TW", 4), ("WARPS", 4), ("S", 2), ("XS", 0), ("SCALE_A", 0), ("MINB", 1), ("LDW", 0), ("GCC", 0), ("CPA", 0), ("KW", 1), ("ACT", 0), ("PDL", 0), ("PDLP", -1), ("NORM", 0), ("ROPE", 0), ("XR", 0))
+_DEFINES = (("NB", 1), ("TW", 4), ("WARPS", 4), ("S", 2), ("XS", 0), ("SCALE_A", 0), ("MINB", 1), ("LDW", 0), ("GCC", 0), ("CPA", 0), ("KW", 1), ("ACT", 0), ("PDL", 0), ("PDLP", -1), ("NORM", 0), ("ROPE", 0), ("XR", 0), ("WG", 0))
 
 
 def nvrtc_options(dtype: torch.dtype, cfg: "dict | None" = None) -> tuple[str, ...]:
@@ -51,7 +54,9 @@ class W4MmaKernels:
                 opts = nvrtc_options(dtype, cfg)
                 try:
                     with self.cupy.cuda.Device(index):  # a module is loaded into one device's context
-                        fn = self.cupy.RawModule(code=SOURCE, options=opts).get_function(name)
+                        mod = (self._module_sm90a(opts) if cfg.get("WG")
+                               else self.cupy.RawModule(code=SOURCE, options=opts))
+                        fn = mod.get_function(name)
                         # allow the shared-memory x slice past the 48 KB default (XS); the
                         # kernel's static shared memory (NORM's sums, the split-K flag) comes first
                         optin = torch.cuda.get_device_properties(index).shared_memory_per_block_optin
@@ -60,6 +65,29 @@ class W4MmaKernels:
                     raise RuntimeError(f"w4_mma: NVRTC compile failed for {key}: {e}") from e
                 self._mods[key] = fn
         return fn
+
+    def _module_sm90a(self, opts: tuple[str, ...]):
+        """The module built for sm_90a (wgmma is not in plain sm_90, and CuPy's RawModule always
+        appends the device's own -arch): NVRTC to a cubin, cached on disk by the source and
+        options' hash, loaded as a RawModule from that file."""
+        from cupy_backends.cuda.libs import nvrtc
+        opts = (*opts, "-arch=sm_90a")
+        digest = hashlib.sha256("\0".join((SOURCE, *opts)).encode()).hexdigest()[:24]
+        path = Path(tempfile.gettempdir()) / f"kvforge_w4_mma_{digest}.cubin"
+        if not path.exists():
+            prog = nvrtc.createProgram(SOURCE, "w4_mma.cu", (), ())
+            try:
+                try:
+                    nvrtc.compileProgram(prog, opts)
+                except nvrtc.NVRTCError as e:
+                    raise RuntimeError(nvrtc.getProgramLog(prog)) from e
+                cubin = nvrtc.getCUBIN(prog)
+            finally:
+                nvrtc.destroyProgram(prog)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")  # (another process may write the same file)
+            tmp.write_bytes(cubin)
+            os.replace(tmp, path)
+        return self.cupy.RawModule(path=str(path))
 
     def gemm(self, x, words, scales, zeros, out, ws, cnt, *, n: int, group_chunks: int, chunks_per_split: int,
              splits: int, cfg: dict, smem: int = 0, norm: "tuple | None" = None,
