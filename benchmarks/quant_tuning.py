@@ -99,13 +99,15 @@ def _xr_candidates(m: int) -> list[dict]:
     else:
         grid = ((2, 8, 1, 3, 1), (2, 8, 1, 4, 1), (2, 8, 1, 4, 2), (2, 4, 1, 4, 2), (2, 8, 2, 3, 1),
                 (2, 8, 4, 3, 1), (2, 4, 2, 4, 1), (1, 8, 1, 4, 2), (1, 8, 4, 4, 1))
-    # WG (warpgroup MMAs, sm_90a): one 64-row block per 4 warps; (WARPS, CPA, waves)
-    wg = ((4, 4, 2), (8, 4, 1), (8, 4, 2), (16, 4, 1), (4, 4, 4)) if m <= 32 else \
-        ((4, 4, 2), (8, 4, 1), (8, 4, 2), (16, 4, 1), (16, 3, 1), (8, 6, 1), (4, 4, 4))
+    # WG (warpgroup MMAs, sm_90a): one 64-row block per 4 warps
+    # (WARPS, CPA, waves, MINB)
+    wg = ((4, 4, 2, 3), (8, 4, 1, 2), (8, 4, 2, 2), (16, 4, 1, 1), (4, 6, 4, 3)) if m <= 32 else \
+        ((4, 4, 2, 3), (8, 4, 1, 1), (8, 4, 1, 2), (8, 4, 2, 2), (16, 4, 1, 1), (16, 6, 1, 1), (8, 6, 2, 2),
+         (4, 6, 4, 3))
     return [dict(TW=tw, WARPS=wa, KW=kw, S=1, XS=0, XR=1, CPA=cp, SCALE_A=True, LDW=1, MINB=1, waves=wv)
             for tw, wa, kw, cp, wv in grid] + [
-        dict(TW=1, WARPS=wa, KW=1, S=1, XS=0, XR=1, WG=1, CPA=cp, SCALE_A=True, LDW=1, MINB=1, waves=wv)
-        for wa, cp, wv in wg]
+        dict(TW=1, WARPS=wa, KW=1, S=1, XS=0, XR=1, WG=1, CPA=cp, SCALE_A=True, LDW=1, MINB=mb, waves=wv)
+        for wa, cp, wv, mb in wg]
 
 
 def wide_mma_candidates(m: int) -> list[dict]:

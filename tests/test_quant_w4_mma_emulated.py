@@ -48,7 +48,7 @@ EMULATED = [
     (512, 192, 64, 1, dict(NB=1, TW=2, WARPS=4, KW=4, CPA=3, XR=1)),
     # WG: warpgroup MMAs reading x from the ring by descriptor (a dead warpgroup, split K)
     (768, 320, 256, 64, dict(NB=8, TW=1, WARPS=4, CPA=3, XR=1, WG=1, SCALE_A=True)),
-    (640, 192, 128, 13, dict(NB=2, TW=1, WARPS=8, CPA=2, XR=1, WG=1, SCALE_A=True, split_k=3)),
+    (640, 192, 128, 13, dict(NB=2, TW=1, WARPS=8, CPA=3, XR=1, WG=1, SCALE_A=True, split_k=3)),
     (512, 128, 64, 5, dict(NB=1, TW=1, WARPS=4, CPA=8, XR=1, WG=1, SCALE_A=True, split_k=2)),
 ]
 

@@ -60,7 +60,8 @@ def gemm_emu(cfg, dtype, x_bits, M, stride_x, wq, sc, zp, N, KC, gc_rt, cps, spl
     XR = int(cfg.get("XR", 0))  # x through the CTA's ring of CPA chunk slots
     assert not XR or (CPA and not XS and not NORM), "XR needs CPA, and not XS or NORM"
     WG = int(cfg.get("WG", 0))  # warpgroup MMAs: x from the ring by descriptor
-    assert not WG or (XR and TW == 1 and int(cfg.get("KW", 1)) == 1 and WARPS % 4 == 0 and SA and NB in (1, 2, 4, 8))
+    assert not WG or (XR and TW == 1 and int(cfg.get("KW", 1)) == 1 and WARPS % 4 == 0 and SA and NB in (1, 2, 4, 8)
+                      and CPA >= 3)
     ACT = int(cfg.get("ACT", 0))  # the SwiGLU epilogue: finished rows are kept unrounded, activated at the end
     assert not (ROPE and ACT) and (not ROPE or (rope[0] % 16 == 0 and rope[0] <= N))
     KW = int(cfg.get("KW", 1))
@@ -152,17 +153,16 @@ def gemm_emu(cfg, dtype, x_bits, M, stride_x, wq, sc, zp, N, KC, gc_rt, cps, spl
                     return d
 
                 def chunks():  # (j, c, the stage holding chunk c) in the kernel's order of loads
-                    if CPA:  # cp.async ring: local chunk j + CPA - 1 goes to the stage chunk j - 1 used
+                    if CPA:  # cp.async ring: local chunk j + D goes to stage (j + D) % CPA, D = XR_DIST
+                        dist = CPA - 2 if WG else CPA - 1
                         ring = [None] * CPA
-                        for s in range(CPA - 1):
+                        for s in range(dist):
                             if s < nloc:
                                 ring[s] = load(chunk_of(s))
-                        slot = 0
                         for j in range(nloc):
-                            if j + CPA - 1 < nloc:
-                                ring[(slot - 1) % CPA] = load(chunk_of(j + CPA - 1))
-                            yield j, chunk_of(j), ring[slot]
-                            slot = (slot + 1) % CPA
+                            if j + dist < nloc:
+                                ring[(j + dist) % CPA] = load(chunk_of(j + dist))
+                            yield j, chunk_of(j), ring[j % CPA]
                         return
                     st = [None] * S
                     for s in range(S - 1):

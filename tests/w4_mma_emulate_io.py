@@ -67,7 +67,7 @@ def swizzle128(addr):
 
 def wg_ring_emu(X, M, stride_x, cbeg, nloc, NB, CPA, nt, ring_bytes):
     """WG's ring for one CTA (KW 1): ``issue_x_wg`` thread by thread (4-byte pairs to their
-    swizzled places), in the same chunk order as :func:`xr_ring_emu`; returns the slot each
+    swizzled places), CPA - 2 chunks ahead (one chunk's wgmmas stay in flight); returns the slot each
     local chunk j is read from (uint16 bits [NB * 512]; rows past M stay NaN). Slot 0 starts at
     the ring's first byte (the kernel aligns it to 1024 inside the host's 1 KB of slack, which
     the emulation checks it does not need more than). Each pair is checked written once."""
@@ -85,14 +85,17 @@ def wg_ring_emu(X, M, stride_x, cbeg, nloc, NB, CPA, nt, ring_bytes):
                 assert 0 <= at and at + 2 <= CPA * slot_el and at not in seen, "WG ring: copy out of bounds or twice"
                 seen.add(at)
                 ring[at:at + 2] = X.get(row * stride_x + (cbeg + j) * 64 + 2 * p, 2, align=4)
-    for s in range(CPA - 1):
+    dist = CPA - 2  # XR_DIST: the slot of chunk j - 1 may still be read by its in-flight wgmmas
+    for s in range(dist):
         if s < nloc:
             issue(s, s)
     slots = []
     for j in range(nloc):
-        if j + CPA - 1 < nloc:
-            issue((j + CPA - 1) % CPA, j + CPA - 1)
+        if j + dist < nloc:
+            issue((j + dist) % CPA, j + dist)
         slots.append(ring[(j % CPA) * slot_el:(j % CPA + 1) * slot_el].copy())
+        if j >= 1:  # the slot refilled at chunk j must not be chunk j - 1's (in flight) nor j's
+            assert (j + dist) % CPA not in (j % CPA, (j - 1) % CPA) or j + dist >= nloc
     return slots
 
 

@@ -58,9 +58,13 @@
 #define PDLP -1
 #endif
 #if WG
-#define RING_SLOT WG_SLOT  // one chunk of the XR ring (w4_wgmma.cuh's core-matrix layout)
+#define RING_SLOT WG_SLOT  // one chunk of the XR ring (w4_wgmma.cuh's swizzled layout)
+// chunks the ring runs ahead: WG leaves one chunk's wgmmas in flight, so the slot refilled at
+// chunk j is that of chunk j - 2, not j - 1
+#define XR_DIST (CPA - 2)
 #else
 #define RING_SLOT (KW * XR_SLOT)
+#define XR_DIST (CPA - 1)
 #endif
 
 extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB)
@@ -148,19 +152,17 @@ w4_mma_gemm(const dt* __restrict__ x, int M, long long stride_x, const uint4* __
 #endif
 #if XR  // x through the CTA's ring, weights through each thread's stages, one commit group per chunk
     {
-        // the ring follows the stages; this lane's x (row g, column 16t) of share kw in slot 0
 #if WG  // the swizzle is anchored on address bits 7-9: 1024-byte aligned slots (the host adds 1 KB)
         const unsigned xring = (smem_u32(smem_raw) + STAGE_BYTES + 1023) & ~1023u;
-#else
+        unsigned frA[4][4] = {}, frB[4][4] = {};  // A fragments of the chunk in flight and the next
+#else  // this lane's x (row g, column 16t) of share kw in slot 0
         const unsigned xring = smem_u32(smem_raw) + STAGE_BYTES;
-#endif
-#if !WG
         const unsigned xlane = xring + (kw * NB * 8 + g) * XR_PITCH + 32 * t;
 #endif
         // kw 0 has the most chunks: every warp runs its count, so all reach each barrier
         const int nmax = chunks_of(0, ngrp, GC);
 #pragma unroll
-        for (int s = 0; s < CPA - 1; ++s) {  // prologue: chunks 0 .. CPA - 2 in flight
+        for (int s = 0; s < XR_DIST; ++s) {  // prologue: chunks 0 .. XR_DIST - 1 in flight
             if (s < nmax) {
                 if (live && s < nloc) issue_stage(ring + s * UNITS * NT * 16, wp, xp, sc, zp, rec0, rec_step, chunk_of(s), GC);
 #if WG
@@ -171,13 +173,14 @@ w4_mma_gemm(const dt* __restrict__ x, int M, long long stride_x, const uint4* __
             }
             cp_async_commit();
         }
-        for (int j = 0; j < nmax; ++j) {
-            cp_async_wait<CPA - 2>();  // this thread's copies of chunk j have landed ...
+        // one chunk; fc / fp: WG's A fragments of this chunk and of the previous one (in flight)
+        auto step = [&](int j, unsigned (&fc)[4][4], unsigned (&fp)[4][4]) {
+            cp_async_wait<XR_DIST - 1>();  // this thread's copies of chunk j have landed ...
 #if WG  // ... and are visible to the tensor cores' (async proxy) reads of the ring
             asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 #endif
-            __syncthreads();           // ... and every thread's; every warp is done with chunk j - 1
-            const int nxt = j + CPA - 1, nslot = nxt % CPA;  // (the slot chunk j - 1 used)
+            __syncthreads();  // ... and every thread's; no warp reads the slot refilled next any more
+            const int nxt = j + XR_DIST, nslot = nxt % CPA;
             if (nxt < nmax) {
                 if (live && nxt < nloc)
                     issue_stage(ring + nslot * UNITS * NT * 16, wp, xp, sc, zp, rec0, rec_step, chunk_of(nxt), GC);
@@ -194,12 +197,22 @@ w4_mma_gemm(const dt* __restrict__ x, int M, long long stride_x, const uint4* __
                 Stage cur;
                 read_stage(cur, ring + slot * UNITS * NT * 16, gstart);
 #if WG
-                compute_chunk_wg(A, cur, gstart, xring + slot * RING_SLOT);
+                compute_chunk_wg(A, cur, gstart, xring + slot * RING_SLOT, fc, fp);
 #else
                 compute_chunk(A, cur, gstart, j % GC == GC - 1, xlane + slot * RING_SLOT);
 #endif
             }
+        };
+#if WG  // two chunks per trip, so each fragment buffer is a fixed set of registers
+        for (int j = 0; j < nmax; j += 2) {
+            step(j, frA, frB);
+            if (j + 1 < nmax) step(j + 1, frB, frA);
         }
+        if (live) wg_drain(A, frA, frB);
+#else
+        unsigned unused[4][4];
+        for (int j = 0; j < nmax; ++j) step(j, unused, unused);
+#endif
         cp_async_wait<0>();  // no copy may land after the CTA ends
     }
 #else

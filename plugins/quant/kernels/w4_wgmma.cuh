@@ -20,8 +20,8 @@
 #define WG 0
 #endif
 #if WG
-#if !XR || TW != 1 || KW != 1 || (WARPS % 4) || !SCALE_A || (NB != 1 && NB != 2 && NB != 4 && NB != 8)
-#error "WG needs XR, TW 1, KW 1, WARPS a multiple of 4, SCALE_A and NB in 1, 2, 4, 8"
+#if !XR || TW != 1 || KW != 1 || (WARPS % 4) || !SCALE_A || (NB != 1 && NB != 2 && NB != 4 && NB != 8) || CPA < 3
+#error "WG needs XR, TW 1, KW 1, WARPS a multiple of 4, SCALE_A, NB in 1, 2, 4, 8 and CPA >= 3"
 #endif
 #if W4_BF16
 #define WG_T "bf16"
@@ -81,9 +81,12 @@ __device__ __forceinline__ void wgmma_step(float* d, const unsigned* a, unsigned
 __device__ __forceinline__ void wg_pin(float& v) { asm volatile("" : "+f"(v)::"memory"); }
 __device__ __forceinline__ void wg_pin(unsigned& v) { asm volatile("" : "+r"(v)::"memory"); }
 
-// One 64-wide K chunk on the tensor cores: the 4 A fragments, then 4 wgmmas into acc[0][*][*]
-// (in token-block order, as the accumulators), then wait for them. ``xs`` is the chunk's ring slot.
-__device__ __forceinline__ void compute_chunk_wg(Acc& A, const Stage& cur, bool gstart, unsigned xs) {
+// One 64-wide K chunk on the tensor cores: its 4 A fragments into ``fc``, 4 wgmmas into
+// acc[0][*][*] (token-block order, as the accumulators), then a wait that leaves this group in
+// flight and retires the previous chunk's, whose fragments ``fp`` may be reused after it (the pins
+// keep the compiler from giving fp's registers to fc before then). ``xs``: the chunk's ring slot.
+__device__ __forceinline__ void compute_chunk_wg(Acc& A, const Stage& cur, bool gstart, unsigned xs,
+                                                 unsigned (&fc)[4][4], unsigned (&fp)[4][4]) {
     if (gstart) {
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
@@ -91,23 +94,37 @@ __device__ __forceinline__ void compute_chunk_wg(Acc& A, const Stage& cur, bool 
             A.sa[0][r] = dup2(f_to_dt(cur.s[r]));
         }
     }
-    unsigned fr[4][4];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) dequant_frag(fr[i], A, word_of(cur.w[0], i), 0);
+    for (int i = 0; i < 4; ++i) dequant_frag(fc[i], A, word_of(cur.w[0], i), 0);
     float* d = &A.acc[0][0][0];
 #pragma unroll
     for (int k = 0; k < 4 * NB; ++k) wg_pin(d[k]);
     asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 #pragma unroll
-    for (int i = 0; i < 4; ++i) wgmma_step(d, fr[i], wg_desc(xs + 32 * i));
+    for (int i = 0; i < 4; ++i) wgmma_step(d, fc[i], wg_desc(xs + 32 * i));
     asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+    asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
 #pragma unroll
     for (int k = 0; k < 4 * NB; ++k) wg_pin(d[k]);
 #pragma unroll
     for (int i = 0; i < 4; ++i)
 #pragma unroll
-        for (int j = 0; j < 4; ++j) wg_pin(fr[i][j]);
+        for (int j = 0; j < 4; ++j) wg_pin(fp[i][j]);
+}
+
+// After the last chunk: every group retired, the accumulators final.
+__device__ __forceinline__ void wg_drain(Acc& A, unsigned (&f0)[4][4], unsigned (&f1)[4][4]) {
+    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+    float* d = &A.acc[0][0][0];
+#pragma unroll
+    for (int k = 0; k < 4 * NB; ++k) wg_pin(d[k]);
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            wg_pin(f0[i][j]);
+            wg_pin(f1[i][j]);
+        }
 }
 
 // WG's x copy: chunk c's x rows 0..M-1 into the slot, 4-byte pairs to their swizzled places
