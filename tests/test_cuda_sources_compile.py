@@ -68,11 +68,12 @@ def _w4_configs() -> list[dict]:
     # programmatic-dependent-launch build (PDL = 1: what an sm_90 GPU runs), and the RMSNorm
     # prologue (NORM, which implies XS)
     from test_quant_w4_gate_up import CASES
+    norm = {"NORM": 1, "XS": 1, "XR": 0, "WG": 0}  # as w4_mma._gemm sets them: the norm takes x's place
     for cfg in [{}] + tuned + [c for *_, c in CASES if c]:
         for c in ({**cfg, "GCC": 2, "ACT": 1}, {**cfg, "GCC": 2, "ACT": 1, "PDL": 1}, {**cfg, "GCC": 2, "PDL": 1},
-                  {**cfg, "GCC": 2, "PDL": 1, "PDLP": 2}, {**cfg, "GCC": 2, "NORM": 1, "XS": 1},
-                  {**cfg, "GCC": 2, "NORM": 1, "XS": 1, "ACT": 1, "PDL": 1}, {**cfg, "GCC": 2, "ROPE": 1},
-                  {**cfg, "GCC": 2, "NORM": 1, "XS": 1, "ROPE": 2}):
+                  {**cfg, "GCC": 2, "PDL": 1, "PDLP": 2}, {**cfg, "GCC": 2, **norm},
+                  {**cfg, "GCC": 2, **norm, "ACT": 1, "PDL": 1}, {**cfg, "GCC": 2, "ROPE": 1},
+                  {**cfg, "GCC": 2, **norm, "ROPE": 2}):
             if c.get("ROPE") == 2 and c.get("NB", 1) > 2:
                 continue  # the rotation runs with the norm, M <= 8: NB 1 (the M = 1 entries), 2 at most
             if c not in out:
