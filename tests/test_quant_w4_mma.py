@@ -285,7 +285,12 @@ def test_gemm_refuses_bad_groups_and_configs(gen):
     for bad, msg in ((dict(NB=1.5), "must be integers"), (dict(nb=2), "unknown config keys"),
                      (dict(WARPS=64), "1 <= WARPS <= 32"), (dict(split_k=-1), "split_k >= 0"),
                      (dict(XS=5), "XS / SCALE_A / LDW 0 or 1"), (dict(NB=100), "8 \\* NB <= 64"),
-                     (dict(waves=0), "waves > 0")):
+                     (dict(waves=0), "waves > 0"), (dict(XR=2, CPA=3), "XR 0 or 1"),
+                     # the x ring rides the cp.async stages and replaces XS; WG's warpgroup tiles
+                     (dict(XR=1), "XR .* needs CPA >= 2"), (dict(XR=1, CPA=3, XS=1), "XR .* needs CPA >= 2"),
+                     (dict(WG=1, CPA=3), "WG .* needs XR"), (dict(WG=1, XR=1, CPA=3, TW=2), "WG .* needs XR"),
+                     (dict(WG=1, XR=1, CPA=2, TW=1), "CPA >= 3"),
+                     (dict(WG=1, XR=1, CPA=3, TW=1, WARPS=6), "WARPS a multiple of 4")):
         with pytest.raises(ValueError, match=msg):
             w4_mma.mma_gemm(x, words, ps, pz, group_size=64, n=64, config=bad)
     with pytest.raises(ValueError, match="unknown config keys"):  # also where the dequantize path runs (M > 64)
