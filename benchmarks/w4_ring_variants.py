@@ -24,7 +24,10 @@ V = {
     "full": BASE,
     "nomma": rep("    for (int i = 0; i < 4; ++i) wgmma_step(d, fc[i], wg_desc(xs + 32 * i));", ""),
     "wait0": rep("wgmma.wait_group.sync.aligned 1;", "wgmma.wait_group.sync.aligned 0;"),
-    "nox": rep("    for (int u = threadIdx.x; u < M * 32; u += NT) {", "    for (int u = threadIdx.x; u < 0; u += NT) {"),
+    "nox": rep("    for (int k = 0; k < XU; ++k) {\n        const int u = threadIdx.x + k * NT, row = u >> 3;\n",
+               "    for (int k = 0; k < 0; ++k) {\n        const int u = threadIdx.x + k * NT, row = u >> 3;\n",
+               rep("    for (int k = 0; k < XU; ++k) {\n        const int u = threadIdx.x + k * NT, row = u >> 3, run",
+                   "    for (int k = 0; k < 0; ++k) {\n        const int u = threadIdx.x + k * NT, row = u >> 3, run")),
     "nobar": rep("            __syncthreads();  // ... and every thread's", "            //"),
 }
 WG = dict(NB=8, TW=1, WARPS=8, KW=1, S=1, XS=0, XR=1, WG=1, CPA=4, SCALE_A=True, LDW=1, MINB=1, waves=1)

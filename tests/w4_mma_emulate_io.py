@@ -66,8 +66,8 @@ def swizzle128(addr):
 
 
 def wg_ring_emu(X, M, stride_x, cbeg, nloc, NB, CPA, nt, ring_bytes):
-    """WG's ring for one CTA (KW 1): ``issue_x_wg`` thread by thread (4-byte pairs to their
-    swizzled places), CPA - 2 chunks ahead (one chunk's wgmmas stay in flight); returns the slot each
+    """WG's ring for one CTA (KW 1): ``load_x_wg`` + ``store_x_wg`` thread by thread (16-byte runs,
+    their 4 pairs to their swizzled places), CPA - 2 chunks ahead (one chunk's wgmmas stay in flight); returns the slot each
     local chunk j is read from (uint16 bits [NB * 512]; rows past M stay NaN). Slot 0 starts at
     the ring's first byte (the kernel aligns it to 1024 inside the host's 1 KB of slack, which
     the emulation checks it does not need more than). Each pair is checked written once."""
@@ -75,16 +75,24 @@ def wg_ring_emu(X, M, stride_x, cbeg, nloc, NB, CPA, nt, ring_bytes):
     assert CPA * slot_el * 2 + 1024 <= ring_bytes, "WG ring: the host's bytes miss the alignment slack"
     ring = np.full(ring_bytes // 2, 0x7FFF, dtype=np.uint16)
 
-    def issue(slot, j):
+    xu = (NB * 64 + nt - 1) // nt  # XU: 16-byte runs per thread and chunk
+
+    def issue(slot, j):  # load_x_wg (a thread's runs tid + k * nt), then store_x_wg
         seen = set()
         for tid in range(nt):
-            for u in range(tid, M * 32, nt):
-                row, p = u >> 5, u & 31
-                t, i, s = p >> 3, (p >> 1) & 3, p & 1
-                at = slot * slot_el + (row * 128 + (((2 * i + s) ^ (row & 7)) << 4) + t * 4) // 2
-                assert 0 <= at and at + 2 <= CPA * slot_el and at not in seen, "WG ring: copy out of bounds or twice"
-                seen.add(at)
-                ring[at:at + 2] = X.get(row * stride_x + (cbeg + j) * 64 + 2 * p, 2, align=4)
+            for k in range(xu):
+                u = tid + k * nt
+                row, run = u >> 3, u & 7
+                if row >= M:
+                    continue
+                v = X.get(row * stride_x + (cbeg + j) * 64 + run * 8, 8, align=16)
+                for q in range(4):
+                    byte = row * 128 + (((4 * (run & 1) + q) ^ (row & 7)) << 4) + (run >> 1) * 4
+                    at = slot * slot_el + byte // 2
+                    assert 0 <= at and at + 2 <= CPA * slot_el and at not in seen, "WG ring: copy out of bounds or twice"
+                    seen.add(at)
+                    ring[at:at + 2] = v[2 * q:2 * q + 2]
+        assert len(seen) == M * 32, "WG ring: a pair of the chunk was not copied"
     dist = CPA - 2  # XR_DIST: the slot of chunk j - 1 may still be read by its in-flight wgmmas
     for s in range(dist):
         if s < nloc:

@@ -13,8 +13,8 @@
 // (u ^ (n % 8)) * 16 (slots 1024-byte aligned, so the hardware's XOR of address bits 4-6 with
 // 7-9 is exactly this); K step i's descriptor starts 32 * i bytes in, groups of 8 tokens are
 // SBO = 1024 bytes apart. Logical k = 16i + 8s + 2t + h of the chunk is x's column
-// 16t + 4i + 2s + h (the layout's K permutation, w4_mma.cu), applied while copying: a warp's
-// 32 pairs of one row land in 32 distinct banks.
+// 16t + 4i + 2s + h (the layout's K permutation, w4_mma.cu), applied while copying (through
+// registers: store_x_wg).
 
 #ifndef WG
 #define WG 0
@@ -127,15 +127,38 @@ __device__ __forceinline__ void wg_drain(Acc& A, unsigned (&f0)[4][4], unsigned 
         }
 }
 
-// WG's x copy: chunk c's x rows 0..M-1 into the slot, 4-byte pairs to their swizzled places
-// (thread u takes pair u % 32 of row u / 32: a warp reads 128 contiguous bytes and writes 32 banks).
-__device__ __forceinline__ void issue_x_wg(unsigned slot, const dt* x, int M, long long stride_x, int c) {
-    for (int u = threadIdx.x; u < M * 32; u += NT) {
-        const int row = u >> 5, p = u & 31;  // x column 2p = 16t + 4i + 2s
-        const int t = p >> 3, i = (p >> 1) & 3, s = p & 1;
-        const unsigned dst = slot + row * 128 + (((2 * i + s) ^ (row & 7)) << 4) + t * 4;
-        asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst),
-                     "l"(x + (size_t)row * stride_x + (size_t)c * 64 + 2 * p) : "memory");
+// WG's x copy, staged through registers: the layout's K permutation scatters each 4-byte pair
+// of a row (16t + 4i + 2s) to its own 16-byte unit (2i + s), so cp.async would need 4-byte
+// copies (32 per row and chunk; measured, they cost more than the wgmmas). Instead a thread
+// loads whole 16-byte runs of x one chunk ahead (``load_x_wg``: 8 per row, coalesced) and
+// stores their 4 pairs to the swizzled places after the next barrier (``store_x_wg``; a warp's
+// 32 stores of one pair index land in 32 banks). XU: 16-byte runs per thread and chunk.
+#define XU ((NB * 64 + NT - 1) / NT)
+struct XRegs {
+    uint4 v[XU];
+};
+
+__device__ __forceinline__ void load_x_wg(XRegs& r, const dt* x, int M, long long stride_x, int c) {
+#pragma unroll
+    for (int k = 0; k < XU; ++k) {
+        const int u = threadIdx.x + k * NT, row = u >> 3;
+        if (row < M) r.v[k] = __ldg(reinterpret_cast<const uint4*>(x + (size_t)row * stride_x + (size_t)c * 64 + (u & 7) * 8));
+    }
+}
+
+__device__ __forceinline__ void store_x_wg(const XRegs& r, unsigned slot, int M) {
+#pragma unroll
+    for (int k = 0; k < XU; ++k) {
+        const int u = threadIdx.x + k * NT, row = u >> 3, run = u & 7;
+        if (row < M) {
+            // pair q of the run is x column 8 * run + 2q = 16t + 4i + 2s with t = run / 2,
+            // 2i + s = 4 * (run & 1) + q: its unit, XOR the row (the 128-byte swizzle)
+            const unsigned base = slot + row * 128 + (run >> 1) * 4;
+#pragma unroll
+            for (int q = 0; q < 4; ++q)
+                asm volatile("st.shared.b32 [%0], %1;" ::"r"(base + (((4 * (run & 1) + q) ^ (row & 7)) << 4)),
+                             "r"(word_of(r.v[k], q)) : "memory");
+        }
     }
 }
 #endif
