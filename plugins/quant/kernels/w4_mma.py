@@ -33,13 +33,13 @@ from kvforge.layers.arrival_counters import arrival_counters
 from kvforge.layers.cupy_launch import nvrtc_reasons
 
 from .choices import lookup
+from .w4_mma_config import (CONFIG_KEYS, MAX_FUSED_M, XR_PITCH, check_config, check_config_keys,  # noqa: F401
+                            reduce_bytes, stage_bytes, x_bytes, xr_bytes)
 from .w4_mma_orders import (deinterleave_gate_up, deinterleave_heads, interleave_gate_up,  # noqa: F401
                             interleave_heads, silu_and_mul_interleaved)
 from .wna16 import _num_sms, dequantize_groups
 
 DTYPES = (torch.float16, torch.bfloat16)
-#: Above this M the dequantize + cuBLAS path runs (the fused kernel keeps 8 * NB tokens per warp).
-MAX_FUSED_M = 64
 #: Launch config per M bucket (the compile-time constants of ``w4_mma.cu``): NB token blocks of
 #: 8, TW 16-row tiles per warp, WARPS per CTA, S register stages, XS (x slice in shared memory;
 #: dropped where it does not fit), SCALE_A (group scale in the operand instead of a second
@@ -310,88 +310,6 @@ def _gemm(x, words, scales, zeros, group_size, n, config, silu_and_mul, norm, ro
                    splits=splits, cfg=cfg, smem=smem, norm=norm,
                    rope=(rope[0] * rope[1], *rope[1:]) if rope else None)
     return out, res_out
-
-
-def x_bytes(cfg: dict, m: int, k: int, cps: int, esize: int) -> int:
-    """Shared memory of the x copy: XS, M rows of the split's ``cps`` chunks (+16 bytes of
-    pitch); NORM, M whole rows of K (each CTA normalizes them); 0 without XS."""
-    if not cfg["XS"]:
-        return 0
-    return m * ((k if cfg.get("NORM") else cps * 64) + 8) * esize
-
-
-#: Launch-config keys: the kernel's compile-time constants (GCC is set per call) and the split rule.
-CONFIG_KEYS = ("NB", "TW", "WARPS", "S", "XS", "SCALE_A", "MINB", "LDW", "CPA", "KW", "XR", "WG", "waves", "split_k")
-
-
-def check_config_keys(cfg: dict) -> None:
-    """Raise ValueError for a key that is not a launch-config key, or a value that is not an
-    integer (``waves`` may be a float): compile-time constants must not be truncated silently."""
-    if not isinstance(cfg, dict):
-        raise ValueError(f"w4 mma GEMM: config must be a dict, got {type(cfg).__name__}")
-    unknown = sorted(set(cfg) - set(CONFIG_KEYS))
-    if unknown:
-        raise ValueError(f"w4 mma GEMM: unknown config keys {unknown} (known: {', '.join(CONFIG_KEYS)})")
-    bad = sorted(key for key, v in cfg.items() if not (
-        isinstance(v, int) or (key == "waves" and isinstance(v, float))
-        or (key == "split_k" and v is None)))
-    if bad:
-        raise ValueError(f"w4 mma GEMM: config {cfg}: {bad} must be integers (split_k may be None)")
-
-
-def check_config(cfg: dict, m: int) -> None:
-    """Raise ValueError unless the full config ``cfg`` launches and its tiles cover M tokens:
-    M <= 8 * NB <= MAX_FUSED_M, TW in 1/2/4, 1 <= WARPS <= 32 (1024 threads), S >= 1, XS /
-    SCALE_A / LDW / XR 0 or 1, MINB >= 1, CPA 0 or 2..8, KW >= 1 dividing WARPS, split_k >= 0 (0 /
-    None: by ``waves``); XR needs CPA and excludes XS; WG needs XR, TW 1, KW 1, WARPS a multiple
-    of 4, SCALE_A, NB in 1, 2, 4, 8 (wgmma's N = 8 * NB) and CPA >= 3."""
-    check_config_keys(cfg)
-    flags = all(int(cfg.get(key, 0)) in (0, 1) for key in ("XS", "SCALE_A", "LDW", "XR", "WG"))
-    if cfg.get("XR") and (not cfg.get("CPA") or cfg.get("XS")):
-        raise ValueError(f"w4 mma GEMM: config {cfg}: XR (the x ring) needs CPA >= 2 (its stages) and XS 0")
-    if cfg.get("WG") and not (cfg.get("XR") and cfg["TW"] == 1 and cfg.get("KW", 1) == 1 and cfg["WARPS"] % 4 == 0
-                              and cfg.get("SCALE_A") and cfg["NB"] in (1, 2, 4, 8) and cfg["CPA"] >= 3):
-        raise ValueError(f"w4 mma GEMM: config {cfg}: WG (warpgroup MMAs) needs XR, TW 1, KW 1, WARPS a multiple "
-                         "of 4, SCALE_A, NB in 1, 2, 4, 8 and CPA >= 3 (one chunk's MMAs stay in flight)")
-    if not (m <= 8 * cfg["NB"] <= MAX_FUSED_M and cfg["TW"] in (1, 2, 4) and 1 <= cfg["WARPS"] <= 32
-            and cfg["S"] >= 1 and flags and cfg.get("MINB", 1) >= 1 and cfg.get("CPA", 0) in (0, *range(2, 9))
-            and cfg.get("KW", 1) >= 1 and cfg["WARPS"] % cfg.get("KW", 1) == 0
-            and (cfg.get("split_k") or 0) >= 0 and cfg.get("waves", 1) > 0):
-        raise ValueError(f"w4 mma GEMM: config {cfg} does not cover M {m} or cannot launch (needs M <= 8 * NB <= "
-                         f"{MAX_FUSED_M}, TW in 1/2/4, 1 <= WARPS <= 32, S >= 1, XS / SCALE_A / LDW 0 or 1, "
-                         "MINB >= 1, CPA 0 or 2..8, KW >= 1 dividing WARPS, split_k >= 0, waves > 0, XR 0 or 1)")
-
-
-def stage_bytes(cfg: dict) -> int:
-    """Shared memory of the cp.async stages (``CPA``; 0 without): per stage and thread, 16-byte
-    units for TW weight vectors, 2 * NB x runs (unless XS or XR), the scales and the zeros."""
-    if not cfg.get("CPA"):
-        return 0
-    units = cfg["TW"] + (0 if cfg["XS"] or cfg.get("XR") else 2 * cfg["NB"]) + (cfg["TW"] + 1) // 2 + 1
-    return cfg["CPA"] * units * 32 * cfg["WARPS"] * 16
-
-
-#: Bytes between two x rows in the XR ring: 64 elements + 16, so the lanes of a quarter warp
-#: read 16-byte runs from distinct banks (``XR_PITCH`` in w4_mma_stages.cuh).
-XR_PITCH = 144
-
-
-def xr_bytes(cfg: dict) -> int:
-    """Shared memory of the XR ring (after the stages): CPA slots x KW shares x 8 * NB rows of
-    one 64-wide chunk; with WG, CPA slots of 8 * NB rows x 128 bytes, 1024-byte aligned (1 KB
-    of slack) for the 128-byte swizzle (0 without XR)."""
-    if not cfg.get("XR"):
-        return 0
-    if cfg.get("WG"):
-        return cfg["CPA"] * cfg["NB"] * 1024 + 1024
-    return cfg["CPA"] * cfg.get("KW", 1) * cfg["NB"] * 8 * XR_PITCH
-
-
-def reduce_bytes(cfg: dict) -> int:
-    """Shared memory where the KW > 1 warps of a column hand their fp32 sums to warp kw = 0:
-    (KW - 1) * (WARPS / KW) warps x TW * NB * 4 fragments x 32 lanes x 4 bytes (0 for KW 1)."""
-    kw = cfg.get("KW", 1)
-    return (kw - 1) * (cfg["WARPS"] // kw) * cfg["TW"] * cfg["NB"] * 4 * 32 * 4
 
 
 def wgmma_capable(device: torch.device) -> bool:
