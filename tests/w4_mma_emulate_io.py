@@ -19,7 +19,7 @@ def rnd(v, dtype):
     return torch.from_numpy(np.asarray(v, dtype=np.float32)).to(dtype).float().numpy().astype(np.float64)
 
 
-def xr_ring_emu(X, M, stride_x, cbeg, ngrp, GC, KW, NB, CPA, nt, ring_bytes, pitch_bytes):
+def xr_ring_emu(X, M, stride_x, cbeg, ngrp, GC, KW, NB, CPA, nt, ring_bytes, pitch_bytes, dist):
     """One CTA's XR ring: the prologue's CPA - 1 chunks, then at each local chunk j the copy of
     chunk j + CPA - 1 into the slot chunk j - 1 used (after the barrier), then what the warps
     read: returns the ring slot of each j as uint16 bits [KW * 8 * NB * pitch] (rows past M
@@ -46,18 +46,17 @@ def xr_ring_emu(X, M, stride_x, cbeg, ngrp, GC, KW, NB, CPA, nt, ring_bytes, pit
                     assert 0 <= at and at + 8 <= len(ring) and (at * 2) % 16 == 0, "x ring: copy out of bounds"
                     ring[at:at + 8] = X.get(r * stride_x + chunk_at(j, k2) * 64 + col, 8, align=16)
     nmax = nloc_of(0)
-    for s in range(CPA - 1):
+    for s in range(dist):
         if s < nmax:
             issue(s, s)
     slots = []
     for j in range(nmax):
-        if j + CPA - 1 < nmax:
-            issue((j + CPA - 1) % CPA, j + CPA - 1)
+        if j + dist < nmax:
+            issue((j + dist) % CPA, j + dist)
         slots.append(ring[(j % CPA) * KW * slot_el:(j % CPA + 1) * KW * slot_el].copy())
     return slots
 
 
-WG_SBO = 1024  # w4_wgmma.cuh: 8 token rows of 128 bytes
 
 
 def swizzle128(addr):
@@ -65,15 +64,17 @@ def swizzle128(addr):
     return addr ^ (((addr >> 7) & 7) << 4)
 
 
-def wg_ring_emu(X, M, stride_x, cbeg, nloc, NB, CPA, nt, ring_bytes):
+def wg_ring_emu(X, M, stride_x, cbeg, nloc, NB, CPA, nt, ring_bytes, dist, align, base):
     """WG's ring for one CTA (KW 1): ``load_x_wg`` + ``store_x_wg`` thread by thread (16-byte runs,
     their 4 pairs to their swizzled places), CPA - 2 chunks ahead (one chunk's wgmmas stay in flight); returns the slot each
     local chunk j is read from (uint16 bits [NB * 512]; rows past M stay NaN). Slot 0 starts at
-    the ring's first byte (the kernel aligns it to 1024 inside the host's 1 KB of slack, which
-    the emulation checks it does not need more than). Each pair is checked written once."""
+    the kernel's rounding of the ring start up to ``align`` from ``base`` (the shared address the
+    stages end at), which must leave the ring inside the host's ``ring_bytes``. Each pair is
+    checked written once."""
     slot_el = NB * 512
-    assert CPA * slot_el * 2 + 1024 <= ring_bytes, "WG ring: the host's bytes miss the alignment slack"
-    ring = np.full(ring_bytes // 2, 0x7FFF, dtype=np.uint16)
+    start = -(-base // align) * align - base  # bytes the kernel skips to reach an aligned slot 0
+    assert start + CPA * slot_el * 2 <= ring_bytes, f"WG ring: {start} bytes of alignment overrun the host's bytes"
+    ring = np.full(CPA * slot_el, 0x7FFF, dtype=np.uint16)
 
     xu = (NB * 64 + nt - 1) // nt  # XU: 16-byte runs per thread and chunk
 
@@ -93,7 +94,6 @@ def wg_ring_emu(X, M, stride_x, cbeg, nloc, NB, CPA, nt, ring_bytes):
                     seen.add(at)
                     ring[at:at + 2] = v[2 * q:2 * q + 2]
         assert len(seen) == M * 32, "WG ring: a pair of the chunk was not copied"
-    dist = CPA - 2  # XR_DIST: the slot of chunk j - 1 may still be read by its in-flight wgmmas
     for s in range(dist):
         if s < nloc:
             issue(s, s)
@@ -102,12 +102,10 @@ def wg_ring_emu(X, M, stride_x, cbeg, nloc, NB, CPA, nt, ring_bytes):
         if j + dist < nloc:
             issue((j + dist) % CPA, j + dist)
         slots.append(ring[(j % CPA) * slot_el:(j % CPA + 1) * slot_el].copy())
-        if j >= 1:  # the slot refilled at chunk j must not be chunk j - 1's (in flight) nor j's
-            assert (j + dist) % CPA not in (j % CPA, (j - 1) % CPA) or j + dist >= nloc
     return slots
 
 
-def wg_lane_x(slot, NB, g, t):
+def wg_lane_x(slot, NB, g, t, sbo):
     """What the warpgroup MMAs multiply a lane's A fragments with, in the mma path's terms: per
     token block b, [32 lanes, 16] with entry 4i + 2s + h = B_i(k = 8s + 2t + h, n = 8b + g), B_i
     read as the descriptor of K step i says: start 32 * i bytes into the (1024-aligned) slot,
@@ -119,7 +117,7 @@ def wg_lane_x(slot, NB, g, t):
             for s in range(2):
                 for h in range(2):
                     k, n = 8 * s + 2 * t + h, 8 * b + g
-                    byte = swizzle128(32 * i + (n // 8) * WG_SBO + (n % 8) * 128 + 2 * k)
+                    byte = swizzle128(32 * i + (n // 8) * sbo + (n % 8) * 128 + 2 * k)
                     v[:, 4 * i + 2 * s + h] = slot[byte // 2]
         out.append(v)
     return out

@@ -214,7 +214,7 @@ w4_mma_gemm(const dt* __restrict__ x, int M, long long stride_x, const uint4* __
             step(j, frA, frB);
             if (j + 1 < nmax) step(j + 1, frB, frA);
         }
-        if (live) wg_drain(A, frA, frB);
+        wg_drain(A, frA, frB);  // every warpgroup (a dead one waits on nothing): a branch here makes ptxas serialize all wgmmas (C7518)
 #else
         unsigned unused[4][4];
         for (int j = 0; j < nmax; ++j) step(j, unused, unused);

@@ -68,25 +68,34 @@ class W4MmaKernels:
 
     def _module_sm90a(self, opts: tuple[str, ...]):
         """The module built for sm_90a (wgmma is not in plain sm_90, and CuPy's RawModule always
-        appends the device's own -arch): NVRTC to a cubin, cached on disk by the source and
-        options' hash, loaded as a RawModule from that file."""
+        appends the device's own -arch): NVRTC to a cubin, cached in CuPy's per-user kernel cache
+        directory (``CUPY_CACHE_DIR``, default ~/.cupy/kernel_cache) under a hash of the source,
+        the options and the NVRTC version, and loaded from there; a file that does not load is
+        compiled again."""
+        from cupy.cuda import compiler
         from cupy_backends.cuda.libs import nvrtc
         opts = (*opts, "-arch=sm_90a")
-        digest = hashlib.sha256("\0".join((SOURCE, *opts)).encode()).hexdigest()[:24]
-        path = Path(tempfile.gettempdir()) / f"kvforge_w4_mma_{digest}.cubin"
-        if not path.exists():
-            prog = nvrtc.createProgram(SOURCE, "w4_mma.cu", (), ())
+        key = "\0".join((SOURCE, *opts, "nvrtc %d.%d" % nvrtc.getVersion()))
+        folder = Path(compiler.get_cache_dir())
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        path = folder / f"kvforge_w4_mma_{hashlib.sha256(key.encode()).hexdigest()}.cubin"
+        if path.exists():
             try:
-                try:
-                    nvrtc.compileProgram(prog, opts)
-                except nvrtc.NVRTCError as e:
-                    raise RuntimeError(nvrtc.getProgramLog(prog)) from e
-                cubin = nvrtc.getCUBIN(prog)
-            finally:
-                nvrtc.destroyProgram(prog)
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")  # (another process may write the same file)
-            tmp.write_bytes(cubin)
-            os.replace(tmp, path)
+                return self.cupy.RawModule(path=str(path))
+            except Exception:  # torn or foreign file: build it again
+                pass
+        prog = nvrtc.createProgram(SOURCE, "w4_mma.cu", (), ())
+        try:
+            try:
+                nvrtc.compileProgram(prog, opts)
+            except nvrtc.NVRTCError as e:
+                raise RuntimeError(nvrtc.getProgramLog(prog)) from e
+            cubin = nvrtc.getCUBIN(prog)
+        finally:
+            nvrtc.destroyProgram(prog)
+        with tempfile.NamedTemporaryFile(dir=folder, suffix=".tmp", delete=False) as f:  # then an atomic rename
+            f.write(cubin)
+        os.replace(f.name, path)
         return self.cupy.RawModule(path=str(path))
 
     def gemm(self, x, words, scales, zeros, out, ws, cnt, *, n: int, group_chunks: int, chunks_per_split: int,
