@@ -34,6 +34,9 @@ def kernel_schedule(src: "str | None" = None) -> dict:
         align=int(align.group(1)) + 1 if align.group(1) == align.group(2) else None,
         swizzle128=bool(re.search(r"\(1ull << 62\)", src)),
         barrier="__syncthreads();  // ... and every thread's" in src,
+        # the x copies are the CTA's: no ``live`` test may guard them (dead warps copy their share)
+        copies_by_all=not re.search(r"live[^;{}]*\)\s*\{?\s*(issue_x|issue_x_wg|load_x_wg|store_x_wg)\(", src)
+        and not re.search(r"if \(live[^\n]*\n(\s*(issue_stage|if)[^\n]*\n)*\s*(issue_x|load_x_wg|store_x_wg)\(", src),
         fence='"fence.proxy.async.shared::cta;"' in src)
 
 
@@ -44,6 +47,7 @@ def check_ring_schedule(CPA: int, WG: bool, sched: dict) -> int:
     wgmma groups the previous wait may have left pending (j - depth .. j - 1). And the cp.async
     wait at chunk j must leave chunk j landed (D + j groups committed, chunk j is group j)."""
     assert sched["barrier"], "the ring needs a CTA barrier per chunk"
+    assert sched["copies_by_all"], "a live test guards the ring's x copies: dead warps would leave their share out"
     D = CPA - sched["dist_back"]["WG" if WG else "XR"]
     depth = sched["wg_wait"] if WG else 0  # mma.sync reads the ring synchronously
     assert D >= 1, f"CPA {CPA}: prefetch distance {D}"
