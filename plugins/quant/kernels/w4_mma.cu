@@ -214,7 +214,9 @@ w4_mma_gemm(const dt* __restrict__ x, int M, long long stride_x, const uint4* __
             step(j, frA, frB);
             if (j + 1 < nmax) step(j + 1, frB, frA);
         }
-        wg_drain(A, frA, frB);  // every warpgroup (a dead one waits on nothing): a branch here makes ptxas serialize all wgmmas (C7518)
+        // every warpgroup, a dead one too (it waits on nothing): under a branch, ptxas would
+        // serialize all the wgmmas (C7518)
+        wg_drain(A, frA, frB);
 #else
         unsigned unused[4][4];
         for (int j = 0; j < nmax; ++j) step(j, unused, unused);
