@@ -19,6 +19,20 @@ def rnd(v, dtype):
     return torch.from_numpy(np.asarray(v, dtype=np.float32)).to(dtype).float().numpy().astype(np.float64)
 
 
+def _replay(ring, issue, n, dist, CPA, slot_len):
+    """A ring's chunk order (XR and WG alike): chunks 0 .. dist - 1 before the loop, then at
+    chunk j the copy of chunk j + dist into its slot (after the barrier); returns what chunk j's
+    readers see, slot (j % CPA) of ``slot_len`` elements, for j < n."""
+    for s in range(min(dist, n)):
+        issue(s, s)
+    slots = []
+    for j in range(n):
+        if j + dist < n:
+            issue((j + dist) % CPA, j + dist)
+        slots.append(ring[(j % CPA) * slot_len:(j % CPA + 1) * slot_len].copy())
+    return slots
+
+
 def xr_ring_emu(X, M, stride_x, cbeg, ngrp, GC, KW, NB, CPA, nt, ring_bytes, pitch_bytes, dist):
     """One CTA's XR ring: the prologue's CPA - 1 chunks, then at each local chunk j the copy of
     chunk j + CPA - 1 into the slot chunk j - 1 used (after the barrier), then what the warps
@@ -45,16 +59,7 @@ def xr_ring_emu(X, M, stride_x, cbeg, ngrp, GC, KW, NB, CPA, nt, ring_bytes, pit
                     at = slot * KW * slot_el + (k2 * NB * 8 + r) * pitch + col
                     assert 0 <= at and at + 8 <= len(ring) and (at * 2) % 16 == 0, "x ring: copy out of bounds"
                     ring[at:at + 8] = X.get(r * stride_x + chunk_at(j, k2) * 64 + col, 8, align=16)
-    nmax = nloc_of(0)
-    for s in range(dist):
-        if s < nmax:
-            issue(s, s)
-    slots = []
-    for j in range(nmax):
-        if j + dist < nmax:
-            issue((j + dist) % CPA, j + dist)
-        slots.append(ring[(j % CPA) * KW * slot_el:(j % CPA + 1) * KW * slot_el].copy())
-    return slots
+    return _replay(ring, issue, nloc_of(0), dist, CPA, KW * slot_el)
 
 
 
@@ -94,15 +99,7 @@ def wg_ring_emu(X, M, stride_x, cbeg, nloc, NB, CPA, nt, ring_bytes, dist, align
                     seen.add(at)
                     ring[at:at + 2] = v[2 * q:2 * q + 2]
         assert len(seen) == M * 32, "WG ring: a pair of the chunk was not copied"
-    for s in range(dist):
-        if s < nloc:
-            issue(s, s)
-    slots = []
-    for j in range(nloc):
-        if j + dist < nloc:
-            issue((j + dist) % CPA, j + dist)
-        slots.append(ring[(j % CPA) * slot_el:(j % CPA + 1) * slot_el].copy())
-    return slots
+    return _replay(ring, issue, nloc, dist, CPA, slot_el)
 
 
 def wg_lane_x(slot, NB, g, t, sbo):
