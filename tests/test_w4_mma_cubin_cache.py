@@ -48,14 +48,18 @@ def fakes(tmp_path, monkeypatch):
     cuda = types.SimpleNamespace(compiler=compiler)
     loaded = []
 
-    def raw_module(path):
-        data = open(path, "rb").read()
-        if not data.startswith(b"CUBIN"):
-            raise RuntimeError("not a cubin")
-        loaded.append(data)
-        return data
+    class RawModule:  # as CuPy's: the file is read when a function is first taken
+        def __init__(self, path):
+            self.path = path
+
+        def get_function(self, name):
+            data = open(self.path, "rb").read()
+            if not data.startswith(b"CUBIN"):
+                raise RuntimeError("not a cubin")
+            loaded.append(data)
+            return (name, data)
     cupy = types.ModuleType("cupy")
-    cupy.cuda, cupy.RawModule = cuda, raw_module
+    cupy.cuda, cupy.RawModule = cuda, RawModule
     cupy_cuda = types.ModuleType("cupy.cuda")
     cupy_cuda.compiler = compiler
     for name, mod in (("cupy", cupy), ("cupy.cuda", cupy_cuda), ("cupy_backends", types.ModuleType("cupy_backends")),
@@ -69,22 +73,22 @@ def fakes(tmp_path, monkeypatch):
 
 def test_compiles_once_then_loads_from_the_user_cache(fakes):
     k, nvrtc, loaded, folder = fakes
-    assert k._module_sm90a(("-DWG=1",)) == b"CUBIN 1"
+    assert k._function_sm90a(("-DWG=1",), "w4_mma_gemm") == ("w4_mma_gemm", b"CUBIN 1")
     assert nvrtc.compiled == [("-DWG=1", "-arch=sm_90a")]
     files = list(folder.glob("kvforge_w4_mma_*.cubin"))
     assert len(files) == 1 and not list(folder.glob("*.tmp"))
     assert (folder.stat().st_mode & 0o777) == 0o700
-    assert k._module_sm90a(("-DWG=1",)) == b"CUBIN 1" and len(nvrtc.compiled) == 1  # loaded, not rebuilt
-    k._module_sm90a(("-DWG=0",))  # other options: another file
+    assert k._function_sm90a(("-DWG=1",), "w4_mma_gemm")[1] == b"CUBIN 1" and len(nvrtc.compiled) == 1  # loaded
+    k._function_sm90a(("-DWG=0",), "w4_mma_gemm")  # other options: another file
     nvrtc.version = (13, 0)
-    k._module_sm90a(("-DWG=1",))  # another NVRTC: another file
+    k._function_sm90a(("-DWG=1",), "w4_mma_gemm")  # another NVRTC: another file
     assert len(nvrtc.compiled) == 3 and len(list(folder.glob("*.cubin"))) == 3
 
 
 def test_a_file_that_does_not_load_is_compiled_again(fakes):
     k, nvrtc, loaded, folder = fakes
-    k._module_sm90a(("-DWG=1",))
+    k._function_sm90a(("-DWG=1",), "w4_mma_gemm")
     path = next(folder.glob("*.cubin"))
     path.write_bytes(b"torn")
-    assert k._module_sm90a(("-DWG=1",)) == b"CUBIN 2" and len(nvrtc.compiled) == 2
+    assert k._function_sm90a(("-DWG=1",), "w4_mma_gemm")[1] == b"CUBIN 2" and len(nvrtc.compiled) == 2
     assert path.read_bytes() == b"CUBIN 2"

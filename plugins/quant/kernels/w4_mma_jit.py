@@ -54,9 +54,8 @@ class W4MmaKernels:
                 opts = nvrtc_options(dtype, cfg)
                 try:
                     with self.cupy.cuda.Device(index):  # a module is loaded into one device's context
-                        mod = (self._module_sm90a(opts) if cfg.get("WG")
-                               else self.cupy.RawModule(code=SOURCE, options=opts))
-                        fn = mod.get_function(name)
+                        fn = (self._function_sm90a(opts, name) if cfg.get("WG")
+                              else self.cupy.RawModule(code=SOURCE, options=opts).get_function(name))
                         # allow the shared-memory x slice past the 48 KB default (XS); the
                         # kernel's static shared memory (NORM's sums, the split-K flag) comes first
                         optin = torch.cuda.get_device_properties(index).shared_memory_per_block_optin
@@ -66,12 +65,12 @@ class W4MmaKernels:
                 self._mods[key] = fn
         return fn
 
-    def _module_sm90a(self, opts: tuple[str, ...]):
-        """The module built for sm_90a (wgmma is not in plain sm_90, and CuPy's RawModule always
+    def _function_sm90a(self, opts: tuple[str, ...], name: str):
+        """Kernel ``name`` of the module built for sm_90a (wgmma is not in plain sm_90, and CuPy's RawModule always
         appends the device's own -arch): NVRTC to a cubin, cached in CuPy's per-user kernel cache
         directory (``CUPY_CACHE_DIR``, default ~/.cupy/kernel_cache) under a hash of the source,
-        the options and the NVRTC version, and loaded from there; a file that does not load is
-        compiled again."""
+        the options and the NVRTC version, and loaded from there (CuPy loads a module when a
+        function is first taken from it); a file that does not load is compiled again."""
         from cupy.cuda import compiler
         from cupy_backends.cuda.libs import nvrtc
         opts = (*opts, "-arch=sm_90a")
@@ -81,7 +80,7 @@ class W4MmaKernels:
         path = folder / f"kvforge_w4_mma_{hashlib.sha256(key.encode()).hexdigest()}.cubin"
         if path.exists():
             try:
-                return self.cupy.RawModule(path=str(path))
+                return self.cupy.RawModule(path=str(path)).get_function(name)
             except Exception:  # torn or foreign file: build it again
                 pass
         prog = nvrtc.createProgram(SOURCE, "w4_mma.cu", (), ())
@@ -96,7 +95,7 @@ class W4MmaKernels:
         with tempfile.NamedTemporaryFile(dir=folder, suffix=".tmp", delete=False) as f:  # then an atomic rename
             f.write(cubin)
         os.replace(f.name, path)
-        return self.cupy.RawModule(path=str(path))
+        return self.cupy.RawModule(path=str(path)).get_function(name)
 
     def gemm(self, x, words, scales, zeros, out, ws, cnt, *, n: int, group_chunks: int, chunks_per_split: int,
              splits: int, cfg: dict, smem: int = 0, norm: "tuple | None" = None,
