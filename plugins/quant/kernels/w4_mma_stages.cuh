@@ -33,26 +33,29 @@ __device__ __forceinline__ void dequant_frag(unsigned* fr, const Acc& A, unsigne
 #define XR_PITCH 144
 #define XR_SLOT (NB * 8 * XR_PITCH)  // one chunk for 8 * NB token rows (rows >= M are never written)
 
+// A group starts: its zeros / scales, a fresh product.
+__device__ __forceinline__ void open_group(Acc& A, const Stage& cur) {
+#pragma unroll
+    for (int a = 0; a < TW; ++a)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            A.zb[a][r] = dup2(cur.z[2 * a + r] ^ 0x8000);
+#if SCALE_A
+            A.sa[a][r] = dup2(f_to_dt(cur.s[2 * a + r]));
+#else
+            A.sf[a][r] = cur.s[2 * a + r];
+#endif
+        }
+#if !SCALE_A
+    FOR_FRAGS A.tmp[a][b][f] = 0.f;
+#endif
+}
+
 // One 64-wide K chunk: dequantize the lane's weight words into A fragments, TW * 4 * NB MMAs.
 // gstart / gend: the chunk opens / closes a scale group. XR: ``xsm`` is the shared address of
 // this lane's x (row g, column 16t) in the chunk's ring slot.
 __device__ __forceinline__ void compute_chunk(Acc& A, const Stage& cur, bool gstart, bool gend, unsigned xsm = 0) {
-    if (gstart) {  // a group starts: its zeros / scales, a fresh product
-#pragma unroll
-        for (int a = 0; a < TW; ++a)
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                A.zb[a][r] = dup2(cur.z[2 * a + r] ^ 0x8000);
-#if SCALE_A
-                A.sa[a][r] = dup2(f_to_dt(cur.s[2 * a + r]));
-#else
-                A.sf[a][r] = cur.s[2 * a + r];
-#endif
-            }
-#if !SCALE_A
-        FOR_FRAGS A.tmp[a][b][f] = 0.f;
-#endif
-    }
+    if (gstart) open_group(A, cur);
 #if XR  // x from the ring, half a chunk (MMAs 2h, 2h + 1) at a time: 4 * NB registers live, not 8 * NB
 #pragma unroll
     for (int h = 0; h < 2; ++h) {

@@ -87,13 +87,7 @@ __device__ __forceinline__ void wg_pin(unsigned& v) { asm volatile("" : "+r"(v):
 // keep the compiler from giving fp's registers to fc before then). ``xs``: the chunk's ring slot.
 __device__ __forceinline__ void compute_chunk_wg(Acc& A, const Stage& cur, bool gstart, unsigned xs,
                                                  unsigned (&fc)[4][4], unsigned (&fp)[4][4]) {
-    if (gstart) {
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            A.zb[0][r] = dup2(cur.z[r] ^ 0x8000);
-            A.sa[0][r] = dup2(f_to_dt(cur.s[r]));
-        }
-    }
+    if (gstart) open_group(A, cur);
 #pragma unroll
     for (int i = 0; i < 4; ++i) dequant_frag(fc[i], A, word_of(cur.w[0], i), 0);
     float* d = &A.acc[0][0][0];
