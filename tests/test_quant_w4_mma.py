@@ -174,19 +174,27 @@ GPU_CONFIGS = [dict(split_k=1), dict(WARPS=1, TW=1, S=3, XS=1), dict(WARPS=2, TW
 def test_gpu_kernel(dtype, k, n, group, gen):
     if w4_mma.runtime_blocker(torch.device("cuda")):
         pytest.skip(w4_mma.runtime_blocker(torch.device("cuda")))
+    for m, cfg, err, same in gpu_kernel_cases(k, n, group, dtype, [None] + GPU_CONFIGS,
+                                              (1, 3, 8, 9, 16, 17, 33, 64, 65, 130), gen):
+        assert err <= BOUND[dtype], f"seed {gen.initial_seed()} M={m} {cfg}: {err}"
+        assert same, f"M={m} {cfg}: not deterministic"
+
+
+def gpu_kernel_cases(k, n, group, dtype, configs, ms, gen):
+    """Each (M, config) on the GPU against the fp32 reference of fresh random weights: yields
+    (M, config, relative max error, whether a second run gave the same bits: the split-K
+    counters were reset). Past MAX_FUSED_M only the default (dequantize) path runs.
+    ``benchmarks/w4_ring_check.py`` runs it with a few configs."""
     q, s, z, w_ref = _quant(k, n, group, gen)
     ps, pz = pack_mma_groups(s, z, dtype)
     words, ps, pz, w_ref = pack_mma(q).cuda(), ps.cuda(), pz.cuda(), w_ref.cuda()
-    configs = [None] + GPU_CONFIGS
-    for m in (1, 3, 8, 9, 16, 17, 33, 64, 65, 130):
+    for m in ms:
         x = torch.randn(m, k, device="cuda", dtype=dtype)
         ref = x.float() @ w_ref
         for cfg in configs if m <= w4_mma.MAX_FUSED_M else [None]:
             y = w4_mma.mma_gemm(x, words, ps, pz, group_size=group, n=n, config=cfg)
-            y2 = w4_mma.mma_gemm(x, words, ps, pz, group_size=group, n=n, config=cfg)  # counters were reset
-            err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
-            assert err <= BOUND[dtype], f"seed {gen.initial_seed()} M={m} {cfg}: {err}"
-            assert torch.equal(y, y2), f"M={m} {cfg}: not deterministic"
+            y2 = w4_mma.mma_gemm(x, words, ps, pz, group_size=group, n=n, config=cfg)
+            yield m, cfg, ((y.float() - ref).abs().max() / ref.abs().max()).item(), torch.equal(y, y2)
 
 
 @cuda
