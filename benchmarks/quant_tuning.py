@@ -99,8 +99,7 @@ def _xr_candidates(m: int) -> list[dict]:
     else:
         grid = ((2, 8, 1, 3, 1), (2, 8, 1, 4, 1), (2, 8, 1, 4, 2), (2, 4, 1, 4, 2), (2, 8, 2, 3, 1),
                 (2, 8, 4, 3, 1), (2, 4, 2, 4, 1), (1, 8, 1, 4, 2), (1, 8, 4, 4, 1))
-    # WG (warpgroup MMAs, sm_90a): one 64-row block per 4 warps
-    # (WARPS, CPA, waves, MINB)
+    # WG (warpgroup MMAs, sm_90a; one 64-row block per 4 warps): (WARPS, CPA, waves, MINB)
     wg = ((4, 4, 2, 3), (8, 4, 1, 2), (8, 4, 2, 2), (16, 4, 1, 1), (4, 6, 4, 3)) if m <= 32 else \
         ((4, 4, 2, 3), (8, 4, 1, 1), (8, 4, 1, 2), (8, 4, 2, 2), (16, 4, 1, 1), (16, 6, 1, 1), (8, 6, 2, 2),
          (4, 6, 4, 3))
