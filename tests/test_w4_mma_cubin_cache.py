@@ -44,8 +44,7 @@ def fakes(tmp_path, monkeypatch):
     nvrtc = FakeNvrtc()
     libs = types.ModuleType("cupy_backends.cuda.libs")
     libs.nvrtc = nvrtc
-    compiler = types.SimpleNamespace(get_cache_dir=lambda: str(tmp_path / "cache"))
-    cuda = types.SimpleNamespace(compiler=compiler)
+    monkeypatch.setenv("CUPY_CACHE_DIR", str(tmp_path / "cache"))
     loaded = []
 
     class RawModule:  # as CuPy's: the file is read when a function is first taken
@@ -59,10 +58,8 @@ def fakes(tmp_path, monkeypatch):
             loaded.append(data)
             return (name, data)
     cupy = types.ModuleType("cupy")
-    cupy.cuda, cupy.RawModule = cuda, RawModule
-    cupy_cuda = types.ModuleType("cupy.cuda")
-    cupy_cuda.compiler = compiler
-    for name, mod in (("cupy", cupy), ("cupy.cuda", cupy_cuda), ("cupy_backends", types.ModuleType("cupy_backends")),
+    cupy.RawModule = RawModule
+    for name, mod in (("cupy", cupy), ("cupy_backends", types.ModuleType("cupy_backends")),
                       ("cupy_backends.cuda", types.ModuleType("cupy_backends.cuda")),
                       ("cupy_backends.cuda.libs", libs)):
         monkeypatch.setitem(sys.modules, name, mod)
@@ -92,3 +89,12 @@ def test_a_file_that_does_not_load_is_compiled_again(fakes):
     path.write_bytes(b"torn")
     assert k._function_sm90a(("-DWG=1",), "w4_mma_gemm")[1] == b"CUBIN 2" and len(nvrtc.compiled) == 2
     assert path.read_bytes() == b"CUBIN 2"
+
+
+def test_default_folder_is_cupys_default(fakes, tmp_path, monkeypatch):
+    k, nvrtc, loaded, folder = fakes
+    monkeypatch.delenv("CUPY_CACHE_DIR")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    k._function_sm90a(("-DWG=1",), "w4_mma_gemm")
+    assert len(list((tmp_path / "home" / ".cupy" / "kernel_cache").glob("kvforge_w4_mma_*.cubin"))) == 1
+    assert not folder.exists()

@@ -71,11 +71,11 @@ class W4MmaKernels:
         directory (``CUPY_CACHE_DIR``, default ~/.cupy/kernel_cache) under a hash of the source,
         the options and the NVRTC version, and loaded from there (CuPy loads a module when a
         function is first taken from it); a file that does not load is compiled again."""
-        from cupy.cuda import compiler
         from cupy_backends.cuda.libs import nvrtc
         opts = (*opts, "-arch=sm_90a")
         key = "\0".join((SOURCE, *opts, "nvrtc %d.%d" % nvrtc.getVersion()))
-        folder = Path(compiler.get_cache_dir())
+        # CuPy's own rule for its cache directory (it has no public getter for it)
+        folder = Path(os.environ.get("CUPY_CACHE_DIR") or Path.home() / ".cupy" / "kernel_cache")
         folder.mkdir(mode=0o700, parents=True, exist_ok=True)
         path = folder / f"kvforge_w4_mma_{hashlib.sha256(key.encode()).hexdigest()}.cubin"
         if path.exists():
