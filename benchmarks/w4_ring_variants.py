@@ -1,5 +1,6 @@
 """Where the time of the mma W4A16 kernel's ring loop (XR, WG) goes, by leaving parts out:
-the wgmmas, the deferred wait (``wait0``: each chunk waits for its own wgmmas), the x copies,
+the wgmmas, the deferred wait (``wait0``: each chunk waits for its own wgmmas), the x copies
+(``nox``; WG's host-side x reorder, timed alone at the end, stays in),
 the per-chunk CTA barrier; then launch-config variants. 14336 x 14336 at M = 64 and 16, bf16
 timed in the same run. Wrong outputs by design: timing only.
 
@@ -10,7 +11,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 from bench_quant import bench, make_operands, methods  # noqa: E402
-from kvforge_plugins.quant.kernels import w4_mma_jit  # noqa: E402
+from kvforge_plugins.quant.kernels import w4_mma, w4_mma_jit  # noqa: E402
 
 BASE = w4_mma_jit.SOURCE
 
@@ -24,10 +25,8 @@ V = {
     "full": BASE,
     "nomma": rep("    for (int i = 0; i < 4; ++i) wgmma_step(d, fc[i], wg_desc(xs + 32 * i));", ""),
     "wait0": rep("wgmma.wait_group.sync.aligned 1;", "wgmma.wait_group.sync.aligned 0;"),
-    "nox": rep("    for (int k = 0; k < XU; ++k) {\n        const int u = threadIdx.x + k * NT, row = u >> 3;\n",
-               "    for (int k = 0; k < 0; ++k) {\n        const int u = threadIdx.x + k * NT, row = u >> 3;\n",
-               rep("    for (int k = 0; k < XU; ++k) {\n        const int u = threadIdx.x + k * NT, row = u >> 3, run",
-                   "    for (int k = 0; k < 0; ++k) {\n        const int u = threadIdx.x + k * NT, row = u >> 3, run")),
+    "nox": rep("for (int u = threadIdx.x; u < M * 8; u += NT) {\n        const int row = u >> 3, unit = u & 7;",
+               "for (int u = threadIdx.x; u < 0; u += NT) {\n        const int row = u >> 3, unit = u & 7;"),
     "nobar": rep("            __syncthreads();  // ... and every thread's", "            //"),
 }
 WG = dict(NB=8, TW=1, WARPS=8, KW=1, S=1, XS=0, XR=1, WG=1, CPA=4, SCALE_A=True, LDW=1, MINB=1, waves=1)
@@ -47,7 +46,8 @@ for m in (64, 16):
             w4_mma_jit._KERNELS = None
             t = min(bench(lambda v: fns["w4a16-mma"](v, cfg), x, True, rep=30) for _ in range(2))
             row.append(f"{name} {t * 1e6:6.1f}")
-        for extra in (({"MINB": 2}, {"MINB": 2, "CPA": 6}, {"WARPS": 4, "MINB": 3, "waves": 2}, {"WARPS": 16})
+        for extra in (({"CPA": 6}, {"WARPS": 16}, {"WARPS": 16, "CPA": 6}, {"WARPS": 16, "CPA": 5},
+                       {"WARPS": 4, "MINB": 2, "CPA": 6, "waves": 2})
                       if label == "WG" else ({"CPA": 8},)):
             w4_mma_jit.SOURCE = BASE
             w4_mma_jit._KERNELS = None
@@ -56,4 +56,5 @@ for m in (64, 16):
             row.append(f"{extra} {t * 1e6:6.1f}")
         print(f"M={m} {label}: " + " | ".join(row), flush=True)
     t = min(bench(fns["bf16"], x, True, rep=30) for _ in range(2))
-    print(f"M={m} bf16 {t * 1e6:.1f}", flush=True)
+    tp = min(bench(w4_mma.chunk_k_order, x, True, rep=30) for _ in range(2))
+    print(f"M={m} bf16 {t * 1e6:.1f}  WG's x reorder alone {tp * 1e6:.1f}", flush=True)

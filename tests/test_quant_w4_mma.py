@@ -50,6 +50,18 @@ def test_word_worked_by_hand(gen):
     assert torch.equal(unpack_mma(words), q)
 
 
+def test_chunk_k_order_worked_by_hand(gen):
+    x = torch.randn(3, 128, generator=gen)
+    y = w4_mma.chunk_k_order(x)
+    # chunk 1, position 16i + 8s + 2t + h with i 3, s 1, t 1, h 1 (= 59) <- column 16t + 4i + 2s + h (= 31);
+    # i 1, s 0, t 1, h 0 (position 18) <- column 20; i 0, s 1, t 0, h 1 (position 9) <- column 3
+    for pos, col in ((59, 31), (18, 20), (9, 3), (2, 16), (16, 4)):
+        assert torch.equal(y[:, 64 + pos], x[:, 64 + col]), (pos, col)
+    assert y.is_contiguous() and torch.equal(y.sort(1).values, x.sort(1).values)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        w4_mma.chunk_k_order(torch.zeros(2, 96))
+
+
 def test_groups_round_trip(gen):
     s = torch.rand(3, 128, generator=gen)
     z = torch.randint(0, 16, (3, 128), generator=gen)

@@ -1,6 +1,6 @@
 """The CPU mirror of how x comes into ``w4_mma_gemm`` and y goes out, for
-tests/w4_mma_emulate.py: the XR ring (``issue_x`` of w4_mma_stages.cuh) in the CTA's chunk
-order, the NORM prologue (``fill_x_norm``) thread by thread and the ROPE epilogue
+tests/w4_mma_emulate.py: the XR ring (``issue_x`` of w4_mma_stages.cuh) and WG's
+(``issue_x_wg``, w4_wgmma.cuh) in the CTA's chunk order, the NORM prologue (``fill_x_norm``) thread by thread and the ROPE epilogue
 (``store_out``) lane by lane, with the kernels' index arithmetic and roundings. Keep it in step
 with the .cuh files."""
 from __future__ import annotations
@@ -70,35 +70,29 @@ def swizzle128(addr):
 
 
 def wg_ring_emu(X, M, stride_x, cbeg, nloc, NB, CPA, nt, ring_bytes, dist, align, base):
-    """WG's ring for one CTA (KW 1): ``load_x_wg`` + ``store_x_wg`` thread by thread (16-byte runs,
-    their 4 pairs to their swizzled places), CPA - 2 chunks ahead (one chunk's wgmmas stay in flight); returns the slot each
-    local chunk j is read from (uint16 bits [NB * 512]; rows past M stay NaN). Slot 0 starts at
-    the kernel's rounding of the ring start up to ``align`` from ``base`` (the shared address the
-    stages end at), which must leave the ring inside the host's ``ring_bytes``. Each pair is
-    checked written once."""
+    """WG's ring for one CTA (KW 1): ``issue_x_wg`` thread by thread (thread tid copies the
+    16-byte units tid, tid + nt, ... of the chunk's M rows, x as the host passes it: chunks in
+    the layout's K order, to their 128-byte-swizzled places), CPA - 2 chunks ahead (one chunk's
+    wgmmas stay in flight); returns the slot each local chunk j is read from (uint16 bits
+    [NB * 512]; rows past M stay NaN). Slot 0 starts at the kernel's rounding of the ring start
+    up to ``align`` from ``base`` (the shared address the stages end at), which must leave the
+    ring inside the host's ``ring_bytes``. Each unit is checked written once."""
     slot_el = NB * 512
     start = -(-base // align) * align - base  # bytes the kernel skips to reach an aligned slot 0
     assert start + CPA * slot_el * 2 <= ring_bytes, f"WG ring: {start} bytes of alignment overrun the host's bytes"
     ring = np.full(CPA * slot_el, 0x7FFF, dtype=np.uint16)
 
-    xu = (NB * 64 + nt - 1) // nt  # XU: 16-byte runs per thread and chunk
-
-    def issue(slot, j):  # load_x_wg (a thread's runs tid + k * nt), then store_x_wg
+    def issue(slot, j):
         seen = set()
         for tid in range(nt):
-            for k in range(xu):
-                u = tid + k * nt
-                row, run = u >> 3, u & 7
-                if row >= M:
-                    continue
-                v = X.get(row * stride_x + (cbeg + j) * 64 + run * 8, 8, align=16)
-                for q in range(4):
-                    byte = row * 128 + (((4 * (run & 1) + q) ^ (row & 7)) << 4) + (run >> 1) * 4
-                    at = slot * slot_el + byte // 2
-                    assert 0 <= at and at + 2 <= CPA * slot_el and at not in seen, "WG ring: copy out of bounds or twice"
-                    seen.add(at)
-                    ring[at:at + 2] = v[2 * q:2 * q + 2]
-        assert len(seen) == M * 32, "WG ring: a pair of the chunk was not copied"
+            for u in range(tid, M * 8, nt):
+                row, unit = u >> 3, u & 7
+                byte = row * 128 + ((unit ^ (row & 7)) << 4)
+                at = slot * slot_el + byte // 2
+                assert 0 <= at and at + 8 <= CPA * slot_el and at not in seen, "WG ring: copy out of bounds or twice"
+                seen.add(at)
+                ring[at:at + 8] = X.get(row * stride_x + (cbeg + j) * 64 + unit * 8, 8, align=16)
+        assert len(seen) == M * 8, "WG ring: a unit of the chunk was not copied"
     return _replay(ring, issue, nloc, dist, CPA, slot_el)
 
 

@@ -35,8 +35,8 @@ def kernel_schedule(src: "str | None" = None) -> dict:
         swizzle128=bool(re.search(r"\(1ull << 62\)", src)),
         barrier="__syncthreads();  // ... and every thread's" in src,
         # the x copies are the CTA's: no ``live`` test may guard them (dead warps copy their share)
-        copies_by_all=not re.search(r"live[^;{}]*\)\s*\{?\s*(issue_x|issue_x_wg|load_x_wg|store_x_wg)\(", src)
-        and not re.search(r"if \(live[^\n]*\n(\s*(issue_stage|if)[^\n]*\n)*\s*(issue_x|load_x_wg|store_x_wg)\(", src),
+        copies_by_all=not re.search(r"live[^;{}]*\)\s*\{?\s*(issue_x|issue_x_wg)\(", src)
+        and not re.search(r"if \(live[^\n]*\n(\s*(issue_stage|if)[^\n]*\n)*\s*(issue_x|issue_x_wg)\(", src),
         fence='"fence.proxy.async.shared::cta;"' in src)
 
 

@@ -20,7 +20,8 @@
 // XR (1, with CPA: x goes through a CTA-wide ring of CPA chunk slots in shared memory, one CTA
 // barrier per chunk, and each warp reads it half a chunk at a time, so many token blocks (M = 64)
 // cost neither 8 * NB registers per lane nor a per-warp copy of x from L1: Marlin's shared A tile),
-// WG (1, with XR, sm_90a: warpgroup MMAs with x read from the ring by descriptor, w4_wgmma.cuh),
+// WG (1, with XR, sm_90a: warpgroup MMAs with x read from the ring by descriptor, w4_wgmma.cuh;
+// the host passes x with each chunk in the layout's K order),
 // ACT (1: the SwiGLU epilogue of store_out, output N / 2 wide), PDL (1: launched as a
 // programmatic dependent: weight prefetch, then griddepcontrol.wait; sm_90+), PDLP (chunks
 // per warp PDL prefetches into L2; -1: all), KW (warps of a CTA splitting its K range: warp kw takes the split's groups kw, kw + KW, ...;
@@ -155,7 +156,6 @@ w4_mma_gemm(const dt* __restrict__ x, int M, long long stride_x, const uint4* __
 #if WG  // the swizzle is anchored on address bits 7-9: 1024-byte aligned slots (the host adds 1 KB)
         const unsigned xring = (smem_u32(smem_raw) + STAGE_BYTES + 1023) & ~1023u;
         unsigned frA[4][4] = {}, frB[4][4] = {};  // A fragments of the chunk in flight and the next
-        XRegs xr;  // x of the chunk XR_DIST ahead, between its load and its store to the ring
 #else  // this lane's x (row g, column 16t) of share kw in slot 0
         const unsigned xring = smem_u32(smem_raw) + STAGE_BYTES;
         const unsigned xlane = xring + (kw * NB * 8 + g) * XR_PITCH + 32 * t;
@@ -167,17 +167,13 @@ w4_mma_gemm(const dt* __restrict__ x, int M, long long stride_x, const uint4* __
             if (s < nmax) {
                 if (live && s < nloc) issue_stage(ring + s * UNITS * NT * 16, wp, xp, sc, zp, rec0, rec_step, chunk_of(s), GC);
 #if WG
-                load_x_wg(xr, x, M, stride_x, cbeg + s);
-                store_x_wg(xr, xring + s * RING_SLOT, M);
+                issue_x_wg(xring + s * RING_SLOT, x, M, stride_x, cbeg + s);
 #else
                 issue_x(xring + s * RING_SLOT, x, M, stride_x, s, cbeg, ngrp, GC);
 #endif
             }
             cp_async_commit();
         }
-#if WG
-        if (XR_DIST < nmax) load_x_wg(xr, x, M, stride_x, cbeg + XR_DIST);
-#endif
         // one chunk; fc / fp: WG's A fragments of this chunk and of the previous one (in flight)
         auto step = [&](int j, unsigned (&fc)[4][4], unsigned (&fp)[4][4]) {
             cp_async_wait<XR_DIST - 1>();  // this thread's copies of chunk j have landed ...
@@ -189,9 +185,8 @@ w4_mma_gemm(const dt* __restrict__ x, int M, long long stride_x, const uint4* __
             if (nxt < nmax) {
                 if (live && nxt < nloc)
                     issue_stage(ring + nslot * UNITS * NT * 16, wp, xp, sc, zp, rec0, rec_step, chunk_of(nxt), GC);
-#if WG  // (stored after this barrier, read after a later one: the fence before it covers the stores)
-                store_x_wg(xr, xring + nslot * RING_SLOT, M);
-                if (nxt + 1 < nmax) load_x_wg(xr, x, M, stride_x, cbeg + nxt + 1);
+#if WG
+                issue_x_wg(xring + nslot * RING_SLOT, x, M, stride_x, cbeg + nxt);
 #else
                 issue_x(xring + nslot * RING_SLOT, x, M, stride_x, nxt, cbeg, ngrp, GC);
 #endif

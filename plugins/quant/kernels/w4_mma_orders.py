@@ -1,7 +1,8 @@
 """Row orders of the int4 mma layout (``w4_mma.py``) that let the kernel's epilogue combine
 output features a lane holds together: a gate|up pair interleaved 8 by 8 (the SwiGLU epilogue,
 ``ACT``) and each q/k head's two halves interleaved the same way (the RoPE epilogue, ``ROPE``).
-Each has its inverse, for the paths that multiply without the epilogue."""
+Each has its inverse, for the paths that multiply without the epilogue. Also the K order of
+the layout's 64-wide chunks, in which the warpgroup-MMA kernel (``WG``) takes x."""
 from __future__ import annotations
 
 import torch
@@ -64,3 +65,16 @@ def deinterleave_heads(y: torch.Tensor, heads: int, head_dim: int) -> torch.Tens
     rows = heads * head_dim
     qk = deinterleave_gate_up(y[..., :rows].reshape(*y.shape[:-1], heads, head_dim)).reshape(*y.shape[:-1], rows)
     return torch.cat([qk, y[..., rows:]], -1)
+
+
+def chunk_k_order(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] (K a multiple of 64) with each 64-wide chunk of K in the mma layout's K order,
+    a contiguous copy: position 16i + 8s + 2t + h of a chunk holds its column 16t + 4i + 2s + h
+    (i, t < 4; s, h < 2), the column the layout pairs with MMA K step i, k = 8s + 2t + h
+    (``w4_mma.cu``). The ``WG`` kernel reads x's chunks as the warpgroup MMAs' B operand, whose
+    K runs in that order, so it copies these rows as they stand. Raises ValueError unless x is
+    2-D with K a multiple of 64."""
+    if x.dim() != 2 or x.shape[1] % 64:
+        raise ValueError(f"chunk_k_order: x {tuple(x.shape)} must be [M, K] with K a multiple of 64")
+    m, k = x.shape
+    return x.reshape(m, k // 64, 4, 4, 2, 2).permute(0, 1, 3, 4, 2, 5).reshape(m, k)

@@ -13,8 +13,7 @@
 // (u ^ (n % 8)) * 16 (slots 1024-byte aligned, so the hardware's XOR of address bits 4-6 with
 // 7-9 is exactly this); K step i's descriptor starts 32 * i bytes in, groups of 8 tokens are
 // SBO = 1024 bytes apart. Logical k = 16i + 8s + 2t + h of the chunk is x's column
-// 16t + 4i + 2s + h (the layout's K permutation, w4_mma.cu), applied while copying (through
-// registers: store_x_wg).
+// 16t + 4i + 2s + h (the layout's K permutation, w4_mma.cu), applied by the host beforehand.
 
 #ifndef WG
 #define WG 0
@@ -121,38 +120,16 @@ __device__ __forceinline__ void wg_drain(Acc& A, unsigned (&f0)[4][4], unsigned 
         }
 }
 
-// WG's x copy, staged through registers: the layout's K permutation scatters each 4-byte pair
-// of a row (16t + 4i + 2s) to its own 16-byte unit (2i + s), so cp.async would need 4-byte
-// copies (32 per row and chunk; measured, they cost more than the wgmmas). Instead a thread
-// loads whole 16-byte runs of x one chunk ahead (``load_x_wg``: 8 per row, coalesced) and
-// stores their 4 pairs to the swizzled places after the next barrier (``store_x_wg``; a warp's
-// 32 stores of one pair index land in 32 banks). XU: 16-byte runs per thread and chunk.
-#define XU ((NB * 64 + NT - 1) / NT)
-struct XRegs {
-    uint4 v[XU];
-};
-
-__device__ __forceinline__ void load_x_wg(XRegs& r, const dt* x, int M, long long stride_x, int c) {
-#pragma unroll
-    for (int k = 0; k < XU; ++k) {
-        const int u = threadIdx.x + k * NT, row = u >> 3;
-        if (row < M) r.v[k] = __ldg(reinterpret_cast<const uint4*>(x + (size_t)row * stride_x + (size_t)c * 64 + (u & 7) * 8));
-    }
-}
-
-__device__ __forceinline__ void store_x_wg(const XRegs& r, unsigned slot, int M) {
-#pragma unroll
-    for (int k = 0; k < XU; ++k) {
-        const int u = threadIdx.x + k * NT, row = u >> 3, run = u & 7;
-        if (row < M) {
-            // pair q of the run is x column 8 * run + 2q = 16t + 4i + 2s with t = run / 2,
-            // 2i + s = 4 * (run & 1) + q: its unit, XOR the row (the 128-byte swizzle)
-            const unsigned base = slot + row * 128 + (run >> 1) * 4;
-#pragma unroll
-            for (int q = 0; q < 4; ++q)
-                asm volatile("st.shared.b32 [%0], %1;" ::"r"(base + (((4 * (run & 1) + q) ^ (row & 7)) << 4)),
-                             "r"(word_of(r.v[k], q)) : "memory");
-        }
+// WG's x copy: the host passes x with each 64-column chunk already in the layout's K order
+// (``w4_mma_orders.chunk_k_order``: position 16i + 8s + 2t + h holds column 16t + 4i + 2s + h), so
+// a token's chunk is B's 128-byte row as it stands, and cp.async moves its 16-byte units straight
+// to their swizzled places, as deep ahead as the weights (no register staging, no 4-byte stores).
+__device__ __forceinline__ void issue_x_wg(unsigned slot, const dt* x, int M, long long stride_x, int c) {
+    for (int u = threadIdx.x; u < M * 8; u += NT) {
+        const int row = u >> 3, unit = u & 7;
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(slot + row * 128 + ((unit ^ (row & 7)) << 4)),
+                     "l"(x + (size_t)row * stride_x + (size_t)c * 64 + unit * 8)
+                     : "memory");
     }
 }
 #endif
