@@ -91,7 +91,7 @@ def mma_candidates(m: int) -> list[dict]:
 def _xr_candidates(m: int) -> list[dict]:
     """Configs with x through the CTA's ring (XR, session 14): wide warp tiles sharing one copy
     of x, weights in cp.async stages; (TW, WARPS, KW, CPA, waves). TW 4 at 8 token blocks spills.
-    And the same ring read by warpgroup MMAs (WG)."""
+    And the same ring read by warpgroup MMAs (WG), and fed by a producer warp (WG 2)."""
     if m <= 16:
         grid = ((4, 4, 1, 4, 2), (4, 4, 4, 3, 1), (4, 8, 4, 4, 1), (2, 8, 8, 3, 1), (4, 4, 2, 4, 1))
     elif m <= 32:
@@ -103,10 +103,13 @@ def _xr_candidates(m: int) -> list[dict]:
     wg = ((4, 4, 2, 3), (8, 4, 1, 2), (8, 4, 2, 2), (16, 4, 1, 1), (4, 6, 4, 3)) if m <= 32 else \
         ((4, 4, 2, 3), (8, 4, 1, 1), (8, 4, 1, 2), (8, 4, 2, 2), (16, 4, 1, 1), (16, 6, 1, 1), (8, 6, 2, 2),
          (4, 6, 4, 3))
+    # WG 2 (a producer warp's bulk copies, session 15): (WARPS, CPA, waves, MINB)
+    ws = ((4, 8, 1, 1), (16, 6, 1, 1), (8, 8, 1, 1)) if m <= 32 else \
+        ((4, 8, 1, 1), (4, 8, 1, 2), (4, 6, 2, 2), (8, 8, 1, 1), (16, 8, 1, 1), (16, 6, 1, 1), (4, 4, 1, 3))
     return [dict(TW=tw, WARPS=wa, KW=kw, S=1, XS=0, XR=1, CPA=cp, SCALE_A=True, LDW=1, MINB=1, waves=wv)
             for tw, wa, kw, cp, wv in grid] + [
-        dict(TW=1, WARPS=wa, KW=1, S=1, XS=0, XR=1, WG=1, CPA=cp, SCALE_A=True, LDW=1, MINB=mb, waves=wv)
-        for wa, cp, wv, mb in wg]
+        dict(TW=1, WARPS=wa, KW=1, S=1, XS=0, XR=1, WG=wg_, CPA=cp, SCALE_A=True, LDW=1, MINB=mb, waves=wv)
+        for wg_, grid_ in ((1, wg), (2, ws)) for wa, cp, wv, mb in grid_]
 
 
 def wide_mma_candidates(m: int) -> list[dict]:

@@ -1,4 +1,4 @@
-"""Quick GPU check of the XR / WG configs of the mma W4A16 kernel (few compiles, unlike the
+"""Quick GPU check of the XR / WG (1 and 2) configs of the mma W4A16 kernel (few compiles, unlike the
 full ``tests/test_quant_w4_mma.py`` grid, whose ``gpu_kernel_cases`` it runs): three shapes x
 bf16/fp16 x M in 1..64, each result against the fp32 reference of the dequantized weight
 (``BOUND`` as the tests) and re-run for bit-identical replays. Prints the M = 64 rows and every
@@ -18,7 +18,9 @@ from test_quant_w4_mma import BOUND, gpu_kernel_cases  # noqa: E402
 CONFIGS = (dict(TW=1, WARPS=4, CPA=4, XR=1, WG=1, SCALE_A=True),
            dict(TW=1, WARPS=8, CPA=3, XR=1, WG=1, SCALE_A=True, split_k=2),
            dict(TW=2, WARPS=8, CPA=4, XR=1, SCALE_A=True),
-           dict(TW=2, WARPS=4, KW=2, CPA=3, XR=1, split_k=2))
+           dict(TW=2, WARPS=4, KW=2, CPA=3, XR=1, split_k=2),
+           dict(TW=1, WARPS=4, CPA=4, XR=1, WG=2, SCALE_A=True),
+           dict(TW=1, WARPS=16, CPA=5, XR=1, WG=2, SCALE_A=True, split_k=2))
 
 
 def main() -> int:

@@ -38,6 +38,7 @@ for m in (64, 16):
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     nb = 8 if m == 64 else 2
     for label, cfg, names in (("WG", WG, ["full", "nomma", "wait0", "nox", "nobar"]),
+                              ("WS", {**WG, "WG": 2, "CPA": 6}, ["full"]),
                               ("XR", XR, ["full"])):
         cfg = {**cfg, "NB": nb}
         row = []
@@ -48,7 +49,9 @@ for m in (64, 16):
             row.append(f"{name} {t * 1e6:6.1f}")
         for extra in (({"CPA": 6}, {"WARPS": 16}, {"WARPS": 16, "CPA": 6}, {"WARPS": 16, "CPA": 5},
                        {"WARPS": 4, "MINB": 2, "CPA": 6, "waves": 2})
-                      if label == "WG" else ({"CPA": 8},)):
+                      if label == "WG" else
+                      ({"CPA": 8}, {"WARPS": 16}, {"WARPS": 16, "CPA": 8}, {"WARPS": 4, "CPA": 8, "MINB": 2, "waves": 2},
+                       {"WARPS": 4, "CPA": 8, "waves": 1}) if label == "WS" else ({"CPA": 8},)):
             w4_mma_jit.SOURCE = BASE
             w4_mma_jit._KERNELS = None
             c2 = {**cfg, **extra}

@@ -90,7 +90,7 @@ def test_w4_mma_kernels_compile(nvrtc, dtype):
     configs = _w4_configs()
     assert len(configs) > 2, "the shipped choices table has no w4_mma configs"
     for cfg in configs:
-        _compile(nvrtc, SOURCE, "w4_mma.cu", nvrtc_options(dtype, cfg), ("w4_mma_gemm", "w4_mma_dequant"),
+        _compile(nvrtc, SOURCE, "w4_mma.cu", nvrtc_options(dtype, cfg), ("w4_mma_gemm", "w4_mma_dequant", "w4_x_tiles"),
                  "90a" if cfg.get("WG") else "90")
 
 

@@ -17,7 +17,8 @@ from test_quant_w4_mma import BOUND, _quant, gen  # noqa: F401  (gen: the fresh-
 # summed in a random arrival order. (K, N, group, M, config): odd N / 64, uneven last splits,
 # TW 1/2 with tile0 != 0, XS, S up to 4, SCALE_A, per-channel groups, the dequantize path, and
 # cp.async stages (CPA 2-8: more stages than a split has chunks, with and without XS), K
-# split by a CTA's warps (KW, with idle warps, beside split K), the XR x ring and WG's wgmma.
+# split by a CTA's warps (KW, with idle warps, beside split K), the XR x ring, WG's wgmma and
+# WG 2's producer warp.
 EMULATED = [
     (512, 192, 64, 3, None),
     (512, 320, 128, 17, None),
@@ -50,6 +51,11 @@ EMULATED = [
     (768, 320, 256, 64, dict(NB=8, TW=1, WARPS=4, CPA=3, XR=1, WG=1, SCALE_A=True)),
     (640, 192, 128, 13, dict(NB=2, TW=1, WARPS=8, CPA=3, XR=1, WG=1, SCALE_A=True, split_k=3)),
     (512, 128, 64, 5, dict(NB=1, TW=1, WARPS=4, CPA=8, XR=1, WG=1, SCALE_A=True, split_k=2)),
+    # WG 2: a producer warp's bulk copies through mbarrier-guarded stages (dead warpgroups,
+    # an odd chunk count, more stages than chunks, split K)
+    (768, 320, 256, 64, dict(NB=8, TW=1, WARPS=16, CPA=4, XR=1, WG=2, SCALE_A=True)),
+    (640, 192, 128, 13, dict(NB=2, TW=1, WARPS=8, CPA=3, XR=1, WG=2, SCALE_A=True, split_k=3)),
+    (576, 128, 64, 7, dict(NB=1, TW=1, WARPS=4, CPA=8, XR=1, WG=2, SCALE_A=True, split_k=1)),
 ]
 
 

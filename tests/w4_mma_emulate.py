@@ -17,7 +17,7 @@ import torch
 from kvforge_plugins.quant.kernels import w4_mma, w4_mma_jit
 from w4_mma_emulate_io import (bits_to_f, fill_norm_emu, rnd, store_rope, wg_lane_x, wg_ring_emu,  # noqa: F401
                                xr_ring_emu)
-from w4_mma_emulate_sched import check_ring_schedule, kernel_schedule
+from w4_mma_emulate_sched import check_ring_schedule, check_ws_protocol, kernel_schedule, ws_layout, ws_protocol
 
 BIAS = {torch.bfloat16: 128.0, torch.float16: 1024.0}
 
@@ -63,9 +63,15 @@ def gemm_emu(cfg, dtype, x_bits, M, stride_x, wq, sc, zp, N, KC, gc_rt, cps, spl
     WG = int(cfg.get("WG", 0))  # warpgroup MMAs: x from the ring by descriptor
     assert not WG or (XR and TW == 1 and int(cfg.get("KW", 1)) == 1 and WARPS % 4 == 0 and SA and NB in (1, 2, 4, 8)
                       and CPA >= 3)
-    if XR:  # the ring's constants as the kernel source has them, and its schedule proved safe
+    if XR and WG != 2:  # the ring's constants as the kernel source has them, and its schedule proved safe
         sched = kernel_schedule()
         dist = check_ring_schedule(CPA, bool(WG), sched)
+    if WG == 2:  # the stage layout of w4_wgmma_ws.cuh inside the host's bytes; its mbarrier protocol
+        sched, proto, lay = kernel_schedule(), ws_protocol(), ws_layout()
+        wgs, ws_w, ws_sz, ws_st = (lay[f](NB, WARPS) for f in ("wgs", "w", "sz", "stage"))
+        assert wgs == WARPS // 4 and M * 128 <= ws_w and ws_w + wgs * 2048 <= ws_sz and ws_sz + wgs * 384 <= ws_st
+        assert proto["align"] == 1024 and ws_st % 1024 == 0, "WG 2: x's 128-byte swizzle needs 1024-byte stages"
+        assert CPA * ws_st + 1024 <= w4_mma.xr_bytes(cfg) and w4_mma.stage_bytes(cfg) == 0
     ACT = int(cfg.get("ACT", 0))  # the SwiGLU epilogue: finished rows are kept unrounded, activated at the end
     assert not (ROPE and ACT) and (not ROPE or (rope[0] % 16 == 0 and rope[0] <= N))
     KW = int(cfg.get("KW", 1))
@@ -74,7 +80,7 @@ def gemm_emu(cfg, dtype, x_bits, M, stride_x, wq, sc, zp, N, KC, gc_rt, cps, spl
         slots = {((k - 1) * COLS * TW * NB * 4 + col * TW * NB * 4 + i) * 32 + ln for k in range(1, KW)
                  for col in range(COLS) for i in range(TW * NB * 4) for ln in range(32)}
         assert len(slots) == (KW - 1) * COLS * TW * NB * 128 and 4 * (max(slots) + 1) <= w4_mma.reduce_bytes(cfg)
-    if CPA:  # the stages' 16-byte units: one owner each, inside the bytes the host asked for
+    if CPA and WG != 2:  # the stages' 16-byte units: one owner each, inside the bytes the host asked for
         units = TW + (0 if XS or XR else 2 * NB) + (TW + 1) // 2 + 1
         addr = {((s * units + u) * 32 * WARPS + tid) * 16 for s in range(CPA) for u in range(units)
                 for tid in range(32 * WARPS)}
@@ -119,7 +125,14 @@ def gemm_emu(cfg, dtype, x_bits, M, stride_x, wq, sc, zp, N, KC, gc_rt, cps, spl
                 XSM = Flat(smem, "xs", 2)
             accs = {}
             ngrp = (cend - cbeg) // GC
-            if WG:  # the stages end at a 16-byte aligned shared address: any of them
+            if WG == 2:  # the producer's bulk copy of each chunk's tile to its stage's slot
+                check_ws_protocol(CPA, ngrp * GC, 4 * max(0, min(WARPS // 4, NBLK - bx * (WARPS // 4))), random, proto)
+                xr_slots = []
+                for j in range(ngrp * GC):
+                    slot = np.full(NB * 512, 0x7FFF, dtype=np.uint16)  # NaN: tokens >= M are never stored
+                    slot[:M * 64] = X.get((cbeg + j) * M * 64, M * 64, align=16)
+                    xr_slots.append(slot)
+            elif WG:  # the stages end at a 16-byte aligned shared address: any of them
                 base = random.randrange(0, 1024, 16) + w4_mma.stage_bytes(cfg)
                 xr_slots = wg_ring_emu(X, M, stride_x, cbeg, ngrp * GC, NB, CPA, 32 * WARPS, w4_mma.xr_bytes(cfg), dist,
                                        sched["align"], base)
@@ -158,7 +171,23 @@ def gemm_emu(cfg, dtype, x_bits, M, stride_x, wq, sc, zp, N, KC, gc_rt, cps, spl
                         d["z"] = Z.get(rec, 2 * TW, align=min(16, 4 * TW))
                     return d
 
+                def ws_stage(c):  # WG 2: the producer's copies of chunk c, read as the consumer lane does
+                    tile, wb = warp % 4, warp // 4
+                    assert nblk == bx * (WARPS // 4) + wb and tile == tile0
+                    words = W.get(4 * (nblk * KC + c) * 128, 512, align=16)  # the block's 2 KB
+                    d = {"c": c, "w": [words[4 * (tile * 32 + lane)[:, None] + np.arange(4)]]}
+                    if c % GC == 0:  # the (group, block) records: 64 scales, 64 zeros; lane entries 8g + 2 tile + r
+                        rec = ((c // GC) * NBLK + nblk) * 64
+                        e = g * 8 + 2 * tile
+                        d["s"] = SC.get(rec, 64, align=16)[e[:, None] + np.arange(2)]
+                        d["z"] = Z.get(rec, 64, align=16)[e[:, None] + np.arange(2)]
+                    return d
+
                 def chunks():  # (j, c, the stage holding chunk c) in the kernel's order of loads
+                    if WG == 2:  # full barrier j: the producer's copies of chunk j have landed
+                        for j in range(nloc):
+                            yield j, chunk_of(j), ws_stage(chunk_of(j))
+                        return
                     if CPA:  # cp.async ring: local chunk j + D goes to stage (j + D) % CPA, D = XR_DIST
                         dist = (CPA - 2 if WG else CPA - 1) if not XR else check_ring_schedule(CPA, bool(WG), sched)
                         ring = [None] * CPA
@@ -322,15 +351,18 @@ class FakeKernels:
 
     def gemm(self, x, words, scales, zeros, out, ws, cnt, *, n, group_chunks, chunks_per_split, splits, cfg, smem=0,
              norm=None, rope=None):
-        m, k = x.shape
+        tiles = x.dim() == 3  # WG 2's x tiles [K / 64, M, 64]
+        m, k = (x.shape[1], x.shape[0] * 64) if tiles else x.shape
+        assert tiles == (cfg.get("WG") == 2) and (not tiles or x.is_contiguous())
         xs = w4_mma.x_bytes(cfg, m, k, chunks_per_split, x.element_size())
         assert smem == max(xs + w4_mma.stage_bytes(cfg) + w4_mma.xr_bytes(cfg), w4_mma.reduce_bytes(cfg))
         if splits > 1:
             cols = cfg["WARPS"] // cfg.get("KW", 1)
             assert ws.shape == (splits, m, n) and cnt.numel() >= -(-((n // 16) // cfg["TW"]) // cols)
         # x as a flat view from its data pointer: storage from x's first element
-        assert x.stride(1) == 1
-        flat = torch.as_strided(x, ((m - 1) * x.stride(0) + k,), (1,)).contiguous().view(torch.int16).numpy().astype(np.uint16)
+        assert x.stride(-1) == 1
+        flat = (x.reshape(-1) if tiles else torch.as_strided(x, ((m - 1) * x.stride(0) + k,), (1,))
+                ).contiguous().view(torch.int16).numpy().astype(np.uint16)
         self.calls.append(dict(cfg=dict(cfg), cps=chunks_per_split, splits=splits, smem=smem,
                                       xalign=x.data_ptr() % 16, stride=x.stride(0)))
         assert x.data_ptr() % 16 == 0, f"x misaligned: data_ptr % 16 = {x.data_ptr() % 16}"
@@ -351,6 +383,9 @@ class FakeKernels:
             res_out.copy_(torch.from_numpy(r_bits.astype(np.int16)).view(x.dtype).reshape(m, k))
         assert out.shape == (m, n // 2 if cfg.get("ACT") else n)
         out.copy_(torch.from_numpy(y.reshape(out.shape)).to(out.dtype))
+
+    def x_tiles(self, x):  # the reference (the GPU test compares the kernel with it bit for bit)
+        return w4_mma.wg_x_tiles(x)
 
     def dequant(self, words, scales, zeros, wt, *, n, k, group_chunks):
         v = dequant_emu(wt.dtype, words.contiguous().view(-1).numpy().view(np.uint32), scales.reshape(-1).numpy(),

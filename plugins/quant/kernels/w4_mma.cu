@@ -68,7 +68,7 @@
 #define XR_DIST (CPA - 1)
 #endif
 
-extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB)
+extern "C" __global__ void __launch_bounds__((WARPS + (WG == 2)) * 32, MINB)
 w4_mma_gemm(const dt* __restrict__ x, int M, long long stride_x, const uint4* __restrict__ wq,
             const float* __restrict__ sc, const dt* __restrict__ zp, int N, int KC, int gc_rt, int cps, float* __restrict__ ws,
             int* __restrict__ cnt, dt* __restrict__ out, long long stride_o, const dt* __restrict__ res,
@@ -84,7 +84,7 @@ w4_mma_gemm(const dt* __restrict__ x, int M, long long stride_x, const uint4* __
     const int tile0 = (unit % (TILES_PER_BLK / TW)) * TW;  // first tile inside the 64-row block
     const int splits = gridDim.y, split = blockIdx.y;
     const int cbeg = split * cps, cend = min(cbeg + cps, KC);
-    const bool live = nblk < NBLK;
+    const bool live = nblk < NBLK && (WG != 2 || warp < WARPS);  // (WG 2: warp WARPS is the producer)
     const uint4* wp = wq + (size_t)nblk * KC * 128 + tile0 * 32 + lane;  // this lane's weight vectors
     // this warp's chunks: local chunk j is chunk_of(j); splits hold whole groups
     const int ngrp = (cend - cbeg) / GC;
@@ -151,7 +151,22 @@ w4_mma_gemm(const dt* __restrict__ x, int M, long long stride_x, const uint4* __
 #elif XS
     fill_x(xs, x, M, stride_x, xpitch, cbeg, cend);  // every thread: it ends in a CTA barrier
 #endif
-#if XR  // x through the CTA's ring, weights through each thread's stages, one commit group per chunk
+#if WG == 2  // a producer warp's bulk copies through mbarrier-guarded stages (w4_wgmma_ws.cuh)
+    {
+        __shared__ __align__(8) unsigned long long ws_bars[2 * CPA];
+        const unsigned bars = smem_u32(ws_bars);
+        const int blk0 = blockIdx.x * WS_WGS, nb = max(0, min(WS_WGS, NBLK - blk0));
+        if (threadIdx.x == 0) {  // full: the producer's one arrival + the bytes; empty: each live consumer warp
+            for (int s = 0; s < CPA; ++s) {
+                mbar_init(bars + 8 * s, 1);
+                mbar_init(bars + 8 * (CPA + s), 4 * nb);
+            }
+            asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        }
+        __syncthreads();
+        ws_loop(A, x, M, wq, sc, zp, KC, NBLK, cbeg, nloc, GC, blk0, nb, (smem_u32(smem_raw) + 1023) & ~1023u, bars);
+    }
+#elif XR  // x through the CTA's ring, weights through each thread's stages, one commit group per chunk
     {
 #if WG  // the swizzle is anchored on address bits 7-9: 1024-byte aligned slots (the host adds 1 KB)
         const unsigned xring = (smem_u32(smem_raw) + STAGE_BYTES + 1023) & ~1023u;

@@ -34,9 +34,9 @@ from kvforge.layers.cupy_launch import nvrtc_reasons
 
 from .choices import lookup
 from .w4_mma_config import (CONFIG_KEYS, MAX_FUSED_M, XR_PITCH, check_config, check_config_keys,  # noqa: F401
-                            reduce_bytes, stage_bytes, x_bytes, xr_bytes)
+                            reduce_bytes, stage_bytes, ws_stage_bytes, x_bytes, xr_bytes)
 from .w4_mma_orders import (chunk_k_order, deinterleave_gate_up, deinterleave_heads, interleave_gate_up,  # noqa: F401
-                            interleave_heads, silu_and_mul_interleaved)
+                            interleave_heads, silu_and_mul_interleaved, wg_x_tiles)
 from .wna16 import _num_sms, dequantize_groups
 
 DTYPES = (torch.float16, torch.bfloat16)
@@ -284,7 +284,9 @@ def _gemm(x, words, scales, zeros, group_size, n, config, silu_and_mul, norm, ro
         cfg["ROPE"] = 2 if rope[2] is not None else 1
     if cfg.get("WG") and not wgmma_capable(x.device):
         cfg["WG"] = 0  # wgmma is sm_90a only: elsewhere the same tiles run on mma.sync
-    if cfg.get("WG"):
+    if cfg.get("WG") == 2:
+        x = kernels().x_tiles(x)  # chunk-major, swizzled (wg_x_tiles): one bulk copy per chunk
+    elif cfg.get("WG"):
         x = chunk_k_order(x)  # the B operand's K order (a contiguous, aligned copy of M x K)
     ctas_n, cps, splits = plan(m, n, k, group_size, cfg, _num_sms(x.device.index or 0))
     xs = x_bytes(cfg, m, k, cps, x.element_size())

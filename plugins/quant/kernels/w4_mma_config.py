@@ -38,10 +38,11 @@ def check_config(cfg: dict, m: int) -> None:
     """Raise ValueError unless the full config ``cfg`` launches and its tiles cover M tokens:
     M <= 8 * NB <= MAX_FUSED_M, TW in 1/2/4, 1 <= WARPS <= 32 (1024 threads), S >= 1, XS /
     SCALE_A / LDW / XR 0 or 1, MINB >= 1, CPA 0 or 2..8, KW >= 1 dividing WARPS, split_k >= 0 (0 /
-    None: by ``waves``); XR needs CPA and excludes XS; WG needs XR, TW 1, KW 1, WARPS a multiple
-    of 4, SCALE_A, NB in 1, 2, 4, 8 (wgmma's N = 8 * NB) and CPA >= 3."""
+    None: by ``waves``); XR needs CPA and excludes XS; WG (1, or 2: with a producer warp) needs
+    XR, TW 1, KW 1, WARPS a multiple of 4, SCALE_A, NB in 1, 2, 4, 8 (wgmma's N = 8 * NB) and
+    CPA >= 3."""
     check_config_keys(cfg)
-    flags = all(int(cfg.get(key, 0)) in (0, 1) for key in ("XS", "SCALE_A", "LDW", "XR", "WG"))
+    flags = all(int(cfg.get(key, 0)) in (0, 1) for key in ("XS", "SCALE_A", "LDW", "XR")) and cfg.get("WG", 0) in (0, 1, 2)
     if cfg.get("XR") and (not cfg.get("CPA") or cfg.get("XS")):
         raise ValueError(f"w4 mma GEMM: config {cfg}: XR (the x ring) needs CPA >= 2 (its stages) and XS 0")
     if cfg.get("WG") and not (cfg.get("XR") and cfg["TW"] == 1 and cfg.get("KW", 1) == 1 and cfg["WARPS"] % 4 == 0
@@ -54,13 +55,14 @@ def check_config(cfg: dict, m: int) -> None:
             and (cfg.get("split_k") or 0) >= 0 and cfg.get("waves", 1) > 0):
         raise ValueError(f"w4 mma GEMM: config {cfg} does not cover M {m} or cannot launch (needs M <= 8 * NB <= "
                          f"{MAX_FUSED_M}, TW in 1/2/4, 1 <= WARPS <= 32, S >= 1, XS / SCALE_A / LDW 0 or 1, "
-                         "MINB >= 1, CPA 0 or 2..8, KW >= 1 dividing WARPS, split_k >= 0, waves > 0, XR 0 or 1)")
+                         "MINB >= 1, CPA 0 or 2..8, KW >= 1 dividing WARPS, split_k >= 0, waves > 0, XR 0 or 1, "
+                         "WG 0, 1 or 2)")
 
 
 def stage_bytes(cfg: dict) -> int:
     """Shared memory of the cp.async stages (``CPA``; 0 without): per stage and thread, 16-byte
     units for TW weight vectors, 2 * NB x runs (unless XS or XR), the scales and the zeros."""
-    if not cfg.get("CPA"):
+    if not cfg.get("CPA") or cfg.get("WG") == 2:  # (WG 2's stages are the CTA's: xr_bytes)
         return 0
     units = cfg["TW"] + (0 if cfg["XS"] or cfg.get("XR") else 2 * cfg["NB"]) + (cfg["TW"] + 1) // 2 + 1
     return cfg["CPA"] * units * 32 * cfg["WARPS"] * 16
@@ -74,12 +76,23 @@ XR_PITCH = 144
 def xr_bytes(cfg: dict) -> int:
     """Shared memory of the XR ring (after the stages): CPA slots x KW shares x 8 * NB rows of
     one 64-wide chunk; with WG, CPA slots of 8 * NB rows x 128 bytes, 1024-byte aligned (1 KB
-    of slack) for the 128-byte swizzle (0 without XR)."""
+    of slack) for the 128-byte swizzle; with WG 2, CPA whole stages (:func:`ws_stage_bytes`),
+    aligned the same way (0 without XR)."""
     if not cfg.get("XR"):
         return 0
+    if cfg.get("WG") == 2:
+        return cfg["CPA"] * ws_stage_bytes(cfg) + 1024
     if cfg.get("WG"):
         return cfg["CPA"] * cfg["NB"] * 1024 + 1024
     return cfg["CPA"] * cfg.get("KW", 1) * cfg["NB"] * 8 * XR_PITCH
+
+
+def ws_stage_bytes(cfg: dict) -> int:
+    """One stage of WG 2 (``WS_STAGE`` in w4_wgmma_ws.cuh): x's slot (8 * NB rows x 128 bytes),
+    2 KB of weight words per 64-row block (WARPS / 4 of them), then 256 bytes of scales and 128
+    of zeros per block, rounded up to 1 KB (x's swizzle is anchored on 1024-byte boundaries)."""
+    blocks = cfg["WARPS"] // 4
+    return -(-(cfg["NB"] * 1024 + blocks * (2048 + 384)) // 1024) * 1024
 
 
 def reduce_bytes(cfg: dict) -> int:

@@ -22,7 +22,8 @@ from kvforge.layers.cupy_launch import ptr as _ptr
 #: The kernels' CUDA C++: helpers, one chunk's stages, x in / y out, the kernels, as one NVRTC translation
 #: unit (joined here rather than #included, so CuPy's on-disk cache key covers every part).
 SOURCE = "\n".join(Path(__file__).with_name(f).read_text()
-                   for f in ("w4_mma_ops.cuh", "w4_mma_stages.cuh", "w4_wgmma.cuh", "w4_mma_io.cuh", "w4_mma.cu"))
+                   for f in ("w4_mma_ops.cuh", "w4_mma_stages.cuh", "w4_wgmma.cuh", "w4_wgmma_ws.cuh", "w4_mma_io.cuh",
+                             "w4_mma.cu"))
 _LOCK = threading.Lock()
 _DEFINES = (("NB", 1), ("TW", 4), ("WARPS", 4), ("S", 2), ("XS", 0), ("SCALE_A", 0), ("MINB", 1), ("LDW", 0), ("GCC", 0), ("CPA", 0), ("KW", 1), ("ACT", 0), ("PDL", 0), ("PDLP", -1), ("NORM", 0), ("ROPE", 0), ("XR", 0), ("WG", 0))
 
@@ -108,7 +109,7 @@ class W4MmaKernels:
         writes x + residual to residual_out. With ``cfg["ROPE"]``, ``rope`` is (rows in the
         rotary layout, head_dim, positions int64 [M] or None, cos, sin fp32 [max_pos,
         head_dim / 2] or None; the three tensors for ROPE 2)."""
-        m, k = x.shape
+        m, k = (x.shape[1], x.shape[0] * 64) if x.dim() == 3 else x.shape  # (WG 2's x tiles: [K / 64, M, 64])
         # the kernel fetches a group's scales at its first chunk and walks whole groups:
         # splits and K must hold whole groups
         assert chunks_per_split % group_chunks == 0 and (k // 64) % group_chunks == 0, (k, chunks_per_split,
@@ -120,7 +121,7 @@ class W4MmaKernels:
                        "PDLP": pdl.prefetch_setting() if use_pdl else -1})
         units = (n // 16) // cfg["TW"]
         grid = (-(-units // (cfg["WARPS"] // cfg.get("KW", 1))), splits)
-        block = (32 * cfg["WARPS"],)
+        block = (32 * (cfg["WARPS"] + (cfg.get("WG") == 2)),)  # WG 2: + the producer warp
         args = (_ptr(x), np.int32(m), np.int64(x.stride(0)), _ptr(words), _ptr(scales), _ptr(zeros), np.int32(n),
                 np.int32(k // 64), np.int32(group_chunks), np.int32(chunks_per_split), _ptr(ws), _ptr(cnt),
                 _ptr(out), np.int64(out.stride(0)))
@@ -136,6 +137,17 @@ class W4MmaKernels:
             if not (use_pdl and pdl.launch(fn.kernel.ptr, grid, block, args, smem,
                                            torch.cuda.current_stream(x.device).cuda_stream)):
                 fn(grid, block, args, shared_mem=smem)
+
+    def x_tiles(self, x: torch.Tensor) -> torch.Tensor:
+        """WG 2's x tiles [K / 64, M, 64] of x [M, K] (rows 16-byte aligned), as
+        ``w4_mma_orders.wg_x_tiles`` makes them: one thread per 16-byte unit."""
+        m, k = x.shape
+        out = torch.empty((k // 64, m, 64), dtype=x.dtype, device=x.device)
+        fn = self._fn("w4_x_tiles", x.device, x.dtype)
+        units = (k // 64) * m * 8
+        with self._streams.current(x.device):
+            fn((-(-units // 256),), (256,), (_ptr(x), np.int32(m), np.int64(x.stride(0)), np.int32(k // 64), _ptr(out)))
+        return out
 
     def dequant(self, words, scales, zeros, wt, *, n: int, k: int, group_chunks: int) -> None:
         """wt [N, K] (x's dtype) = the dequantized weight, transposed."""

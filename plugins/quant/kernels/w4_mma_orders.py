@@ -78,3 +78,17 @@ def chunk_k_order(x: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"chunk_k_order: x {tuple(x.shape)} must be [M, K] with K a multiple of 64")
     m, k = x.shape
     return x.reshape(m, k // 64, 4, 4, 2, 2).permute(0, 1, 3, 4, 2, 5).reshape(m, k)
+
+
+def wg_x_tiles(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] as the producer warp of ``WG 2`` copies it (w4_wgmma_ws.cuh): chunk-major tiles
+    [K / 64, M, 64], a contiguous copy, each row's chunk in :func:`chunk_k_order` with its
+    16-byte units (8 elements) 128-byte swizzled: unit u of row r at unit u ^ (r % 8) (the
+    ``SWIZZLE_128B`` pattern of the PTX ISA's wgmma matrix descriptors). So a chunk is one
+    contiguous M x 128-byte block that lands in shared memory exactly as the warpgroup MMAs
+    read it. Raises ValueError unless x is 2-D with K a multiple of 64."""
+    y = chunk_k_order(x)
+    m, k = y.shape
+    units = torch.arange(8, device=x.device)[None, :] ^ (torch.arange(m, device=x.device)[:, None] % 8)  # [M, 8]
+    y = y.reshape(m, k // 64, 8, 8).gather(2, units[:, None, :, None].expand(m, k // 64, 8, 8))
+    return y.permute(1, 0, 2, 3).contiguous().reshape(k // 64, m, 64)
