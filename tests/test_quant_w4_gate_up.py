@@ -47,7 +47,8 @@ def test_interleave_worked_by_hand():
 # (K, I, group, M, config): defaults, KW with idle warps, split K (activation after the sum),
 # and M = 70 (dequantize + cuBLAS path, activation in torch)
 CASES = [(256, 96, 64, 1, None), (512, 64, 128, 5, dict(TW=2, WARPS=4, KW=2, S=2)),
-         (640, 160, 128, 9, dict(TW=1, WARPS=2, split_k=3, S=1, CPA=3)), (256, 64, 128, 70, None)]
+         (640, 160, 128, 9, dict(TW=1, WARPS=2, split_k=3, S=1, CPA=3)), (256, 64, 128, 70, None),
+         (768, 320, 256, 40, dict(NB=8, TW=1, WARPS=8, CPA=4, XR=1, WG=2, SCALE_A=True))]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -121,6 +122,23 @@ def test_reference_backend_keeps_checkpoint_order(gen):
     assert not layer.wna16_gated
     x = torch.randn(4, 128, generator=gen).half()
     assert _err(layer.silu_and_mul(x), _swiglu_ref(x, w_ref)) <= BOUND[torch.float16]
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_fused_swiglu_cases(dtype, gen):
+    """The emulated cases' configs on the GPU (WG 2's producer warp with the SwiGLU epilogue among them)."""
+    if w4_mma.runtime_blocker(torch.device("cuda")):
+        pytest.skip(w4_mma.runtime_blocker(torch.device("cuda")))
+    for k, inter, group, m, cfg in CASES:
+        q, s, z, w_ref = _quant(k, 2 * inter, group, gen)
+        il = w4_mma.interleave_gate_up
+        ps, pz = w4_mma.pack_mma_groups(il(s), il(z), dtype)
+        x = torch.randn(m, k, device="cuda", dtype=dtype)
+        y = w4_mma.mma_gemm(x, w4_mma.pack_mma(il(q)).cuda(), ps.cuda(), pz.cuda(), group_size=group, n=2 * inter,
+                            config=cfg, silu_and_mul=True)
+        err = _err(y.cpu(), _swiglu_ref(x.cpu(), w_ref))
+        assert err <= BOUND[dtype], f"seed {gen.initial_seed()} {cfg}: {err}"
 
 
 @cuda
