@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from kvforge_plugins.quant.kernels import w4_mma, w4_mma_jit
-from w4_mma_emulate_io import (bits_to_f, fill_norm_emu, rnd, store_rope, wg_lane_x, wg_ring_emu,  # noqa: F401
+from w4_mma_emulate_io import (bits_to_f, fill_norm_emu, rnd, store_rope, wg_lane_x, wg_ring_emu, ws_x_slots,  # noqa: F401
                                xr_ring_emu)
 from w4_mma_emulate_sched import check_ring_schedule, check_ws_protocol, kernel_schedule, ws_layout, ws_protocol
 
@@ -127,11 +127,7 @@ def gemm_emu(cfg, dtype, x_bits, M, stride_x, wq, sc, zp, N, KC, gc_rt, cps, spl
             ngrp = (cend - cbeg) // GC
             if WG == 2:  # the producer's bulk copy of each chunk's tile to its stage's slot
                 check_ws_protocol(CPA, ngrp * GC, 4 * max(0, min(WARPS // 4, NBLK - bx * (WARPS // 4))), random, proto)
-                xr_slots = []
-                for j in range(ngrp * GC):
-                    slot = np.full(NB * 512, 0x7FFF, dtype=np.uint16)  # NaN: tokens >= M are never stored
-                    slot[:M * 64] = X.get((cbeg + j) * M * 64, M * 64, align=16)
-                    xr_slots.append(slot)
+                xr_slots = ws_x_slots(X, M, cbeg, ngrp * GC, NB)
             elif WG:  # the stages end at a 16-byte aligned shared address: any of them
                 base = random.randrange(0, 1024, 16) + w4_mma.stage_bytes(cfg)
                 xr_slots = wg_ring_emu(X, M, stride_x, cbeg, ngrp * GC, NB, CPA, 32 * WARPS, w4_mma.xr_bytes(cfg), dist,
