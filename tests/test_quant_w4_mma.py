@@ -173,7 +173,9 @@ GPU_CONFIGS = [dict(split_k=1), dict(WARPS=1, TW=1, S=3, XS=1), dict(WARPS=2, TW
 
 @cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("k,n,group", [(1024, 2048, 128), (512, 192, 64), (768, 320, 256), (1024, 256, 1024)])
+# (576, 256, 64): 9 chunks, so WG 2 with split_k 2 runs an odd count (its peeled first step) of 5
+@pytest.mark.parametrize("k,n,group", [(1024, 2048, 128), (512, 192, 64), (768, 320, 256), (1024, 256, 1024),
+                                       (576, 256, 64)])
 def test_gpu_kernel(dtype, k, n, group, gen):
     if w4_mma.runtime_blocker(torch.device("cuda")):
         pytest.skip(w4_mma.runtime_blocker(torch.device("cuda")))
@@ -301,7 +303,9 @@ def test_gemm_refuses_bad_groups_and_configs(gen):
                      (dict(XR=1), "XR .* needs CPA >= 2"), (dict(XR=1, CPA=3, XS=1), "XR .* needs CPA >= 2"),
                      (dict(WG=1, CPA=3), "WG .* needs XR"), (dict(WG=1, XR=1, CPA=3, TW=2), "WG .* needs XR"),
                      (dict(WG=1, XR=1, CPA=2, TW=1), "CPA >= 3"),
-                     (dict(WG=1, XR=1, CPA=3, TW=1, WARPS=6), "WARPS a multiple of 4")):
+                     (dict(WG=1, XR=1, CPA=3, TW=1, WARPS=6), "WARPS a multiple of 4"),
+                     (dict(WG=3, XR=1, CPA=3, TW=1, WARPS=4, SCALE_A=True), "WG 0, 1 or 2"),
+                     (dict(WG=2, XR=1, CPA=3, TW=1, WARPS=32, SCALE_A=True), "WARPS <= 28")):
         with pytest.raises(ValueError, match=msg):
             w4_mma.mma_gemm(x, words, ps, pz, group_size=64, n=64, config=bad)
     with pytest.raises(ValueError, match="unknown config keys"):  # also where the dequantize path runs (M > 64)

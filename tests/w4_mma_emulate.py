@@ -15,9 +15,10 @@ import numpy as np
 import torch
 
 from kvforge_plugins.quant.kernels import w4_mma, w4_mma_jit
-from w4_mma_emulate_io import (bits_to_f, fill_norm_emu, rnd, store_rope, wg_lane_x, wg_ring_emu, ws_x_slots,  # noqa: F401
+from w4_mma_emulate_io import (bits_to_f, fill_norm_emu, rnd, store_rope, wg_lane_x, wg_ring_emu,  # noqa: F401
                                xr_ring_emu)
-from w4_mma_emulate_sched import check_ring_schedule, check_ws_protocol, kernel_schedule, ws_layout, ws_protocol
+from w4_mma_emulate_sched import check_ring_schedule, kernel_schedule
+from w4_mma_emulate_ws import check_ws_protocol, ws_lane_reads, ws_layout, ws_protocol, ws_stage_emu
 
 BIAS = {torch.bfloat16: 128.0, torch.float16: 1024.0}
 
@@ -68,8 +69,8 @@ def gemm_emu(cfg, dtype, x_bits, M, stride_x, wq, sc, zp, N, KC, gc_rt, cps, spl
         dist = check_ring_schedule(CPA, bool(WG), sched)
     if WG == 2:  # the stage layout of w4_wgmma_ws.cuh inside the host's bytes; its mbarrier protocol
         sched, proto, lay = kernel_schedule(), ws_protocol(), ws_layout()
-        wgs, ws_w, ws_sz, ws_st = (lay[f](NB, WARPS) for f in ("wgs", "w", "sz", "stage"))
-        assert wgs == WARPS // 4 and M * 128 <= ws_w and ws_w + wgs * 2048 <= ws_sz and ws_sz + wgs * 384 <= ws_st
+        ws_st = lay["stage"](NB, WARPS)  # (the copies' bounds and overlaps: ws_stage_emu)
+        assert lay["wgs"](NB, WARPS) == WARPS // 4, "WG 2: one consumer warpgroup per 64-row block"
         assert proto["align"] == 1024 and ws_st % 1024 == 0, "WG 2: x's 128-byte swizzle needs 1024-byte stages"
         assert CPA * ws_st + 1024 <= w4_mma.xr_bytes(cfg) and w4_mma.stage_bytes(cfg) == 0
     ACT = int(cfg.get("ACT", 0))  # the SwiGLU epilogue: finished rows are kept unrounded, activated at the end
@@ -126,8 +127,18 @@ def gemm_emu(cfg, dtype, x_bits, M, stride_x, wq, sc, zp, N, KC, gc_rt, cps, spl
             accs = {}
             ngrp = (cend - cbeg) // GC
             if WG == 2:  # the producer's bulk copy of each chunk's tile to its stage's slot
-                check_ws_protocol(CPA, ngrp * GC, 4 * max(0, min(WARPS // 4, NBLK - bx * (WARPS // 4))), random, proto)
-                xr_slots = ws_x_slots(X, M, cbeg, ngrp * GC, NB)
+                blk0 = bx * (WARPS // 4)
+                nb = max(0, min(WARPS // 4, NBLK - blk0))  # live blocks: the producer copies theirs only
+                seed = random.getrandbits(32)
+                try:
+                    check_ws_protocol(CPA, ngrp * GC, nb, random.Random(seed), proto)
+                except AssertionError as e:
+                    raise AssertionError(f"interleaving seed {seed}: {e}") from e
+                arrays = {"xt": X.a.view(np.uint8), "wq": W.a.view(np.uint8), "sc": SC.a.view(np.uint8),
+                          "zp": Z.a.view(np.uint8)}
+                stages = [ws_stage_emu(proto, lay, arrays, NB=NB, WARPS=WARPS, M=M, KC=KC, NBLK=NBLK, GC=GC,
+                                       c=cbeg + j, gs=j % GC == 0, blk0=blk0, nb=nb) for j in range(ngrp * GC)]
+                xr_slots = [ws_lane_reads(proto, lay, *st, NB=NB, WARPS=WARPS, warp=0, gs=False)["x"] for st in stages]
             elif WG:  # the stages end at a 16-byte aligned shared address: any of them
                 base = random.randrange(0, 1024, 16) + w4_mma.stage_bytes(cfg)
                 xr_slots = wg_ring_emu(X, M, stride_x, cbeg, ngrp * GC, NB, CPA, 32 * WARPS, w4_mma.xr_bytes(cfg), dist,
@@ -167,22 +178,14 @@ def gemm_emu(cfg, dtype, x_bits, M, stride_x, wq, sc, zp, N, KC, gc_rt, cps, spl
                         d["z"] = Z.get(rec, 2 * TW, align=min(16, 4 * TW))
                     return d
 
-                def ws_stage(c):  # WG 2: the producer's copies of chunk c, read as the consumer lane does
-                    tile, wb = warp % 4, warp // 4
-                    assert nblk == bx * (WARPS // 4) + wb and tile == tile0
-                    words = W.get(4 * (nblk * KC + c) * 128, 512, align=16)  # the block's 2 KB
-                    d = {"c": c, "w": [words[4 * (tile * 32 + lane)[:, None] + np.arange(4)]]}
-                    if c % GC == 0:  # the (group, block) records: 64 scales, 64 zeros; lane entries 8g + 2 tile + r
-                        rec = ((c // GC) * NBLK + nblk) * 64
-                        e = g * 8 + 2 * tile
-                        d["s"] = SC.get(rec, 64, align=16)[e[:, None] + np.arange(2)]
-                        d["z"] = Z.get(rec, 64, align=16)[e[:, None] + np.arange(2)]
-                    return d
+                def ws_stage(j):  # WG 2: local chunk j's stage, read as this warp's lanes do
+                    r = ws_lane_reads(proto, lay, *stages[j], NB=NB, WARPS=WARPS, warp=warp, gs=j % GC == 0)
+                    return {"c": chunk_of(j), "w": [r["w"]], **({"s": r["s"], "z": r["z"]} if j % GC == 0 else {})}
 
                 def chunks():  # (j, c, the stage holding chunk c) in the kernel's order of loads
                     if WG == 2:  # full barrier j: the producer's copies of chunk j have landed
                         for j in range(nloc):
-                            yield j, chunk_of(j), ws_stage(chunk_of(j))
+                            yield j, chunk_of(j), ws_stage(j)
                         return
                     if CPA:  # cp.async ring: local chunk j + D goes to stage (j + D) % CPA, D = XR_DIST
                         dist = (CPA - 2 if WG else CPA - 1) if not XR else check_ring_schedule(CPA, bool(WG), sched)

@@ -96,18 +96,6 @@ def wg_ring_emu(X, M, stride_x, cbeg, nloc, NB, CPA, nt, ring_bytes, dist, align
     return _replay(ring, issue, nloc, dist, CPA, slot_el)
 
 
-def ws_x_slots(X, M, cbeg, nloc, NB):
-    """WG 2's x stages for one CTA: the producer's bulk copy of chunk cbeg + j's tile (x as the
-    host passes it: [K / 64, M, 64], already swizzled) to the start of its stage; returns each
-    local chunk's slot (uint16 bits [NB * 512]; rows past M stay NaN: never stored)."""
-    slots = []
-    for j in range(nloc):
-        slot = np.full(NB * 512, 0x7FFF, dtype=np.uint16)
-        slot[:M * 64] = X.get((cbeg + j) * M * 64, M * 64, align=16)
-        slots.append(slot)
-    return slots
-
-
 def wg_lane_x(slot, NB, g, t, sbo):
     """What the warpgroup MMAs multiply a lane's A fragments with, in the mma path's terms: per
     token block b, [32 lanes, 16] with entry 4i + 2s + h = B_i(k = 8s + 2t + h, n = 8b + g), B_i

@@ -40,7 +40,7 @@ def check_config(cfg: dict, m: int) -> None:
     SCALE_A / LDW / XR 0 or 1, MINB >= 1, CPA 0 or 2..8, KW >= 1 dividing WARPS, split_k >= 0 (0 /
     None: by ``waves``); XR needs CPA and excludes XS; WG (1, or 2: with a producer warp) needs
     XR, TW 1, KW 1, WARPS a multiple of 4, SCALE_A, NB in 1, 2, 4, 8 (wgmma's N = 8 * NB) and
-    CPA >= 3."""
+    CPA >= 3; WG 2 adds a producer warp, so WARPS <= 28 there."""
     check_config_keys(cfg)
     flags = all(int(cfg.get(key, 0)) in (0, 1) for key in ("XS", "SCALE_A", "LDW", "XR")) and cfg.get("WG", 0) in (0, 1, 2)
     if cfg.get("XR") and (not cfg.get("CPA") or cfg.get("XS")):
@@ -49,6 +49,9 @@ def check_config(cfg: dict, m: int) -> None:
                               and cfg.get("SCALE_A") and cfg["NB"] in (1, 2, 4, 8) and cfg["CPA"] >= 3):
         raise ValueError(f"w4 mma GEMM: config {cfg}: WG (warpgroup MMAs) needs XR, TW 1, KW 1, WARPS a multiple "
                          "of 4, SCALE_A, NB in 1, 2, 4, 8 and CPA >= 3 (one chunk's MMAs stay in flight)")
+    if cfg.get("WG") == 2 and cfg["WARPS"] > 28:
+        raise ValueError(f"w4 mma GEMM: config {cfg}: WG 2 launches WARPS + 1 warps (the producer): WARPS <= 28 "
+                         "(1024 threads)")
     if not (m <= 8 * cfg["NB"] <= MAX_FUSED_M and cfg["TW"] in (1, 2, 4) and 1 <= cfg["WARPS"] <= 32
             and cfg["S"] >= 1 and flags and cfg.get("MINB", 1) >= 1 and cfg.get("CPA", 0) in (0, *range(2, 9))
             and cfg.get("KW", 1) >= 1 and cfg["WARPS"] % cfg.get("KW", 1) == 0
