@@ -21,7 +21,8 @@
 // barrier per chunk, and each warp reads it half a chunk at a time, so many token blocks (M = 64)
 // cost neither 8 * NB registers per lane nor a per-warp copy of x from L1: Marlin's shared A tile),
 // WG (1, with XR, sm_90a: warpgroup MMAs with x read from the ring by descriptor, w4_wgmma.cuh;
-// the host passes x with each chunk in the layout's K order),
+// the host passes x with each chunk in the layout's K order; 2: the same MMAs fed by a producer
+// warp's bulk copies through mbarrier-guarded stages, no CTA barrier per chunk, w4_wgmma_ws.cuh),
 // ACT (1: the SwiGLU epilogue of store_out, output N / 2 wide), PDL (1: launched as a
 // programmatic dependent: weight prefetch, then griddepcontrol.wait; sm_90+), PDLP (chunks
 // per warp PDL prefetches into L2; -1: all), KW (warps of a CTA splitting its K range: warp kw takes the split's groups kw, kw + KW, ...;
@@ -46,6 +47,7 @@
 // order (deterministic) and writes y.
 //
 // Source: w4_mma_ops.cuh (helpers), w4_mma_stages.cuh (one chunk; cp.async stages), w4_wgmma.cuh (WG),
+// w4_wgmma_ws.cuh (WG 2; the x tiles kernel),
 // w4_mma_io.cuh (x in: the shared copy, the RMSNorm prologue; y out: the SwiGLU / RoPE
 // epilogues), then this file, joined by w4_mma_jit.SOURCE (one NVRTC translation unit).
 
