@@ -15,12 +15,12 @@ import numpy as np
 import torch
 
 from kvforge_plugins.quant.kernels import w4_mma, w4_mma_jit
-from w4_mma_emulate_io import (bits_to_f, fill_norm_emu, rnd, store_rope, wg_lane_x, wg_ring_emu,  # noqa: F401
+from w4_mma_emulate_dequant import dequant_emu
+from w4_mma_emulate_io import (BIAS, bits_to_f, fill_norm_emu, rnd, store_rope, wg_lane_x, wg_ring_emu,  # noqa: F401
                                xr_ring_emu)
 from w4_mma_emulate_sched import check_ring_schedule, kernel_schedule
 from w4_mma_emulate_ws import check_ws_protocol, ws_lane_reads, ws_layout, ws_protocol, ws_stage_emu
 
-BIAS = {torch.bfloat16: 128.0, torch.float16: 1024.0}
 
 
 class Flat:
@@ -313,33 +313,6 @@ def gemm_emu(cfg, dtype, x_bits, M, stride_x, wq, sc, zp, N, KC, gc_rt, cps, spl
     if ROPE:
         assert (written == 1).all(), "the RoPE epilogue stored an output twice or never"
     return (out, res_out) if NORM else out
-
-
-def dequant_emu(dtype, wq, sc, zp, N, KC, GC):
-    """``w4_mma_dequant``: W^T [N * K] float64 (rounded to ``dtype``)."""
-    NBLK = N >> 6
-    wt = np.full(N * KC * 64, np.nan)
-    bias = BIAS[dtype]
-    for idx in range(NBLK * KC * 128):
-        lane, tile = idx & 31, (idx >> 5) & 3
-        rest = idx >> 7
-        c, nblk = rest % KC, rest // KC
-        g, t = lane >> 2, lane & 3
-        v = wq[4 * idx: 4 * idx + 4].astype(np.int64)
-        gq = (((c // GC) * NBLK + nblk) * 8 + g) * 8
-        for r in range(2):
-            s = sc[gq + 2 * tile + r]
-            z = bits_to_f(zp[gq + 2 * tile + r: gq + 2 * tile + r + 1], dtype)[0] - bias
-            vals = []
-            for i in range(4):
-                for e in range(4):
-                    bit = 4 * (2 * (e >> 1) + r) + 16 * (e & 1)
-                    vals.append(((v[i] >> bit) & 15) - z)
-            vals = rnd(np.array(vals) * s, dtype)
-            row = nblk * 64 + tile * 16 + g + 8 * r
-            o = row * KC * 64 + c * 64 + 16 * t
-            wt[o:o + 16] = vals
-    return wt
 
 
 class FakeKernels:

@@ -8,6 +8,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+#: The dequantizing bias of the layout's packed pairs: BIAS + q is exact in the dtype's mantissa.
+BIAS = {torch.bfloat16: 128.0, torch.float16: 1024.0}
+
 
 def bits_to_f(bits: np.ndarray, dtype) -> np.ndarray:
     """16-bit patterns -> their fp16/bf16 values (float64)."""

@@ -1,0 +1,123 @@
+"""The host side of the int4 mma GEMM (``kernels/w4_mma.py``): bad operands, groups and
+launch configs refused with a clear error before any launch, the shipped choices table's
+entries passing the same checks, and the table's lookup rules (the M = 1 entry serving up to
+8 tokens; stages past shared memory refused). The kernel's launches are emulated on the CPU
+(tests/w4_mma_emulate.py). Fresh random data each run."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvforge_plugins.quant.kernels import w4_mma
+from kvforge_plugins.quant.kernels.w4_mma import pack_mma, pack_mma_groups
+from test_quant_w4_mma import BOUND, _quant, gen  # noqa: F401  (gen: the fresh-seed fixture)
+
+
+def test_gemm_refuses_bad_operands_before_launch(gen):
+    q, s, z, _ = _quant(128, 64, 64, gen)
+    ps, pz = pack_mma_groups(s, z, torch.bfloat16)
+    words = pack_mma(q)
+    x = torch.randn(2, 128, generator=gen)
+    with pytest.raises(ValueError, match="x dtype torch.float32 must be fp16/bf16"):
+        w4_mma.mma_gemm(x, words, ps, pz, group_size=64, n=64)
+    with pytest.raises(ValueError, match="match the layout's torch.bfloat16"):
+        w4_mma.mma_gemm(x.half(), words, ps, pz, group_size=64, n=64)
+    with pytest.raises(ValueError, match=r"words \(1, 1024\) do not fit"):
+        w4_mma.mma_gemm(x.bfloat16(), words, ps, pz, group_size=64, n=128)
+    with pytest.raises(ValueError, match="group 32"):
+        w4_mma.mma_gemm(x.bfloat16(), words, ps, pz, group_size=32, n=64)
+    assert w4_mma.mma_gemm(x[:0].bfloat16(), words, ps, pz, group_size=64, n=64).shape == (0, 64)
+
+
+def test_gemm_refuses_bad_groups_and_configs(gen):
+    q, s, z, _ = _quant(128, 64, 64, gen)
+    ps, pz = pack_mma_groups(s, z, torch.bfloat16)
+    words = pack_mma(q)
+    x = torch.randn(16, 128, generator=gen).bfloat16()
+    with pytest.raises(ValueError, match="must be contiguous, float32"):
+        w4_mma.mma_gemm(x, words, ps.half(), pz, group_size=64, n=64)
+    with pytest.raises(ValueError, match=r"of shape \(1, 1, 8, 8\)"):
+        w4_mma.mma_gemm(x, words, ps, pz, group_size=128, n=64)
+    with pytest.raises(ValueError, match="does not cover M 16"):  # one token block of 8 for 16 tokens
+        w4_mma.mma_gemm(x, words, ps, pz, group_size=64, n=64, config=dict(NB=1))
+    with pytest.raises(ValueError, match="TW in 1/2/4"):
+        w4_mma.mma_gemm(x, words, ps, pz, group_size=64, n=64, config=dict(TW=3))
+    with pytest.raises(ValueError, match="CPA 0 or 2..8"):  # one stage cannot overlap anything
+        w4_mma.mma_gemm(x, words, ps, pz, group_size=64, n=64, config=dict(CPA=1))
+    # compile-time constants: no silent truncation (NB 1.5 would compile as 1: 8 of 12 tokens),
+    # no unknown keys (a misspelling would run the default), launchable sizes only
+    for bad, msg in ((dict(NB=1.5), "must be integers"), (dict(nb=2), "unknown config keys"),
+                     (dict(WARPS=64), "1 <= WARPS <= 32"), (dict(split_k=-1), "split_k >= 0"),
+                     (dict(XS=5), "XS / SCALE_A / LDW 0 or 1"), (dict(NB=100), "8 \\* NB <= 64"),
+                     (dict(waves=0), "waves > 0"), (dict(XR=2, CPA=3), "XR 0 or 1"),
+                     # the x ring rides the cp.async stages and replaces XS; WG's warpgroup tiles
+                     (dict(XR=1), "XR .* needs CPA >= 2"), (dict(XR=1, CPA=3, XS=1), "XR .* needs CPA >= 2"),
+                     (dict(WG=1, CPA=3), "WG .* needs XR"), (dict(WG=1, XR=1, CPA=3, TW=2), "WG .* needs XR"),
+                     (dict(WG=1, XR=1, CPA=2, TW=1), "CPA >= 3"),
+                     (dict(WG=1, XR=1, CPA=3, TW=1, WARPS=6), "WARPS a multiple of 4"),
+                     (dict(WG=3, XR=1, CPA=3, TW=1, WARPS=4, SCALE_A=True), "WG 0, 1 or 2"),
+                     (dict(WG=2, XR=1, CPA=3, TW=1, WARPS=32, SCALE_A=True), "WARPS <= 28")):
+        with pytest.raises(ValueError, match=msg):
+            w4_mma.mma_gemm(x, words, ps, pz, group_size=64, n=64, config=bad)
+    with pytest.raises(ValueError, match="unknown config keys"):  # also where the dequantize path runs (M > 64)
+        w4_mma.mma_gemm(torch.randn(65, 128, generator=gen).bfloat16(), words, ps, pz, group_size=64, n=64,
+                        config=dict(cpa=3))
+    with pytest.raises(ValueError, match="must be a dict"):
+        w4_mma.mma_gemm(x, words, ps, pz, group_size=64, n=64, config=[("NB", 2)])
+
+
+def test_shipped_configs_pass_the_config_check():
+    """mma_gemm checks only configs a caller passes; the defaults and every entry of the shipped
+    choices table run unchecked, so they must pass here (at every M their bucket serves)."""
+    import json
+    from pathlib import Path
+    for m in range(1, w4_mma.MAX_FUSED_M + 1):
+        w4_mma.check_config(dict(w4_mma.CONFIGS[w4_mma.bucket(m)]), m)
+    table = json.loads((Path(w4_mma.__file__).with_name("gemm_choices.json")).read_text())
+    entries = [(key, cfg) for gpu in table.values() for key, cfg in gpu.get("w4_mma", {}).items()]
+    assert entries
+    for key, cfg in entries:
+        m = int(key.split("|")[0])
+        m = 8 if m == 1 else m  # an M = 1 entry also serves M = 2..8 (mma_gemm)
+        full = {**w4_mma.CONFIGS[w4_mma.bucket(m)], **{k: v for k, v in cfg.items() if k != "schema"}}
+        w4_mma.check_config(full, m)
+
+
+def test_m1_entry_serves_up_to_8_tokens(gen, monkeypatch):
+    # the table has M = 1 and M = 16 rows; M = 2..8 (key buckets 2, 4, 8) run the M = 1 row's
+    # one-token-block kernel, M = 9..16 their own row, never the defaults when a row is there
+    import w4_mma_emulate
+    fake = w4_mma_emulate.install(monkeypatch)
+    rows = {1: dict(NB=1, TW=2, WARPS=4, KW=2, S=2, schema=w4_mma.TABLE_SCHEMA),
+            16: dict(NB=2, TW=1, WARPS=2, KW=1, S=1, schema=w4_mma.TABLE_SCHEMA)}
+    monkeypatch.setattr(w4_mma, "lookup", lambda kind, m, n, k, device: rows.get(m if m < 2 else 16 if m > 8 else None))
+    q, s, z, w_ref = _quant(256, 128, 64, gen)
+    ps, pz = pack_mma_groups(s, z, torch.float16)
+    for m, want in ((1, rows[1]), (5, rows[1]), (8, rows[1]), (12, rows[16])):
+        x = torch.randn(m, 256, generator=gen).half()
+        y = w4_mma.mma_gemm(x, pack_mma(q), ps, pz, group_size=64, n=128)
+        assert {k: fake.calls[-1]["cfg"][k] for k in ("NB", "TW", "WARPS", "KW")} == \
+            {k: want[k] for k in ("NB", "TW", "WARPS", "KW")}, m
+        assert ((y.double() - x.double() @ w_ref.double()).abs().max()).item() <= \
+            BOUND[torch.float16] * (x.double() @ w_ref.double()).abs().max().item()
+
+
+def test_gemm_refuses_stages_past_shared_memory(gen, monkeypatch):
+    """CPA stages that do not fit the device's shared memory are refused before launch; an
+    x slice (XS) that does not fit beside them is dropped instead (each warp then loads x)."""
+    import w4_mma_emulate
+    fake = w4_mma_emulate.install(monkeypatch, smem_limit=40 * 1024)
+    q, s, z, w_ref = _quant(2048, 64, 64, gen)
+    ps, pz = pack_mma_groups(s, z, torch.bfloat16)
+    x = torch.randn(16, 2048, generator=gen).bfloat16()
+    big = dict(NB=2, TW=4, WARPS=4, CPA=4)  # 4 stages x 11 units x 128 threads x 16 B = 88 KB
+    assert w4_mma.stage_bytes({**w4_mma.CONFIGS[16], **big}) == 4 * 11 * 128 * 16
+    with pytest.raises(ValueError, match="needs 90112 bytes of shared memory for its CPA stages"):
+        w4_mma.mma_gemm(x, pack_mma(q), ps, pz, group_size=64, n=64, config=big)
+    assert not fake.calls
+    # stages 12 KB + the x slice 16 x (2048 + 8) x 2 B = 64 KB: over; without XS the stages take 28 KB
+    fits = dict(NB=2, TW=1, WARPS=4, CPA=2, XS=1, split_k=1)
+    y = w4_mma.mma_gemm(x, pack_mma(q), ps, pz, group_size=64, n=64, config=fits)
+    assert fake.calls[-1]["cfg"]["XS"] == 0 and fake.calls[-1]["smem"] == 2 * 7 * 128 * 16
+    ref = x.double() @ w_ref.double()
+    assert ((y.double() - ref).abs().max() / ref.abs().max()).item() <= BOUND[torch.bfloat16]
