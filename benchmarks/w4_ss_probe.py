@@ -1,0 +1,124 @@
+"""Probe, not a shipped kernel: does W4A16 at M <= 64 go faster with wgmma's roles swapped?
+``w4_ss_probe.cu`` makes x wgmma's A and the dequantized weights B, both from shared memory
+(m64n(64 PBN)k16 SS), where the shipped WG / WG 2 keep the weights in registers (RS, N = 8 NB).
+Times it (kernel alone, and with the host's split-K sum) beside bf16 and the shipped table, checks
+each result against the fp32 reference of the dequantized weight (rel < 2e-2), then leaves parts
+out (LO_LD, LO_DQ, LO_MMA: wrong results by design). Session 16; results in BENCHMARKS.md.
+
+    python benchmarks/w4_ss_probe.py
+"""
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_quant import GROUP, bench, make_operands, methods  # noqa: E402
+from kvforge_plugins.quant.kernels import w4_mma_jit  # noqa: E402
+from kvforge_plugins.quant.kernels.wna16 import dequantize_wna16  # noqa: E402
+
+PROBE = (Path(__file__).with_name("w4_ss_probe.cu")).read_text()
+# the helpers it uses are compiled in with a WG 2 config of the shipped kernel
+HOST_CFG = dict(NB=8, TW=1, WARPS=4, S=1, CPA=4, XR=1, SCALE_A=1, WG=2)
+
+
+def wgmma_ss_source(n: int) -> str:
+    """wgmma_ss(d, desc_a, desc_b, accumulate): m64n{n}k16, bf16 in, fp32 D (n / 2 registers)."""
+    nd = n // 2
+    outs = ", ".join(f"%{i}" for i in range(nd))
+    cons = ", ".join(f'"+f"(d[{i}])' for i in range(nd))
+    return ("__device__ __forceinline__ void wgmma_ss(float* d, unsigned long long da, unsigned long long db, int acc) {\n"
+            f'  asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{nd + 2}, 0;\\n"\n'
+            f'  "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {{{outs}}}, %{nd}, %{nd + 1}, p, 1, 1, 0, 0;\\n}}"\n'
+            f'  : {cons} : "l"(da), "l"(db), "r"(acc));\n}}\n')
+
+
+_FNS: dict = {}
+
+
+def probe_fn(pbn: int, pcpa: int, pch: int, leave_out: str = ""):
+    """(kernel, dynamic shared memory bytes) for PBN blocks, PCPA stages of PCH chunks."""
+    key = (pbn, pcpa, pch, leave_out)
+    if key not in _FNS:
+        import cupy
+        from cupy_backends.cuda.libs import nvrtc
+        src = w4_mma_jit.SOURCE + "\n" + PROBE.replace("@WGMMA_SS@", wgmma_ss_source(64 * pbn))
+        opts = (*w4_mma_jit.nvrtc_options(torch.bfloat16, HOST_CFG), f"-DPBN={pbn}", f"-DPCPA={pcpa}", f"-DPCH={pch}",
+                *((f"-D{leave_out}=1",) if leave_out else ()), "-arch=sm_90a")
+        prog = nvrtc.createProgram(src, "w4_ss_probe.cu", (), ())
+        try:
+            nvrtc.compileProgram(prog, opts)
+        except nvrtc.NVRTCError as e:
+            raise RuntimeError(nvrtc.getProgramLog(prog)) from e
+        path = Path(f"/tmp/w4_ss_probe_{pbn}_{pcpa}_{pch}_{leave_out}.cubin")
+        path.write_bytes(nvrtc.getCUBIN(prog))
+        nvrtc.destroyProgram(prog)
+        fn = cupy.RawModule(path=str(path)).get_function("w4_ss_probe")
+        stage = -(-(pch * 8192 + pbn * pch * (2048 + 384)) // 1024) * 1024
+        smem = pcpa * stage + 2 * pbn * 8192 + 1024
+        fn.max_dynamic_shared_size_bytes = smem
+        _FNS[key] = (fn, smem)
+    return _FNS[key]
+
+
+def probe(x, ops, k, n, pbn, pcpa, pch, splits, ws_buf, leave_out=""):
+    """fp32 partials [splits', M, N] of x @ W (splits' <= splits: whole groups and stages per split)."""
+    import cupy
+    fn, smem = probe_fn(pbn, pcpa, pch, leave_out)
+    m = x.shape[0]
+    xt = w4_mma_jit.kernels().x_tiles(x)
+    kc, gc = k // 64, GROUP // 64
+    unit = max(gc, pch)  # (both powers of two)
+    cps = -(-(-(-kc // splits)) // unit) * unit
+    sp = -(-kc // cps)
+    assert kc % unit == 0, "the probe needs whole stages"
+    ws = ws_buf[: sp * m * n].view(sp, m, n)
+    p = lambda t: np.uint64(t.data_ptr())  # noqa: E731
+    with cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
+        fn((n // (64 * pbn), sp), (160,), (p(xt), np.int32(m), p(ops["mma_words"]), p(ops["mma_scales"]),
+                                          p(ops["mma_zeros"]), np.int32(kc), np.int32(n // 64), np.int32(gc),
+                                          np.int32(cps), p(ws), np.int32(n)), shared_mem=smem)
+    return ws
+
+
+def run(k, n, ms, cfgs, leave_out=""):
+    ops = make_operands(k, n)
+    meth = methods(ops)
+    w_ref = dequantize_wna16(ops["awq_qweight"], ops["awq_scales"], ops["awq_zeros"], bits=4, group_size=GROUP,
+                             pack_k=False, awq_order=True, dtype=torch.float32)
+    ws_buf = torch.empty(8 * 64 * n, device="cuda", dtype=torch.float32)
+    for m in ms:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        ref = x.float() @ w_ref
+        tb = bench(lambda v: meth["bf16"](v), x, True)
+        tt = bench(lambda v: meth["w4a16-mma"](v), x, True)
+        print(f"K={k} N={n} M={m}: bf16 {tb * 1e6:.1f} us, shipped table {tt * 1e6:.1f} us ({tb / tt:.2f}x)", flush=True)
+        for pbn, pcpa, splits, pch in cfgs:
+            name = f"PBN {pbn} PCPA {pcpa} splits {splits} PCH {pch}"
+            try:
+                out = probe(x, ops, k, n, pbn, pcpa, pch, splits, ws_buf, leave_out).sum(0)
+                rel = ((out - ref).abs().max() / ref.abs().max()).item()
+                t1 = bench(lambda v: probe(v, ops, k, n, pbn, pcpa, pch, splits, ws_buf, leave_out), x, True, rep=30)
+                t2 = bench(lambda v: probe(v, ops, k, n, pbn, pcpa, pch, splits, ws_buf, leave_out).sum(0).to(torch.bfloat16),
+                           x, True, rep=30)
+                verdict = "(left out)" if leave_out else ("ok" if rel < 2e-2 else "WRONG")
+                print(f"  {name}: kernel {t1 * 1e6:6.1f} us ({tb / t1:.2f}x), + sum {t2 * 1e6:6.1f} us ({tb / t2:.2f}x)"
+                      f"  rel {rel:.1e} {verdict}", flush=True)
+            except Exception as e:  # e.g. more shared memory than the device has
+                print(f"  {name}: failed {type(e).__name__}: {str(e)[:200]}", flush=True)
+
+
+def main() -> int:
+    print("GPU", torch.cuda.get_device_name(), "torch", torch.__version__)
+    run(14336, 14336, [64, 16], [(2, 4, 2, 1), (4, 4, 2, 1), (2, 4, 2, 2), (2, 3, 2, 4), (4, 2, 2, 4)])
+    run(4096, 28672, [64], [(2, 4, 1, 1), (4, 4, 1, 2)])
+    for leave_out in ("LO_LD", "LO_DQ", "LO_MMA"):
+        print("== leave out", leave_out)
+        run(14336, 14336, [64], [(2, 4, 2, 1), (4, 4, 2, 1)], leave_out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
