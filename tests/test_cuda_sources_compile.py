@@ -94,6 +94,20 @@ def test_w4_mma_kernels_compile(nvrtc, dtype):
                  "90a" if cfg.get("WG") else "90")
 
 
+def test_w4_ss_probe_compiles(nvrtc):
+    """benchmarks/w4_ss_probe.cu (a measured probe, not shipped) builds on the shipped kernel's
+    helpers: it must keep compiling as they change (N 128 and 256, one- and four-chunk stages)."""
+    import sys
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import w4_ss_probe as probe
+    from kvforge_plugins.quant.kernels.w4_mma_jit import SOURCE, nvrtc_options
+    for pbn, pch in ((2, 1), (4, 4)):
+        src = SOURCE + "\n" + probe.PROBE.replace("@WGMMA_SS@", probe.wgmma_ss_source(64 * pbn))
+        opts = (*nvrtc_options(torch.bfloat16, probe.HOST_CFG), f"-DPBN={pbn}", "-DPCPA=3", f"-DPCH={pch}")
+        _compile(nvrtc, src, "w4_ss_probe.cu", opts, ("w4_mma_gemm", "w4_mma_dequant", "w4_x_tiles", "w4_ss_probe"),
+                 "90a")
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_flash_decode_kernels_compile(nvrtc, dtype):
     from kvforge_plugins.attention.flash_decode.jit import SOURCE, nvrtc_options
