@@ -108,6 +108,17 @@ def test_w4_ss_probe_compiles(nvrtc):
                  "90a")
 
 
+def test_wgmma_probe_compiles(nvrtc):
+    """benchmarks/wgmma_probe.cu (a measurement probe): register and shared-memory A, one and
+    four accumulator sets, the smallest and largest N."""
+    import sys
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import wgmma_probe as probe
+    for n, ss, sets, wait in ((8, 0, 4, 1), (64, 0, 4, 0), (256, 1, 1, 1), (128, 0, 1, 1)):
+        opts = tuple(o for o in probe.options(n, 4, wait, sets, ss) if not o.startswith("-arch"))
+        _compile(nvrtc, probe.source(n), "wgmma_probe.cu", opts, ("wgmma_probe",), "90a")
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_flash_decode_kernels_compile(nvrtc, dtype):
     from kvforge_plugins.attention.flash_decode.jit import SOURCE, nvrtc_options
