@@ -21,7 +21,7 @@ def _params(rng: random.Random) -> list[SamplingParams]:
     return [
         SamplingParams(temperature=0, max_tokens=rng.randrange(20, 60)),
         SamplingParams(temperature=0, max_tokens=1),                     # ends at its first token
-        SamplingParams(temperature=0, max_tokens=400),                   # ends at EOS
+        SamplingParams(temperature=0, max_tokens=130),                   # long: EOS or length (fits 12 blocks)
         SamplingParams(temperature=0.8, seed=seed, max_tokens=30, logprobs=2),
         SamplingParams(temperature=0, max_tokens=40, stop=["."]),        # stop string
         SamplingParams(temperature=0.9, seed=seed + 1, n=2, max_tokens=20),

@@ -74,9 +74,9 @@ def test_flat_overrides_beat_file(tmp_path, fmt):
     assert cfg.scheduler.max_num_batched_tokens == data["scheduler"]["max_num_batched_tokens"]
     assert cfg.model.model == STORIES_MODEL
     # LLM(config=..., **flat) uses the same precedence.
-    llm = LLM(STORIES_MODEL, config=str(path), max_num_seqs=seqs, num_gpu_blocks=24)
+    llm = LLM(STORIES_MODEL, config=str(path), max_num_seqs=seqs, num_gpu_blocks=48)  # (48 x 8 >= the file's max_model_len)
     assert llm.llm_engine.config.scheduler.max_num_seqs == seqs
-    assert llm.llm_engine.allocator.num_blocks == 24
+    assert llm.llm_engine.allocator.num_blocks == 48
     assert llm.llm_engine.allocator.block_size == data["cache"]["block_size"]
 
 
@@ -291,11 +291,12 @@ def test_generate_bad_flag_value_names_field(capsys):
     assert "errors.pydantic.dev" not in err, err
 
 
-def test_generate_fails_when_a_request_ends_in_error(capsys):
-    """One KV block cannot hold the prompt: the request ends with finish_reason=error and
-    the command's exit status says so."""
+def test_generate_refuses_a_prompt_the_kv_cache_cannot_hold(capsys):
+    """One KV block of 16 tokens: max_model_len is lowered to 16, so a longer prompt is refused
+    before anything runs, with exit status 2 and a message naming max_model_len."""
     rc = cli_main(["generate", "--model", STORIES_MODEL, "--num-gpu-blocks", "1", "--block-size", "16",
                    "Once upon a time there was a little girl named Lily who loved to play"])
-    assert rc == 1, capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert rc == 2 and "max_model_len (16)" in err, err
     rc = cli_main(["generate", "--model", STORIES_MODEL, "--max-tokens", "4", "Once"])
     assert rc == 0

@@ -143,6 +143,11 @@ def test_request_that_can_never_fit_fails_alone_and_does_not_block_queue():
     ref = run_engine(ref_eng)
 
     eng = make_engine(block_size=BLOCK, num_gpu_blocks=num_blocks, scheduler="fcfs")
+    with pytest.raises(ValueError, match="max_model_len"):  # the engine refuses it up front ...
+        eng.add_request("huge", {"prompt_token_ids": huge_prompt}, SamplingParams(temperature=0.0, max_tokens=8))
+    # ... and the scheduler stays safe when a front end admits one anyway (a third-party
+    # allocator may hold fewer tokens than its blocks suggest): the engine's limit is lifted
+    eng.max_model_len = 10 ** 6
     eng.add_request("huge", {"prompt_token_ids": huge_prompt}, SamplingParams(temperature=0.0, max_tokens=8))
     _add_all(eng, good)  # queued behind the request that can never fit
     got = run_engine(eng, max_steps=500)
@@ -160,24 +165,34 @@ def test_request_that_can_never_fit_fails_alone_and_does_not_block_queue():
     assert not eng.has_unfinished_requests()
 
 
-def test_request_outgrowing_whole_cache_fails_others_complete():
-    """A prompt that fits but whose generation outgrows every block ends with 'error', not a hang."""
+def test_request_growing_to_the_whole_cache_ends_at_length_others_complete():
+    """max_model_len is what the cache holds (4 blocks: 64 tokens), so no request can outgrow
+    it: asking for more is refused up front, and one that grows to the whole cache, beside
+    others that must be preempted for it, ends with 'length' there while the others complete
+    exactly as without pressure. No block leaks."""
     rng = fresh_rng("outgrow")
     num_blocks = 4
-    good = [(f"ok{i}", p, SamplingParams(temperature=0.0, max_tokens=rng.randint(8, 20)))
-            for i, p in enumerate(random_story_prompts(rng, 2))]
+    # the others run as long as the long one needs to fill the cache: it must preempt them
+    good = [(f"ok{i}", {"prompt_token_ids": [1] + [rng.randrange(3, 512) for _ in range(rng.randint(4, 10))]},
+             SamplingParams(temperature=0.0, max_tokens=rng.randint(40, 50), ignore_eos=True)) for i in range(2)]
     ref_eng = make_engine(block_size=BLOCK, num_gpu_blocks=64, scheduler="fcfs")
     _add_all(ref_eng, good)
     ref = run_engine(ref_eng)
 
     eng = make_engine(block_size=BLOCK, num_gpu_blocks=num_blocks, scheduler="fcfs")
-    eng.add_request("long", "Once upon a time", SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))
+    capacity = num_blocks * BLOCK
+    assert eng.max_model_len == capacity
+    prompt = {"prompt_token_ids": [1, 403, 407, 261, 378]}
+    with pytest.raises(ValueError, match="max_model_len"):
+        eng.add_request("long", prompt, SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))
+    eng.add_request("long", prompt, SamplingParams(temperature=0.0, max_tokens=capacity - 5, ignore_eos=True))
     _add_all(eng, good)
     got = run_engine(eng, max_steps=2000)
-    assert got["long"].outputs[0].finish_reason == "error"
-    assert got["long"].error
+    assert got["long"].outputs[0].finish_reason == "length" and got["long"].error is None
+    assert len(got["long"].outputs[0].token_ids) == capacity - 5
     for rid, _, _ in good:
         assert got[rid].outputs[0].token_ids == ref[rid].outputs[0].token_ids
+    assert eng.scheduler.num_preemptions > 0
     assert_no_block_leak(eng)
 
 

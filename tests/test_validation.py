@@ -301,17 +301,28 @@ def test_more_bad_inputs_name_their_field(tmp_path):
 
 
 
-def test_kv_cache_smaller_than_max_model_len_warns_and_fails_requests_by_name(caplog):
-    """A cache that cannot hold one max-length request is served (short requests fit), with a
-    start-up warning naming the fields; a request that does not fit fails alone, by name."""
+def test_kv_cache_smaller_than_the_model_lowers_max_model_len(caplog):
+    """A cache that cannot hold one request of the model's full length is served with
+    max_model_len lowered to what it holds (a start-up warning names the fields), so a longer
+    request is refused up front, by name, instead of failing mid-flight; short ones run."""
     with caplog.at_level("WARNING", logger="kvforge"):
         llm = LLM(STORIES_MODEL, dtype="float32", num_gpu_blocks=2, block_size=16)
-    assert any("max_model_len" in r.getMessage() and "cache.num_gpu_blocks" in r.getMessage() for r in caplog.records)
-    short, long = llm.generate([{"prompt_token_ids": [1, 5, 9]}, {"prompt_token_ids": [1] + [7] * 40}],
-                               SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert any("max_model_len lowered to 32" in r.getMessage() and "cache.num_gpu_blocks" in r.getMessage()
+               for r in caplog.records)
+    assert llm.llm_engine.max_model_len == 32
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    with pytest.raises(ValueError, match=r"prompts\[1\]: prompt: 41 tokens .* max_model_len \(32\)"):
+        llm.generate([{"prompt_token_ids": [1, 5, 9]}, {"prompt_token_ids": [1] + [7] * 40}], params, use_tqdm=False)
+    (short,) = llm.generate([{"prompt_token_ids": [1, 5, 9]}], params, use_tqdm=False)
     assert len(short.outputs[0].token_ids) == 4 and short.error is None
-    assert long.outputs[0].finish_reason == "error" and "KV blocks" in long.error
     assert_no_block_leak(llm.llm_engine)
+
+
+def test_explicit_max_model_len_beyond_the_kv_cache_is_refused():
+    """An explicit model.max_model_len the cache cannot hold is a configuration error naming
+    both settings (vLLM refuses to start there too), not a silent cap."""
+    with pytest.raises(ValueError, match=r"model.max_model_len 64 exceeds the 32 tokens .* cache.num_gpu_blocks"):
+        LLM(STORIES_MODEL, dtype="float32", num_gpu_blocks=2, block_size=16, max_model_len=64)
 
 
 def test_small_kv_budget_warning_names_the_field_that_was_set(caplog):
@@ -325,3 +336,35 @@ def test_small_kv_budget_warning_names_the_field_that_was_set(caplog):
 def test_step_overhead_must_be_finite_and_non_negative(value):
     with pytest.raises(ValidationError, match="step_overhead"):
         EngineConfig.from_sources(None, {"model": STORIES_MODEL, "speculative.step_overhead": value})
+
+
+@pytest.mark.parametrize("scheduler", ["fcfs", "priority"])
+def test_priority_must_be_an_integer_and_a_failed_generate_leaves_nothing_queued(scheduler):
+    """A non-integer priority is refused up front whatever the scheduler (a priority scheduler
+    compares them: one bad value used to break every later step); and when a generate() call
+    fails midway, its requests are aborted, so the next call runs as if it never happened."""
+    llm = LLM(STORIES_MODEL, dtype="float32", scheduler=scheduler, max_num_seqs=1)
+    params = SamplingParams(temperature=0, max_tokens=3)
+    ref = llm.generate(["Lily"], params, use_tqdm=False)[0].outputs[0].token_ids
+    for bad in (None, "abc", 1.5, True):
+        with pytest.raises(ValueError, match=r"prompts\[0\]: priority: must be an integer"):
+            llm.generate(["Hi", "Lily"], params, priority=[bad, 2], use_tqdm=False)
+    engine = llm.llm_engine
+    assert not engine.has_unfinished_requests()
+    real_step, calls = engine.step, []
+
+    def failing_step():
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("injected step failure")
+        return real_step()
+    engine.step = failing_step
+    with pytest.raises(RuntimeError, match="injected"):
+        llm.generate(["Hi", "Once upon a time", "Lily"], params, use_tqdm=False)
+    engine.step = real_step
+    st = engine.stats()  # aborted at once, not left queued ahead of the next call (their blocks back)
+    assert st["num_waiting"] == 0 and st["num_running"] == 0, st
+    assert engine.allocator.num_free_blocks == engine.allocator.num_blocks
+    assert llm.generate(["Lily"], params, use_tqdm=False)[0].outputs[0].token_ids == ref
+    assert not engine.has_unfinished_requests()
+    assert_no_block_leak(engine)

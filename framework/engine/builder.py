@@ -53,6 +53,9 @@ def load_hf_config(path: str):
     if not os.path.isdir(path):
         raise ValueError(f"model.model: {path!r} is not a directory (a Hugging Face-layout "
                          "checkpoint folder with config.json is expected)")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError(f"model.model: no config.json in {path!r} (a Hugging Face-layout checkpoint folder is "
+                         "expected)")
     try:
         return AutoConfig.from_pretrained(path, local_files_only=True)
     except Exception as e:
@@ -62,6 +65,31 @@ def load_hf_config(path: str):
 def _kv_block_bytes(hf_config, head_dim: int, num_kv_heads: int, block_size: int, dtype: torch.dtype) -> int:
     elem = torch.empty((), dtype=dtype).element_size()
     return 2 * hf_config.num_hidden_layers * block_size * num_kv_heads * head_dim * elem
+
+
+def fit_max_model_len(config: EngineConfig, max_model_len: int, num_blocks: int, device: torch.device,
+                      draft_block_bytes: int = 0, block_bytes: int = 0) -> int:
+    """The max_model_len the engine serves, given ``num_blocks`` KV blocks: a request longer than
+    the cache holds could never run (it would fail mid-flight), so the front ends must refuse it
+    up front. A max_model_len taken from the model's max_position_embeddings is lowered to the
+    cache's capacity (with a warning); one the config sets explicitly raises ValueError naming it
+    and the cache setting to raise (vLLM refuses to start there too)."""
+    c = config.cache
+    capacity = num_blocks * c.block_size
+    if capacity >= max_model_len:
+        return max_model_len
+    knob = ("cache.num_gpu_blocks" if c.num_gpu_blocks is not None else
+            "cache.kv_cache_memory_bytes" if c.kv_cache_memory_bytes is not None or device.type != "cuda" else
+            "cache.gpu_memory_utilization")
+    share = (f"; the draft model's KV takes {draft_block_bytes / block_bytes:.0%} of each block's bytes"
+             if draft_block_bytes and block_bytes and c.num_gpu_blocks is None else "")
+    if config.model.max_model_len is not None:
+        raise ValueError(f"model.max_model_len {max_model_len} exceeds the {capacity} tokens that {num_blocks} KV "
+                         f"blocks of {c.block_size} tokens hold: raise {knob} or lower model.max_model_len{share}")
+    log.warning("cache: %d KV blocks of %d tokens hold %d tokens, fewer than the model's %d positions: "
+                "max_model_len lowered to %d (raise %s to serve longer requests)%s", num_blocks, c.block_size,
+                capacity, max_model_len, capacity, knob, share)
+    return capacity
 
 
 def _num_blocks(cfg: EngineConfig, device: torch.device, block_bytes: int, max_model_len: int) -> int:
@@ -291,16 +319,8 @@ def build_engine_parts(config: EngineConfig, registry: Registry) -> EngineParts:
     block_bytes = _kv_block_bytes(hf_config, head_dim, num_kv_heads, config.cache.block_size, dtype)
     draft_block_bytes = sum(d.kv_cache_block_bytes(config.cache.block_size) for d in drafters.values())
     num_blocks = _num_blocks(config, device, block_bytes + draft_block_bytes, max_model_len)
-    if num_blocks * config.cache.block_size < max_model_len:
-        c = config.cache
-        knob = ("cache.num_gpu_blocks" if c.num_gpu_blocks is not None else
-                "cache.kv_cache_memory_bytes" if c.kv_cache_memory_bytes is not None or device.type != "cuda" else
-                "cache.gpu_memory_utilization")
-        share = (f"; the draft model's KV takes {draft_block_bytes / (block_bytes + draft_block_bytes):.0%} of "
-                 "each block's bytes" if draft_block_bytes and c.num_gpu_blocks is None else "")
-        log.warning("cache: %d KV blocks of %d tokens hold %d tokens, fewer than max_model_len %d; a longer request "
-                    "fails (raise %s or lower model.max_model_len)%s", num_blocks, c.block_size,
-                    num_blocks * c.block_size, max_model_len, knob, share)
+    max_model_len = fit_max_model_len(config, max_model_len, num_blocks, device, draft_block_bytes,
+                                      block_bytes + draft_block_bytes)
     allocator: KVAllocator = alloc_spec.factory(num_blocks, config.cache.block_size, alloc_settings, config.cache)
     # One extra block past the allocator's range: the scratch block padded CUDA-graph rows write to.
     shape = backend.kv_cache_shape(num_blocks + 1, config.cache.block_size, num_kv_heads, head_dim)

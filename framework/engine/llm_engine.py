@@ -35,6 +35,10 @@ class PreparedRequest:
 PromptType = Any
 
 
+#: Keys of a dict prompt (vLLM's TextPrompt / TokensPrompt, and the prefix cache's salt).
+_PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "cache_salt"})
+
+
 class LLMEngine:
     """Continuous-batching engine over plugin-supplied parts.
 
@@ -89,16 +93,26 @@ class LLMEngine:
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict):
+            unknown = sorted(map(str, set(prompt) - _PROMPT_KEYS))
+            if unknown:  # (a misspelt key would silently drop what it meant)
+                raise ValueError(f"prompt: unknown key(s) {unknown} in a dict prompt; known: "
+                                 f"{', '.join(sorted(_PROMPT_KEYS))}")
             if "prompt_token_ids" in prompt:
                 ids = prompt["prompt_token_ids"]
                 text = prompt.get("prompt")
             elif "prompt" in prompt:
+                if not isinstance(prompt["prompt"], str):
+                    raise ValueError(f"prompt: the 'prompt' of a dict prompt must be a string, got "
+                                     f"{type(prompt['prompt']).__name__}")
                 return self._prompt_ids(prompt["prompt"])
             else:
                 raise ValueError("prompt: a dict prompt needs 'prompt' or 'prompt_token_ids'")
         else:
             ids, text = prompt, None
         if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            if not isinstance(prompt, (dict, list, tuple)):  # neither text, nor ids, nor a dict
+                raise ValueError(f"prompt: expected a string, a list of token ids or a dict, got "
+                                 f"{type(prompt).__name__}")
             raise ValueError("prompt_token_ids: must be a list of ints")
         return text, list(ids)
 
@@ -145,6 +159,11 @@ class LLMEngine:
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt: {len(ids)} tokens leave no room to generate within max_model_len "
                              f"({self.max_model_len})")
+        budget = self.config.scheduler.max_num_batched_tokens
+        if not getattr(self.scheduler, "enable_chunking", True) and budget and len(ids) > budget:
+            # (the scheduler would fail it at its turn; a chunking one splits it instead)
+            raise ValueError(f"prompt: {len(ids)} tokens exceed scheduler.max_num_batched_tokens ({budget}) and "
+                             f"scheduler {self.config.scheduler.name!r} does not chunk prefills")
         # The request keeps its own copy (fresh stop / stop_token_ids / logit_bias containers;
         # extra_args shared): a caller may change and reuse its object for later requests,
         # and the workers that sample cache params by object (worker_sampling.ParamsTable).

@@ -86,9 +86,10 @@ def validate_request_choices(config: "EngineConfig", registry: "Registry", param
         if "eviction_hint" in raw:
             _allowed(raw["eviction_hint"], rc.eviction_hints, f"extra_args.{EXTRA_ARGS_KEY}.eviction_hint",
                      "request_choices.eviction_hints")
+    # (always: a priority scheduler compares them, and one bad value would break every later step)
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise ValueError(f"priority: must be an integer, got {priority!r}")
     if rc.priorities is not None:
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            raise ValueError(f"priority: must be an integer, got {priority!r}")
         lo, hi = rc.priorities
         if not lo <= priority <= hi:
             raise ValueError(f"priority: {priority} is outside the allowed range [{lo}, {hi}] "

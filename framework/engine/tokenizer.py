@@ -21,6 +21,10 @@ def load_tokenizer(path: str, **kwargs: Any) -> "PreTrainedTokenizerBase":
     from transformers import AutoTokenizer
 
     kwargs.setdefault("local_files_only", True)
+    import os
+    if not os.path.isdir(path):  # (else transformers takes it for a Hub repo id and says so)
+        raise ValueError(f"could not load a tokenizer from {path!r}: not a directory (a local folder with the "
+                         "tokenizer files is expected)")
     try:
         tok = AutoTokenizer.from_pretrained(path, **kwargs)
     except Exception as exc:  # noqa: BLE001 - any failure becomes one clear error

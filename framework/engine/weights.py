@@ -27,11 +27,23 @@ def safetensors_files(model_dir: str | Path) -> list[Path]:
 
 
 def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(name, tensor)`` for every tensor of the checkpoint, one shard at a time (CPU)."""
+    """Yield ``(name, tensor)`` for every tensor of the checkpoint, one shard at a time (CPU).
+
+    Raises:
+        ValueError: naming the file, for a shard that is truncated or not safetensors.
+    """
     for f in safetensors_files(model_dir):
-        with safe_open(str(f), framework="pt", device="cpu") as sf:
+        try:
+            sf = safe_open(str(f), framework="pt", device="cpu")
+        except Exception as e:  # safetensors' own error type: a truncated or corrupt file
+            raise ValueError(f"checkpoint file {str(f)!r} is not a readable safetensors file: {e}") from None
+        with sf:
             for name in sf.keys():
-                yield name, sf.get_tensor(name)
+                try:
+                    tensor = sf.get_tensor(name)
+                except Exception as e:  # noqa: BLE001 - header fine, data cut short
+                    raise ValueError(f"checkpoint file {str(f)!r}: tensor {name!r} cannot be read: {e}") from None
+                yield name, tensor
 
 
 def load_weights(model: torch.nn.Module, model_dir: str, load_format: str, seed: int) -> None:

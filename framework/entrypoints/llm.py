@@ -87,16 +87,21 @@ class LLM:
                 if len(prompts) == 1:
                     raise
                 raise ValueError(f"prompts[{i}]: {e}") from None
-        for p in prepared:
-            engine.enqueue(p)
         finished: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
         pending = set(ids)
-        while pending:
-            for out in engine.step():
-                if out.finished and out.request_id in pending:
-                    finished[out.request_id] = out
-                    pending.discard(out.request_id)
-                    bar.update(1)
-        bar.close()
+        try:
+            for p in prepared:
+                engine.enqueue(p)
+            while pending:
+                for out in engine.step():
+                    if out.finished and out.request_id in pending:
+                        finished[out.request_id] = out
+                        pending.discard(out.request_id)
+                        bar.update(1)
+        except BaseException:  # (KeyboardInterrupt too) this call's requests must not linger in the engine
+            engine.abort_request([i for i in ids if i in pending])
+            raise
+        finally:
+            bar.close()
         return [finished[i] for i in ids]

@@ -234,6 +234,8 @@ class LlamaForCausalLM(Model):
                 self.lm_head.weight.weight_loader(self.lm_head.weight, tensor)
                 loaded.add("lm_head.weight")
                 continue
+            if "." not in name:  # (every tensor of the architecture lives in a module)
+                raise ValueError(f"checkpoint tensor {name!r} does not belong to {type(self).__name__}")
             module_path, pname = name.rsplit(".", 1)
             parent, _, proj = module_path.rpartition(".")
             shard = None
