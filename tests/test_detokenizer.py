@@ -162,6 +162,46 @@ def test_fully_random_ids_no_spurious_replacement_chars(tok):
     assert n_clean > 0
 
 
+def test_flush_at_the_end_keeps_an_unfinished_character(tok):
+    """A sequence that ends inside a UTF-8 character (byte-fallback tokens) keeps that text once
+    flushed at its end: the final text is the decode of the output, replacement characters
+    included, instead of dropping the last tokens; the deltas still add up to it."""
+    rng = _rng()
+    byte_ids = sorted(_byte_ids(tok))
+    if not byte_ids:
+        pytest.skip("no byte-fallback tokens in this vocabulary")
+    lead = [tok.convert_tokens_to_ids(f"<0x{b:02X}>") for b in (0xE4, 0xF0)]  # 3- and 4-byte leads
+    n_held = 0
+    for _ in range(30):
+        # (a plain token before the leads: a byte run that mixes a finished character with a broken
+        # one decodes to one U+FFFD per byte in full, which no incremental decoder reproduces)
+        gen = (_random_generation(tok, rng, rng.randint(0, 4)) + [rng.choice(_plain_ids(tok))]
+               + [rng.choice(lead) for _ in range(rng.randint(1, 6))])
+        d, _, deltas = _run(tok, [tok.bos_token_id], gen, SamplingParams())
+        before = d.output_text
+        d.flush()
+        deltas.append(d.get_delta(finished=True))
+        ref = _reference(tok, [tok.bos_token_id], gen, SamplingParams())
+        assert d.output_text == ref and ref.endswith("\ufffd"), (gen, d.output_text, ref)
+        assert "".join(deltas) == d.output_text
+        n_held += len(before) < len(ref)
+        d.flush()  # idempotent
+        assert d.output_text == ref
+    assert n_held > 0
+
+
+def test_engine_output_keeps_an_unfinished_character():
+    """End to end: greedy decoding forced onto a byte-fallback lead token (logit_bias) returns
+    the decode of its token ids as text, not an empty string."""
+    from kvforge import LLM
+    llm = LLM(model=STORIES, dtype="float32", max_num_seqs=2)
+    tok = load_tokenizer(STORIES)
+    lead = tok.convert_tokens_to_ids("<0xF0>")
+    out = llm.generate(["Once"], SamplingParams(temperature=0, max_tokens=6, logit_bias={lead: 100}))[0].outputs[0]
+    assert out.token_ids == [lead] * 6
+    assert out.text == tok.decode(out.token_ids) and out.text
+
+
 @pytest.mark.parametrize("text", ["héllo 世界 🤖 naïve", "😀😃🎉 ok", "日本語", "👩‍💻"])
 def test_unicode_one_by_one(tok, text):
     gen = tok.encode(text, add_special_tokens=False)

@@ -198,6 +198,24 @@ class IncrementalDetokenizer:
                 return stop, i + 1
         return None, len(new_token_ids)
 
+    def flush(self) -> None:
+        """At the sequence's end: emit the text of ids still held back because it ended in an
+        unfinished UTF-8 character (U+FFFD), so the final text is the full decode of the
+        output (as ``tokenizer.decode`` gives it, replacement characters included) rather than
+        losing the last tokens. No-op once a stop string matched or when nothing is held."""
+        if not self.enabled or self.stop_reason is not None or self._read_offset >= len(self._ids):
+            return
+        prefix = self._prefix_text
+        if prefix is None:
+            prefix = self._decode(self._ids[self._prefix_offset:self._read_offset])
+        full = self._decode(self._ids[self._prefix_offset:])
+        self._prefix_offset, self._read_offset, self._prefix_text = self._read_offset, len(self._ids), None
+        if len(full) > len(prefix):
+            piece = full[len(prefix):]
+            self._chunks.append(piece)
+            self._undelivered.append(piece)
+            self._num_chars += len(piece)
+
     def _find_stop(self, window: str) -> tuple[str, int] | None:
         best: tuple[str, int] | None = None
         for stop in self._stops:

@@ -114,6 +114,8 @@ class OutputProcessor:
             # A placeholder (async scheduling) is not a token yet; a sequence whose last
             # token is still on the device is not finished for the caller either.
             known = len(r.output_token_ids) - r.num_pending_tokens
+            if _done(r):
+                c.detok.flush()  # the text of a trailing unfinished UTF-8 character, as decode() gives it
             outs.append(CompletionOutput(
                 index=r.index, text=c.detok.visible_text(_done(r)), token_ids=r.output_token_ids[:known],
                 cumulative_logprob=c.cumulative_logprob if c.logprobs is not None else None,
