@@ -115,6 +115,14 @@ def test_logprobs_completion_chat_and_echo(server):
     assert e.choices[0].logprobs.token_logprobs[0] is None                 # first prompt token
     n_prompt = e.usage.prompt_tokens
     assert len(e.choices[0].logprobs.tokens) == n_prompt + e.usage.completion_tokens
+    # text_offset indexes the returned text: BOS at 0, each later prompt token where it starts in
+    # the echoed prompt, the generated tokens after it; streamed chunks give the same offsets
+    el, text = e.choices[0].logprobs, e.choices[0].text
+    assert el.text_offset[:n_prompt] == [0, 0, 4, 9, 11] and el.text_offset[n_prompt] == len("Once upon a time")
+    assert all(text[o:o + len(t)] == t for t, o in zip(el.tokens[2:], el.text_offset[2:])), (el, text)
+    chunks = list(client.completions.create(model=MODEL_NAME, prompt="Once upon a time", max_tokens=4,
+                                            temperature=0, echo=True, logprobs=1, stream=True))
+    assert [o for ch in chunks for o in ch.choices[0].logprobs.text_offset] == el.text_offset
     c = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}],
                                        max_tokens=5, temperature=0, logprobs=True, top_logprobs=2)
     content = c.choices[0].logprobs.content
@@ -219,14 +227,23 @@ def test_tokenize_detokenize_roundtrip(server):
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
 
 
+def _series(text: str, name: str) -> float:
+    return sum(float(ln.split()[-1]) for ln in text.splitlines() if ln.startswith(name))
+
+
 def test_metrics_series(server):
-    server.openai().completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=3)
+    before = httpx.get(f"{server.base_url}/metrics", timeout=30).text
+    server.openai().completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=3, temperature=0,
+                                       extra_body={"ignore_eos": True})
     text = httpx.get(f"{server.base_url}/metrics", timeout=30).text
     for name in ("kvforge:num_requests_running", "kvforge:num_requests_waiting", "kvforge:kv_cache_usage_perc",
                  "kvforge:prefix_cache_hit_rate", "kvforge:time_to_first_token_seconds_bucket",
-                 "kvforge:time_per_output_token_seconds_bucket", "kvforge:e2e_request_latency_seconds_bucket",
-                 "kvforge:prompt_tokens_total", "kvforge:generation_tokens_total",
-                 "kvforge:request_success_total"):
+                 "kvforge:time_per_output_token_seconds_bucket", "kvforge:inter_token_latency_seconds_bucket",
+                 "kvforge:e2e_request_latency_seconds_bucket", "kvforge:prompt_tokens_total",
+                 "kvforge:generation_tokens_total", "kvforge:request_success_total", "kvforge:num_preemptions_total"):
         assert name in text, name
-    gen = [ln for ln in text.splitlines() if ln.startswith("kvforge:generation_tokens_total")]
-    assert float(gen[0].split()[-1]) >= 3
+    assert _series(text, "kvforge:generation_tokens_total") - _series(before, "kvforge:generation_tokens_total") >= 3
+    # three tokens, each in its own step: two gaps between them (a step may bring several with speculation)
+    itl = _series(text, "kvforge:inter_token_latency_seconds_count") - _series(
+        before, "kvforge:inter_token_latency_seconds_count")
+    assert 1 <= itl <= 2, itl

@@ -87,6 +87,8 @@ def test_bad_requests_name_the_field(server):
                 assert set(err) == {"message", "type", "param", "code"}
                 assert field in err["message"], (body, err)
                 assert err["param"] is None or err["param"] == field or field.startswith(err["param"]), (body, err)
+                if isinstance(body, dict) and field == "model" and isinstance(body.get("model"), str):
+                    assert r.status_code == 404 and err["code"] == "model_not_found", (body, r.status_code)
             r = c.post(C, json={"prompt": "hi", "max_tokens": 2}, headers={"X-Request-Id": "x" * 300})
             assert r.status_code == 400 and "X-Request-Id" in r.json()["error"]["message"]
             assert c.get("/v1/nope").status_code == 404 and "error" in c.get("/v1/nope").json()
@@ -233,3 +235,14 @@ def test_engine_failure_is_500_for_that_request_only(server, monkeypatch):
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
         assert c.get("/health").status_code == 200
     server.wait_idle()
+
+
+def test_ignored_fields_are_named():
+    """The server logs the top-level fields a request body carries that the API has no use for
+    (the schema ignores them); aliases and known fields are not reported."""
+    from kvforge.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ignored_fields
+    body = json.dumps({"model": "m", "prompt": "hi", "max_tokens": 2, "foo_bar": 1, "another": {"x": 1}}).encode()
+    assert ignored_fields(body, CompletionRequest) == ["another", "foo_bar"]
+    chat = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 3}).encode()
+    assert ignored_fields(chat, ChatCompletionRequest) == []
+    assert ignored_fields(b"[1, 2]", CompletionRequest) == [] and ignored_fields(b"{bad", CompletionRequest) == []

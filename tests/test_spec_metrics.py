@@ -1,5 +1,6 @@
-"""Speculative-decoding metrics on the Prometheus endpoint (issue 7): the series follow
-the engine's own counters, and an engine that does not speculate exports none."""
+"""Engine metrics read from its stats on the Prometheus endpoint: the speculative-decoding
+series (issue 7) follow the engine's own counters, and an engine that does not speculate
+exports none; the preemption counter follows the scheduler's."""
 from __future__ import annotations
 
 import re
@@ -41,3 +42,16 @@ def test_no_spec_decode_series_without_speculation():
     llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)
     text = EngineMetrics("stories", llm.llm_engine.stats).render().decode()
     assert "kvforge:num_requests_running" in text and "spec_decode" not in text
+
+
+def test_preemption_counter_follows_the_scheduler():
+    """``kvforge:num_preemptions_total`` is the scheduler's own count (vLLM's
+    ``vllm:num_preemptions``): a small cache with many long requests preempts."""
+    llm = LLM(STORIES_MODEL, dtype="float32", num_gpu_blocks=8, block_size=16, max_num_seqs=6)
+    llm.generate([{"prompt_token_ids": [1, 403 + i]} for i in range(6)],
+                 SamplingParams(temperature=0, max_tokens=60, ignore_eos=True), use_tqdm=False)
+    n = llm.llm_engine.stats()["num_preemptions"]
+    assert n > 0
+    text = EngineMetrics("stories", llm.llm_engine.stats).render().decode()
+    m = re.search(r'^kvforge:num_preemptions_total\{model_name="stories"\} ([0-9.eE+-]+)$', text, re.M)
+    assert m and float(m.group(1)) == n

@@ -69,6 +69,7 @@ class RequestStream:
         self._accepted: asyncio.Future = loop.create_future()
         # engine-thread side bookkeeping (never touched by the loop)
         self._num_tokens_seen = 0
+        self._last_token_time: float | None = None  # (monotonic) of its latest new tokens: ITL
 
     # -- called on the loop (scheduled by the engine thread) --------------------------------
     def _put(self, out: RequestOutput) -> None:
@@ -330,7 +331,13 @@ class AsyncLLMEngine:
                 continue
             if self.metrics is not None:
                 ntok = sum(len(c.token_ids) for c in out.outputs)
-                self.metrics.on_tokens(ntok - stream._num_tokens_seen)
+                itl = None
+                if ntok > stream._num_tokens_seen:
+                    now = time.monotonic()
+                    if stream._last_token_time is not None:
+                        itl = now - stream._last_token_time
+                    stream._last_token_time = now
+                self.metrics.on_tokens(ntok - stream._num_tokens_seen, itl)
                 stream._num_tokens_seen = ntok
             if out.finished:
                 del self._streams[out.request_id]

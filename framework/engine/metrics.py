@@ -8,9 +8,12 @@ series has the label ``model_name``):
   when the allocator reports none) — read from the engine's latest ``stats()`` snapshot;
 * histograms ``kvforge:time_to_first_token_seconds`` (TTFT),
   ``kvforge:time_per_output_token_seconds`` (TPOT: decode time / (output tokens - 1)),
+  ``kvforge:inter_token_latency_seconds`` (ITL: between a request's successive outputs of new
+  tokens, one observation per step that brings it tokens),
   ``kvforge:e2e_request_latency_seconds`` (arrival to finish);
 * counters ``kvforge:prompt_tokens_total``, ``kvforge:generation_tokens_total`` (tokens),
-  ``kvforge:request_success_total{finished_reason}`` (finished requests by reason);
+  ``kvforge:request_success_total{finished_reason}`` (finished requests by reason: stop,
+  length, abort, error), ``kvforge:num_preemptions_total`` (from the scheduler's stats);
 * with speculative decoding (engine stats with ``spec_*`` keys), as vLLM's
   ``vllm:spec_decode_*``: counters ``kvforge:spec_decode_num_drafts_total`` (verification
   rounds), ``kvforge:spec_decode_num_draft_tokens_total``,
@@ -72,6 +75,9 @@ class EngineMetrics:
                               ["model_name"], buckets=_TTFT_BUCKETS, registry=reg).labels(**labels)
         self.tpot = Histogram("kvforge:time_per_output_token_seconds", "Time per output token after the "
                               "first (s).", ["model_name"], buckets=_TPOT_BUCKETS, registry=reg).labels(**labels)
+        self.itl = Histogram("kvforge:inter_token_latency_seconds", "Time between a request's successive "
+                             "token outputs (s).", ["model_name"], buckets=_TPOT_BUCKETS,
+                             registry=reg).labels(**labels)
         self.e2e = Histogram("kvforge:e2e_request_latency_seconds", "Request latency, arrival to finish (s).",
                              ["model_name"], buckets=_E2E_BUCKETS, registry=reg).labels(**labels)
         self.prompt_tokens = Counter("kvforge:prompt_tokens", "Prompt tokens accepted.", ["model_name"],
@@ -82,15 +88,19 @@ class EngineMetrics:
                                 ["model_name", "finished_reason"], registry=reg)
         self._labels = labels
         reg.register(_SpecDecodeCollector(model_name, self._stats_fn))
+        reg.register(_PreemptionCollector(model_name, self._stats_fn))
 
     def on_request_added(self, num_prompt_tokens: int) -> None:
         """Count an accepted request's prompt tokens."""
         self.prompt_tokens.inc(num_prompt_tokens)
 
-    def on_tokens(self, num_tokens: int) -> None:
-        """Count newly generated tokens."""
+    def on_tokens(self, num_tokens: int, itl: float | None = None) -> None:
+        """Count newly generated tokens; ``itl``: seconds since the request's previous tokens
+        (None for its first), observed in the ITL histogram."""
         if num_tokens > 0:
             self.generation_tokens.inc(num_tokens)
+        if itl is not None:
+            self.itl.observe(max(0.0, itl))
 
     def on_request_finished(self, out: RequestOutput) -> None:
         """Observe TTFT / TPOT / E2E of a finished request from ``out.metrics`` (monotonic seconds).
@@ -116,6 +126,24 @@ class EngineMetrics:
     def render(self) -> bytes:
         """The Prometheus text exposition of every series."""
         return generate_latest(self.registry)
+
+
+class _PreemptionCollector:
+    """``kvforge:num_preemptions_total``: the scheduler's cumulative preemption count, read from
+    the engine's stats at scrape time (0 for a scheduler that does not report one)."""
+
+    def __init__(self, model_name: str, stats_fn: Callable[[], dict[str, float]]) -> None:
+        self.model_name = model_name
+        self.stats_fn = stats_fn
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        c = CounterMetricFamily("kvforge:num_preemptions", "Requests preempted because KV blocks ran out.",
+                                labels=["model_name"])
+        c.add_metric([self.model_name], float(self.stats_fn().get("num_preemptions", 0.0) or 0.0))
+        yield c
 
 
 class _SpecDecodeCollector:

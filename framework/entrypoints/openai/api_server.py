@@ -27,7 +27,7 @@ from kvforge.engine.tokenizer import load_tokenizer
 from kvforge.entrypoints.openai import serving_chat, serving_completion
 from kvforge.entrypoints.openai.errors import OpenAIError, error_response, install_handlers
 from kvforge.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                                  TokenizeRequest)
+                                                  TokenizeRequest, ignored_fields)
 from kvforge.entrypoints.openai.serving_common import ServerContext
 
 log = logging.getLogger("kvforge.server")
@@ -83,7 +83,11 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str] | None = Non
 
     async def body(raw: Request, model_cls):
         data = await raw.body()
-        return model_cls.model_validate_json(data or b"")
+        req = model_cls.model_validate_json(data or b"")
+        extra = ignored_fields(data, model_cls)
+        if extra:  # (as vLLM does: OpenAI clients send fields this server has no use for)
+            log.warning("%s: the request's fields %s are not part of the API and were ignored", raw.url.path, extra)
+        return req
 
     @app.post("/v1/completions")
     async def completions(raw: Request):

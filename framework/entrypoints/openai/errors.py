@@ -1,8 +1,8 @@
 """OpenAI-style errors: ``{"error": {"message", "type", "param", "code"}}``.
 
-Status codes: 400 invalid request (bad JSON, types, ranges, unknown model, prompt too
-long, duplicate request id), 401 missing or wrong API key, 404 unknown route,
-500 engine failure, 503 shutting down.
+Status codes: 400 invalid request (bad JSON, types, ranges, prompt too long, duplicate
+request id), 401 missing or wrong API key, 404 unknown route or model, 500 engine failure,
+503 shutting down.
 """
 from __future__ import annotations
 

@@ -9,6 +9,7 @@ Responses are plain dicts built by the serving modules.
 """
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -21,6 +22,20 @@ _SEED_MAX = 2**63 - 1 - MAX_N
 class _Strict(BaseModel):
     # allow_inf_nan=False: NaN / inf / 1e400 are refused as "finite number", before range checks
     model_config = ConfigDict(extra="ignore", strict=True, protected_namespaces=(), allow_inf_nan=False)
+
+
+def ignored_fields(data: bytes, model_cls: type[BaseModel]) -> list[str]:
+    """Top-level keys of the JSON request body ``data`` that ``model_cls`` has no field (or alias)
+    for, sorted: the schema ignores them, the server logs them. [] for a body that is not a JSON
+    object (validation has refused it already)."""
+    try:
+        obj = json.loads(data)
+    except ValueError:
+        return []
+    if not isinstance(obj, dict):
+        return []
+    known = set(model_cls.model_fields) | {f.alias for f in model_cls.model_fields.values() if f.alias}
+    return sorted(k for k in obj if k not in known)
 
 
 class StreamOptions(_Strict):

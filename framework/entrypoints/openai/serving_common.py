@@ -56,10 +56,11 @@ class ServerContext:
         return self.served_model_names[0]
 
     def check_model(self, model: str | None) -> None:
-        """Raise 400 ``model_not_found`` for a model this server does not serve."""
+        """Raise 404 ``model_not_found`` (OpenAI's and vLLM's status) for a model this server does not
+        serve; no ``model`` at all means the served one, as in vLLM."""
         if model is not None and model not in self.served_model_names:
             raise OpenAIError(f"model: the model {model!r} does not exist; this server serves "
-                              f"{', '.join(repr(n) for n in self.served_model_names)}", 400,
+                              f"{', '.join(repr(n) for n in self.served_model_names)}", 404,
                               param="model", code="model_not_found")
 
     async def run_tokenizer(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

@@ -44,10 +44,14 @@ async def _prompts(ctx: sc.ServerContext, req: CompletionRequest) -> list[tuple[
 
 
 def _logprobs_obj(ctx: sc.ServerContext, ids: list[int], entries: list[dict[int, Logprob] | None],
-                  offset: int) -> dict[str, Any]:
-    """OpenAI legacy logprobs: tokens, token_logprobs, top_logprobs, text_offset (characters)."""
+                  offset: int, echo_text: str | None = None, num_echo: int = 0) -> tuple[dict[str, Any], int]:
+    """OpenAI legacy logprobs: tokens, token_logprobs, top_logprobs, text_offset (characters
+    into the choice's text), and the offset after the last token. With ``echo``, the first
+    ``num_echo`` ids are the prompt, echoed as ``echo_text`` at ``offset``: their offsets are
+    where each token starts in that text, and the generated tokens follow its end."""
     tokens, token_lps, tops, offsets = [], [], [], []
-    for tid, entry in zip(ids, entries):
+    starts = _echo_starts(ctx, echo_text, ids[:num_echo]) if num_echo else []
+    for i, (tid, entry) in enumerate(zip(ids, entries)):
         lp = entry.get(tid) if entry else None
         text = sc.token_text(ctx.tokenizer, tid, lp)
         tokens.append(text)
@@ -56,9 +60,33 @@ def _logprobs_obj(ctx: sc.ServerContext, ids: list[int], entries: list[dict[int,
             tops.append({sc.token_text(ctx.tokenizer, t, e): sc.clamp(e.logprob) for t, e in entry.items()})
         else:
             tops.append(None)
-        offsets.append(offset)
-        offset += len(text)
-    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+        if i < num_echo:
+            offsets.append(offset + starts[i])
+            if i == num_echo - 1:
+                offset += len(echo_text or "")
+        else:
+            offsets.append(offset)
+            offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}, offset
+
+
+def _echo_starts(ctx: sc.ServerContext, text: str | None, ids: list[int]) -> list[int]:
+    """Where each prompt token starts in the echoed prompt ``text``: the fast tokenizer's offset
+    mapping when ``text`` encodes to exactly ``ids`` (special tokens such as BOS start at 0);
+    otherwise the decoded lengths of the token prefixes' pieces, capped at the text's length."""
+    text = text or ""
+    for special in (True, False):
+        try:
+            enc = ctx.tokenizer(text, add_special_tokens=special, return_offsets_mapping=True)
+        except Exception:  # noqa: BLE001 - a slow tokenizer has no offset mapping
+            break
+        if list(enc["input_ids"]) == list(ids):
+            return [int(a) for a, _ in enc["offset_mapping"]]
+    starts, pos = [], 0
+    for tid in ids:
+        starts.append(min(pos, len(text)))
+        pos += len(sc.token_text(ctx.tokenizer, tid))
+    return starts
 
 
 async def create_completion(ctx: sc.ServerContext, req: CompletionRequest, raw: Request):
@@ -115,9 +143,10 @@ def _full_response(ctx: sc.ServerContext, req: CompletionRequest, rid: str,
             logprobs = None
             if req.logprobs is not None:
                 ids, entries = (_echo_logprobs(ctx, out, req.logprobs) if req.echo else ([], []))
+                num_echo = len(ids)
                 ids = ids + list(c.token_ids)
                 entries = entries + list(c.logprobs or [])
-                logprobs = _logprobs_obj(ctx, ids, entries, 0)
+                logprobs, _ = _logprobs_obj(ctx, ids, entries, 0, prefix, num_echo)
             choice = {"index": pi * req.n + c.index, "text": prefix + c.text, "logprobs": logprobs,
                       "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
             if req.prompt_logprobs is not None:
@@ -169,10 +198,11 @@ async def _stream(ctx: sc.ServerContext, req: CompletionRequest, rid: str, promp
                     continue
                 logprobs = None
                 if req.logprobs is not None:
+                    num_echo = len(lp_ids)
                     lp_ids += list(new_ids)
                     lp_entries += list(new_lps or [])
-                    logprobs = _logprobs_obj(ctx, lp_ids, lp_entries, offsets[pi][c.index])
-                    offsets[pi][c.index] += sum(len(t) for t in logprobs["tokens"])
+                    logprobs, offsets[pi][c.index] = _logprobs_obj(ctx, lp_ids, lp_entries, offsets[pi][c.index],
+                                                                   prefix, num_echo)
                 choices.append({"index": pi * req.n + c.index, "text": prefix + text, "logprobs": logprobs,
                                 "finish_reason": c.finish_reason if fin else None,
                                 "stop_reason": c.stop_reason if fin else None})
