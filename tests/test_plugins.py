@@ -335,4 +335,9 @@ def test_cli_plugins_settings_lists_fields_and_config_path(capsys):
     out = capsys.readouterr().out
     assert "drafter ngram: speculative.settings" in out and "prompt_lookup_max: int (default 4)" in out
     assert cli_main(["plugins", "--settings", "quantiser"]) == 2
-    assert "no plugin matches 'quantiser'" in capsys.readouterr().err
+    cap = capsys.readouterr()
+    assert "no plugin matches 'quantiser'" in cap.err and "kinds: " in cap.err and "quantizer" in cap.err
+    assert not cap.out  # refused before the table is printed
+    assert cli_main(["plugins", "--settings", "scheduler:nope"]) == 2
+    cap = capsys.readouterr()
+    assert "scheduler names: " in cap.err and "fcfs" in cap.err and not cap.out

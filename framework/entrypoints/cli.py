@@ -74,6 +74,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_plugins(args: argparse.Namespace) -> int:
     from kvforge.plugin_manager import load_registry
     reg = load_registry()
+    if args.settings is not None and not _settings_specs(reg, args.settings):  # refused before any output
+        return 2
     rows = [(s.kind, s.name, s.plugin, s.distribution, s.version, s.hook_api) for s in reg.all()]
     rows.sort()
     head = ("KIND", "NAME", "PLUGIN", "DISTRIBUTION", "VERSION", "HOOK API")
@@ -103,17 +105,26 @@ def _type_name(t) -> str:
     return str(t).replace("typing.", "")
 
 
-def _print_settings(reg, which: str) -> bool:
-    """Each plugin's settings (its pydantic model's fields: type, default) under the config
-    path that takes them; ``which`` filters by kind or ``kind:name`` (empty: all). False (with
-    a message) when the filter matches no plugin."""
+def _settings_specs(reg, which: str) -> list:
+    """The plugins ``which`` (KIND, KIND:NAME or empty) selects; [] with a message on stderr
+    naming the kinds, or the kind's names, when it selects none."""
     kind_f, _, name_f = which.partition(":")
     specs = [s for s in sorted(reg.all(), key=lambda s: (s.kind, s.name))
              if (not kind_f or s.kind == kind_f) and (not name_f or s.name == name_f)]
     if not specs:
         kinds = sorted({s.kind for s in reg.all()})
-        print(f"plugins --settings: no plugin matches {which!r} (KIND[:NAME]; kinds: {', '.join(kinds)})",
-              file=sys.stderr)
+        names = sorted(s.name for s in reg.all() if s.kind == kind_f)
+        known = f"{kind_f} names: {', '.join(names)}" if names else f"kinds: {', '.join(kinds)}"
+        print(f"plugins --settings: no plugin matches {which!r} (KIND[:NAME]; {known})", file=sys.stderr)
+    return specs
+
+
+def _print_settings(reg, which: str) -> bool:
+    """Each plugin's settings (its pydantic model's fields: type, default) under the config
+    path that takes them; ``which`` filters by kind or ``kind:name`` (empty: all). False (with
+    a message) when the filter matches no plugin."""
+    specs = _settings_specs(reg, which)
+    if not specs:
         return False
     print()
     for spec in specs:
@@ -194,10 +205,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--min-p", type=float, default=0.0)
     g.add_argument("--repetition-penalty", type=float, default=1.0)
-    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per prompt (default 64)")
     g.add_argument("--n", type=int, default=1)
     g.add_argument("--stop", action="append")
-    g.add_argument("--logprobs", type=int, default=None)
+    g.add_argument("--logprobs", type=int, default=None, help="top log-probabilities per token (shown with --json)")
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--sampling-seed", dest="seed_sampling", type=int, default=None)
     g.add_argument("--json", action="store_true", help="print full RequestOutputs as JSON")
