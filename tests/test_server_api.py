@@ -232,6 +232,7 @@ def _series(text: str, name: str) -> float:
 
 
 def test_metrics_series(server):
+    server.wait_idle()  # (the counters are server-wide: only this request may move them)
     before = httpx.get(f"{server.base_url}/metrics", timeout=30).text
     server.openai().completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=3, temperature=0,
                                        extra_body={"ignore_eos": True})
