@@ -65,7 +65,11 @@ def test_emulated_fused_swiglu(case, dtype, gen, monkeypatch):
                         silu_and_mul=True)
     assert y.shape == (m, inter) and y.dtype == dtype
     err = _err(y, _swiglu_ref(x, w_ref))
-    assert err <= BOUND[dtype], f"seed {gen.initial_seed()} case {case}: {err}"
+    # past MAX_FUSED_M (dequantize + matmul, activation in torch) gate and up are rounded to bf16
+    # before silu * up, two roundings more than the fused epilogue's: measured over 200 seeds,
+    # median 5.3e-3, max 1.08e-2 (fp16: max 1.2e-3), so bf16 gets twice the bound there
+    bound = BOUND[dtype] * (2 if m > w4_mma.MAX_FUSED_M and dtype == torch.bfloat16 else 1)
+    assert err <= bound, f"seed {gen.initial_seed()} case {case}: {err}"
     if m <= w4_mma.MAX_FUSED_M:
         assert fake.calls[-1]["cfg"]["ACT"] == 1
 
