@@ -18,21 +18,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_quant import GROUP, bench, make_operands, methods  # noqa: E402
 from kvforge_plugins.quant.kernels import w4_mma_jit  # noqa: E402
 from kvforge_plugins.quant.kernels.wna16 import dequantize_wna16  # noqa: E402
+from wgmma_probe import wgmma_source  # noqa: E402
 
 PROBE = (Path(__file__).with_name("w4_ss_probe.cu")).read_text()
 # the helpers it uses are compiled in with a WG 2 config of the shipped kernel
 HOST_CFG = dict(NB=8, TW=1, WARPS=4, S=1, CPA=4, XR=1, SCALE_A=1, WG=2)
-
-
-def wgmma_ss_source(n: int) -> str:
-    """wgmma_ss(d, desc_a, desc_b, accumulate): m64n{n}k16, bf16 in, fp32 D (n / 2 registers)."""
-    nd = n // 2
-    outs = ", ".join(f"%{i}" for i in range(nd))
-    cons = ", ".join(f'"+f"(d[{i}])' for i in range(nd))
-    return ("__device__ __forceinline__ void wgmma_ss(float* d, unsigned long long da, unsigned long long db, int acc) {\n"
-            f'  asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{nd + 2}, 0;\\n"\n'
-            f'  "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {{{outs}}}, %{nd}, %{nd + 1}, p, 1, 1, 0, 0;\\n}}"\n'
-            f'  : {cons} : "l"(da), "l"(db), "r"(acc));\n}}\n')
 
 
 _FNS: dict = {}
@@ -44,7 +34,7 @@ def probe_fn(pbn: int, pcpa: int, pch: int, leave_out: str = ""):
     if key not in _FNS:
         import cupy
         from cupy_backends.cuda.libs import nvrtc
-        src = w4_mma_jit.SOURCE + "\n" + PROBE.replace("@WGMMA_SS@", wgmma_ss_source(64 * pbn))
+        src = w4_mma_jit.SOURCE + "\n" + PROBE.replace("@WGMMA_SS@", wgmma_source(64 * pbn))
         opts = (*w4_mma_jit.nvrtc_options(torch.bfloat16, HOST_CFG), f"-DPBN={pbn}", f"-DPCPA={pcpa}", f"-DPCH={pch}",
                 *((f"-D{leave_out}=1",) if leave_out else ()), "-arch=sm_90a")
         prog = nvrtc.createProgram(src, "w4_ss_probe.cu", (), ())

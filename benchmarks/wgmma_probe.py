@@ -19,7 +19,8 @@ PROBE = Path(__file__).with_name("wgmma_probe.cu").read_text()
 
 
 def wgmma_source(n: int) -> str:
-    """The probe's wgmma_rs / wgmma_ss for m64n{n}k16 (bf16 in, fp32 D: n / 2 registers)."""
+    """wgmma_rs(d, a[4], desc_b) and wgmma_ss(d, desc_a, desc_b, accumulate = 1) for m64n{n}k16
+    (bf16 in, fp32 D: n / 2 registers; accumulate 0 overwrites D). Also used by w4_ss_probe."""
     nd = n // 2
     outs = ", ".join(f"%{i}" for i in range(nd))
     cons = ", ".join(f'"+f"(d[{i}])' for i in range(nd))
@@ -28,10 +29,11 @@ def wgmma_source(n: int) -> str:
           f'  asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{nd + 5}, 0;\\n"\n'
           f'  "{op} {{{outs}}}, {{%{nd}, %{nd + 1}, %{nd + 2}, %{nd + 3}}}, %{nd + 4}, p, 1, 1, 0;\\n}}"\n'
           f'  : {cons} : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));\n}}\n')
-    ss = ("__device__ __forceinline__ void wgmma_ss(float* d, unsigned long long da, unsigned long long db) {\n"
+    ss = ("__device__ __forceinline__ void wgmma_ss(float* d, unsigned long long da, unsigned long long db,\n"
+          "                                         int acc = 1) {\n"
           f'  asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{nd + 2}, 0;\\n"\n'
           f'  "{op} {{{outs}}}, %{nd}, %{nd + 1}, p, 1, 1, 0, 0;\\n}}"\n'
-          f'  : {cons} : "l"(da), "l"(db), "r"(1));\n}}\n')
+          f'  : {cons} : "l"(da), "l"(db), "r"(acc));\n}}\n')
     return rs + ss
 
 

@@ -102,7 +102,7 @@ def test_w4_ss_probe_compiles(nvrtc):
     import w4_ss_probe as probe
     from kvforge_plugins.quant.kernels.w4_mma_jit import SOURCE, nvrtc_options
     for pbn, pch in ((2, 1), (4, 4)):
-        src = SOURCE + "\n" + probe.PROBE.replace("@WGMMA_SS@", probe.wgmma_ss_source(64 * pbn))
+        src = SOURCE + "\n" + probe.PROBE.replace("@WGMMA_SS@", probe.wgmma_source(64 * pbn))
         opts = (*nvrtc_options(torch.bfloat16, probe.HOST_CFG), f"-DPBN={pbn}", "-DPCPA=3", f"-DPCH={pch}")
         _compile(nvrtc, src, "w4_ss_probe.cu", opts, ("w4_mma_gemm", "w4_mma_dequant", "w4_x_tiles", "w4_ss_probe"),
                  "90a")

@@ -178,9 +178,7 @@ class IncrementalDetokenizer:
             if not piece:
                 continue
             prev_tail = self._tail
-            self._chunks.append(piece)
-            self._undelivered.append(piece)
-            self._num_chars += len(piece)
+            self._append(piece)
             if not self._stops:
                 continue
             window = prev_tail + piece
@@ -211,10 +209,12 @@ class IncrementalDetokenizer:
         full = self._decode(self._ids[self._prefix_offset:])
         self._prefix_offset, self._read_offset, self._prefix_text = self._read_offset, len(self._ids), None
         if len(full) > len(prefix):
-            piece = full[len(prefix):]
-            self._chunks.append(piece)
-            self._undelivered.append(piece)
-            self._num_chars += len(piece)
+            self._append(full[len(prefix):])
+
+    def _append(self, piece: str) -> None:
+        self._chunks.append(piece)
+        self._undelivered.append(piece)
+        self._num_chars += len(piece)
 
     def _find_stop(self, window: str) -> tuple[str, int] | None:
         best: tuple[str, int] | None = None

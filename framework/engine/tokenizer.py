@@ -21,7 +21,6 @@ def load_tokenizer(path: str, **kwargs: Any) -> "PreTrainedTokenizerBase":
     from transformers import AutoTokenizer
 
     kwargs.setdefault("local_files_only", True)
-    import os
     if not os.path.isdir(path):  # (else transformers takes it for a Hub repo id and says so)
         raise ValueError(f"could not load a tokenizer from {path!r}: not a directory (a local folder with the "
                          "tokenizer files is expected)")

@@ -74,7 +74,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_plugins(args: argparse.Namespace) -> int:
     from kvforge.plugin_manager import load_registry
     reg = load_registry()
-    if args.settings is not None and not _settings_specs(reg, args.settings):  # refused before any output
+    specs = _settings_specs(reg, args.settings) if args.settings is not None else None
+    if specs == []:  # refused before any output
         return 2
     rows = [(s.kind, s.name, s.plugin, s.distribution, s.version, s.hook_api) for s in reg.all()]
     rows.sort()
@@ -82,8 +83,8 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     widths = [max(len(str(r[i])) for r in rows + [head]) for i in range(len(head))]
     for r in [head] + rows:
         print("  ".join(str(x).ljust(w) for x, w in zip(r, widths)).rstrip())
-    if args.settings is not None and not _print_settings(reg, args.settings):
-        return 2
+    if specs:
+        _print_settings(specs)
     if args.explain:
         _explain(args, reg)
     return 0
@@ -119,13 +120,9 @@ def _settings_specs(reg, which: str) -> list:
     return specs
 
 
-def _print_settings(reg, which: str) -> bool:
+def _print_settings(specs: list) -> None:
     """Each plugin's settings (its pydantic model's fields: type, default) under the config
-    path that takes them; ``which`` filters by kind or ``kind:name`` (empty: all). False (with
-    a message) when the filter matches no plugin."""
-    specs = _settings_specs(reg, which)
-    if not specs:
-        return False
+    path that takes them."""
     print()
     for spec in specs:
         model = spec.settings_model
@@ -136,7 +133,6 @@ def _print_settings(reg, which: str) -> bool:
             ann = _type_name(f.annotation)
             default = "required" if f.is_required() else f"default {f.get_default(call_default_factory=True)!r}"
             print(f"  {fname}: {ann} ({default})" + (f" - {f.description}" if f.description else ""))
-    return True
 
 
 def _explain(args: argparse.Namespace, reg) -> None:

@@ -84,7 +84,7 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str] | None = Non
     async def body(raw: Request, model_cls):
         data = await raw.body()
         req = model_cls.model_validate_json(data or b"")
-        extra = ignored_fields(data, model_cls)
+        extra = ignored_fields(req)
         if extra:  # (as vLLM does: OpenAI clients send fields this server has no use for)
             log.warning("%s: the request's fields %s are not part of the API and were ignored", raw.url.path, extra)
         return req

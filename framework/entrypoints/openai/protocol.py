@@ -9,7 +9,6 @@ Responses are plain dicts built by the serving modules.
 """
 from __future__ import annotations
 
-import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -24,18 +23,15 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True, protected_namespaces=(), allow_inf_nan=False)
 
 
-def ignored_fields(data: bytes, model_cls: type[BaseModel]) -> list[str]:
-    """Top-level keys of the JSON request body ``data`` that ``model_cls`` has no field (or alias)
-    for, sorted: the schema ignores them, the server logs them. [] for a body that is not a JSON
-    object (validation has refused it already)."""
-    try:
-        obj = json.loads(data)
-    except ValueError:
-        return []
-    if not isinstance(obj, dict):
-        return []
-    known = set(model_cls.model_fields) | {f.alias for f in model_cls.model_fields.values() if f.alias}
-    return sorted(k for k in obj if k not in known)
+class _Request(_Strict):
+    """A top-level request body: unknown fields are kept aside (``model_extra``, not used) so
+    the server can name them in its log without parsing the body again."""
+    model_config = ConfigDict(extra="allow")
+
+
+def ignored_fields(req: BaseModel) -> list[str]:
+    """The top-level fields of a validated request body that the API has no use for, sorted."""
+    return sorted(req.model_extra or {})
 
 
 class StreamOptions(_Strict):
@@ -43,7 +39,7 @@ class StreamOptions(_Strict):
     continuous_usage_stats: bool = False
 
 
-class _SamplingFields(_Strict):
+class _SamplingFields(_Request):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
@@ -228,7 +224,7 @@ class ChatCompletionRequest(_SamplingFields):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
-class TokenizeRequest(_Strict):
+class TokenizeRequest(_Request):
     """``POST /tokenize``: either ``prompt`` or chat ``messages``."""
 
     model: str | None = None
@@ -244,7 +240,7 @@ class TokenizeRequest(_Strict):
         return self
 
 
-class DetokenizeRequest(_Strict):
+class DetokenizeRequest(_Request):
     """``POST /detokenize``."""
 
     model: str | None = None
