@@ -44,13 +44,14 @@ async def _prompts(ctx: sc.ServerContext, req: CompletionRequest) -> list[tuple[
 
 
 def _logprobs_obj(ctx: sc.ServerContext, ids: list[int], entries: list[dict[int, Logprob] | None],
-                  offset: int, echo_text: str | None = None, num_echo: int = 0) -> tuple[dict[str, Any], int]:
+                  offset: int, echo: tuple[list[int], int] | None = None) -> tuple[dict[str, Any], int]:
     """OpenAI legacy logprobs: tokens, token_logprobs, top_logprobs, text_offset (characters
-    into the choice's text), and the offset after the last token. With ``echo``, the first
-    ``num_echo`` ids are the prompt, echoed as ``echo_text`` at ``offset``: their offsets are
-    where each token starts in that text, and the generated tokens follow its end."""
+    into the choice's text), and the offset after the last token. ``echo``: (the prompt tokens'
+    starts in the echoed prompt text, that text's length) when ``ids`` begin with the prompt,
+    echoed at ``offset``; the generated tokens follow its end."""
     tokens, token_lps, tops, offsets = [], [], [], []
-    starts = _echo_starts(ctx, echo_text, ids[:num_echo]) if num_echo else []
+    starts, echo_len = echo or ([], 0)
+    num_echo = len(starts)
     for i, (tid, entry) in enumerate(zip(ids, entries)):
         lp = entry.get(tid) if entry else None
         text = sc.token_text(ctx.tokenizer, tid, lp)
@@ -63,30 +64,30 @@ def _logprobs_obj(ctx: sc.ServerContext, ids: list[int], entries: list[dict[int,
         if i < num_echo:
             offsets.append(offset + starts[i])
             if i == num_echo - 1:
-                offset += len(echo_text or "")
+                offset += echo_len
         else:
             offsets.append(offset)
             offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}, offset
 
 
-def _echo_starts(ctx: sc.ServerContext, text: str | None, ids: list[int]) -> list[int]:
-    """Where each prompt token starts in the echoed prompt ``text``: the fast tokenizer's offset
-    mapping when ``text`` encodes to exactly ``ids`` (special tokens such as BOS start at 0);
-    otherwise the decoded lengths of the token prefixes' pieces, capped at the text's length."""
-    text = text or ""
+def _echo_starts(ctx: sc.ServerContext, text: str, ids: list[int]) -> tuple[list[int], int]:
+    """(Where each prompt token starts in the echoed prompt ``text``, len(text)): the fast
+    tokenizer's offset mapping when ``text`` encodes to exactly ``ids`` (special tokens such as
+    BOS start at 0); otherwise the decoded lengths of the token prefixes' pieces, capped at the
+    text's length. Once per prompt: its choices share it."""
     for special in (True, False):
         try:
             enc = ctx.tokenizer(text, add_special_tokens=special, return_offsets_mapping=True)
         except Exception:  # noqa: BLE001 - a slow tokenizer has no offset mapping
             break
         if list(enc["input_ids"]) == list(ids):
-            return [int(a) for a, _ in enc["offset_mapping"]]
+            return [int(a) for a, _ in enc["offset_mapping"]], len(text)
     starts, pos = [], 0
     for tid in ids:
         starts.append(min(pos, len(text)))
         pos += len(sc.token_text(ctx.tokenizer, tid))
-    return starts
+    return starts, len(text)
 
 
 async def create_completion(ctx: sc.ServerContext, req: CompletionRequest, raw: Request):
@@ -138,15 +139,15 @@ def _full_response(ctx: sc.ServerContext, req: CompletionRequest, rid: str,
     for pi, out in enumerate(outs):
         prompt_tokens += len(out.prompt_token_ids)
         prefix = _prompt_text(ctx, out) if req.echo else ""
+        echo = _echo_starts(ctx, prefix, out.prompt_token_ids) if req.echo and req.logprobs is not None else None
         for c in out.outputs:
             completion_tokens += len(c.token_ids)
             logprobs = None
             if req.logprobs is not None:
                 ids, entries = (_echo_logprobs(ctx, out, req.logprobs) if req.echo else ([], []))
-                num_echo = len(ids)
                 ids = ids + list(c.token_ids)
                 entries = entries + list(c.logprobs or [])
-                logprobs, _ = _logprobs_obj(ctx, ids, entries, 0, prefix, num_echo)
+                logprobs, _ = _logprobs_obj(ctx, ids, entries, 0, echo)
             choice = {"index": pi * req.n + c.index, "text": prefix + c.text, "logprobs": logprobs,
                       "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
             if req.prompt_logprobs is not None:
@@ -166,6 +167,7 @@ async def _stream(ctx: sc.ServerContext, req: CompletionRequest, rid: str, promp
     continuous = bool(opts and opts.continuous_usage_stats)
     trackers = [[sc.ChoiceDelta(params) for _ in range(req.n)] for _, _, params in items]
     echoed = [[False] * req.n for _ in items]
+    echo_starts: dict[int, tuple[list[int], int]] = {}  # per prompt, for its choices' text_offset
     offsets = [[0] * req.n for _ in items]
     completion_tokens = [0] * len(items)
     prompt_tokens = sum(len(ids) for _, ids in prompts)
@@ -189,20 +191,23 @@ async def _stream(ctx: sc.ServerContext, req: CompletionRequest, rid: str, promp
                 prefix = ""
                 lp_ids: list[int] = []
                 lp_entries: list = []
+                echo = None
                 if req.echo and not echoed[pi][c.index]:
                     echoed[pi][c.index] = True
                     prefix = _prompt_text(ctx, out)
                     if req.logprobs is not None:
                         lp_ids, lp_entries = _echo_logprobs(ctx, out, req.logprobs)
+                        if pi not in echo_starts:
+                            echo_starts[pi] = _echo_starts(ctx, prefix, out.prompt_token_ids)
+                        echo = echo_starts[pi]
                 if not (text or prefix or new_ids or fin):
                     continue
                 logprobs = None
                 if req.logprobs is not None:
-                    num_echo = len(lp_ids)
                     lp_ids += list(new_ids)
                     lp_entries += list(new_lps or [])
                     logprobs, offsets[pi][c.index] = _logprobs_obj(ctx, lp_ids, lp_entries, offsets[pi][c.index],
-                                                                   prefix, num_echo)
+                                                                   echo)
                 choices.append({"index": pi * req.n + c.index, "text": prefix + text, "logprobs": logprobs,
                                 "finish_reason": c.finish_reason if fin else None,
                                 "stop_reason": c.stop_reason if fin else None})
