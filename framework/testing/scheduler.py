@@ -51,6 +51,9 @@ def check_token_budget_and_max_num_seqs(target: Target) -> None:
     eng = _engine(target, max_num_seqs=seqs, max_num_batched_tokens=budget, num_gpu_blocks=64)
     mon = StepMonitor(eng, f"{target} {tag}")
     prompts = random_prompts(rng, 12, 4, budget - seqs, shared_prefix=12)
+    # Two full-length prompts arrive first so that step 0 always has more prompt tokens than
+    # budget: a scheduler that does not cut to the budget is caught on every seed.
+    prompts[:2] = random_prompts(rng, 2, budget - seqs, budget - seqs)
     sp = _greedy(12, ignore_eos=True)
     arrivals = {0: [(f"b{i}", {"prompt_token_ids": p}, sp) for i, p in enumerate(prompts[:8])],
                 2: [(f"b{i}", {"prompt_token_ids": p}, sp) for i, p in enumerate(prompts[8:], 8)]}
