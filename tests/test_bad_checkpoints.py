@@ -61,7 +61,7 @@ def test_prompt_shapes_and_keys_are_named():
 def test_non_chunking_scheduler_refuses_a_prompt_over_the_token_budget_up_front():
     llm = LLM(STORIES_MODEL, dtype="float32", scheduler="fcfs", max_num_batched_tokens=4)
     with pytest.raises(ValueError, match=r"prompts\[1\]: prompt: 7 tokens exceed scheduler.max_num_batched_tokens "
-                                         r"\(4\) and scheduler 'fcfs' does not chunk"):
+                                         r"\(4\) and this scheduler does not chunk prefills \(scheduler 'fcfs'\)"):
         llm.generate([{"prompt_token_ids": [1, 5, 9]}, {"prompt_token_ids": [1] + [7] * 6}],
                      SamplingParams(max_tokens=2), use_tqdm=False)
     out = llm.generate([{"prompt_token_ids": [1, 5, 9]}], SamplingParams(max_tokens=2), use_tqdm=False)[0]

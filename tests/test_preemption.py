@@ -146,8 +146,9 @@ def test_request_that_can_never_fit_fails_alone_and_does_not_block_queue():
     with pytest.raises(ValueError, match="max_model_len"):  # the engine refuses it up front ...
         eng.add_request("huge", {"prompt_token_ids": huge_prompt}, SamplingParams(temperature=0.0, max_tokens=8))
     # ... and the scheduler stays safe when a front end admits one anyway (a third-party
-    # allocator may hold fewer tokens than its blocks suggest): the engine's limit is lifted
+    # allocator may hold fewer tokens than its blocks suggest): the engine's checks are lifted
     eng.max_model_len = 10 ** 6
+    eng.scheduler.admission_error = lambda num_prompt_tokens: None
     eng.add_request("huge", {"prompt_token_ids": huge_prompt}, SamplingParams(temperature=0.0, max_tokens=8))
     _add_all(eng, good)  # queued behind the request that can never fit
     got = run_engine(eng, max_steps=500)

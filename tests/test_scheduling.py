@@ -163,3 +163,42 @@ def test_prompt_logprobs_with_cached_prefix():
         for t in a:
             assert abs(a[t].logprob - b[t].logprob) < 1e-4
     assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+
+
+def test_a_plugin_schedulers_admission_error_refuses_up_front():
+    """A third-party scheduler's ``admission_error`` is asked before any state changes: the
+    prompt it cannot run gets a ValueError naming the field, and other requests run."""
+    import types
+
+    import kvforge
+    from helpers import STORIES_MODEL, assert_no_block_leak, run_engine
+    from kvforge.config import EngineConfig
+    from kvforge.engine.llm_engine import LLMEngine
+    from kvforge_plugins.schedulers.base import QueueSettings, queue_factory
+    from kvforge_plugins.schedulers.chunked_prefill import ChunkedPrefillScheduler
+
+    class ShortOnly(ChunkedPrefillScheduler):
+        def admission_error(self, num_prompt_tokens):
+            return f"{num_prompt_tokens} tokens; short_only runs at most 5" if num_prompt_tokens > 5 else None
+
+    mod = types.ModuleType("short_only_plugin")
+    mod.KVFORGE_HOOK_API = kvforge.KVFORGE_HOOK_API
+
+    def kvforge_register_schedulers(register):
+        register("short_only", queue_factory(ShortOnly), QueueSettings)
+
+    mod.kvforge_register_schedulers = kvforge.hookimpl(kvforge_register_schedulers)
+    registry = load_registry(extra_plugins=[("short_only_plugin", mod)])
+    cfg = EngineConfig.from_sources(None, {"model": STORIES_MODEL, "dtype": "float32", "scheduler.name": "short_only"})
+    engine = LLMEngine(cfg, registry)
+    params = SamplingParams(temperature=0, max_tokens=3)
+    rng = random.Random()
+    short = [1] + [rng.randrange(3, 500) for _ in range(3)]
+    long = [1] + [rng.randrange(3, 500) for _ in range(rng.randrange(5, 20))]
+    engine.add_request("ok", {"prompt_token_ids": short}, params)
+    with pytest.raises(ValueError, match=rf"^prompt: {len(long)} tokens; short_only runs at most 5 "
+                                         r"\(scheduler 'short_only'\)$"):
+        engine.add_request("too_long", {"prompt_token_ids": long}, params)
+    done = run_engine(engine)
+    assert set(done) == {"ok"} and len(done["ok"].outputs[0].token_ids) == 3
+    assert_no_block_leak(engine)

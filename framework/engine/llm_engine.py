@@ -159,11 +159,9 @@ class LLMEngine:
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt: {len(ids)} tokens leave no room to generate within max_model_len "
                              f"({self.max_model_len})")
-        budget = self.config.scheduler.max_num_batched_tokens
-        if not getattr(self.scheduler, "enable_chunking", True) and budget and len(ids) > budget:
-            # (the scheduler would fail it at its turn; a chunking one splits it instead)
-            raise ValueError(f"prompt: {len(ids)} tokens exceed scheduler.max_num_batched_tokens ({budget}) and "
-                             f"scheduler {self.config.scheduler.name!r} does not chunk prefills")
+        why = self.scheduler.admission_error(len(ids))
+        if why:
+            raise ValueError(f"prompt: {why} (scheduler {self.config.scheduler.name!r})")
         # The request keeps its own copy (fresh stop / stop_token_ids / logit_bias containers;
         # extra_args shared): a caller may change and reuse its object for later requests,
         # and the workers that sample cache params by object (worker_sampling.ParamsTable).

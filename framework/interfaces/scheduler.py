@@ -110,6 +110,16 @@ class Scheduler(ABC):
     def has_unfinished_requests(self) -> bool:
         """True while any request is waiting, running or preempted."""
 
+    def admission_error(self, num_prompt_tokens: int) -> str | None:
+        """Why a prompt of ``num_prompt_tokens`` tokens could never be scheduled, or None.
+
+        The engine asks this while validating a request, before any state changes, and
+        refuses the request with ``ValueError("prompt: <reason>")`` (HTTP 400 from the server),
+        so a prompt this scheduler cannot run fails up front instead of at its turn.
+        Default: None (the scheduler knows no such limit).
+        """
+        return None
+
     def stats(self) -> dict[str, float]:
         """Counters for metrics: num_running, num_waiting, num_preemptions..."""
         return {}

@@ -193,12 +193,15 @@ class QueueScheduler(Scheduler):
         return self.enable_chunking or req.num_preemptions > 0
 
     def _never_fits(self, req: Request) -> str | None:
-        blocks = -(-req.num_tokens // self.allocator.block_size)
+        return QueueScheduler.admission_error(self, req.num_tokens)  # the backstop, whatever a subclass allows
+
+    def admission_error(self, num_prompt_tokens: int) -> str | None:
+        blocks = -(-num_prompt_tokens // self.allocator.block_size)
         if blocks > self.allocator.num_blocks:
-            return f"prompt needs {blocks} KV blocks but the cache has {self.allocator.num_blocks}"
-        if not self.enable_chunking and req.num_tokens > self.max_num_batched_tokens:
-            return (f"prompt of {req.num_tokens} tokens exceeds max_num_batched_tokens="
-                    f"{self.max_num_batched_tokens} and this scheduler does not chunk prefills")
+            return f"{num_prompt_tokens} tokens need {blocks} KV blocks but the cache has {self.allocator.num_blocks}"
+        if not self.enable_chunking and num_prompt_tokens > self.max_num_batched_tokens:
+            return (f"{num_prompt_tokens} tokens exceed scheduler.max_num_batched_tokens "
+                    f"({self.max_num_batched_tokens}) and this scheduler does not chunk prefills")
         return None
 
     def update(self, output: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
