@@ -69,7 +69,13 @@ class RotaryEmbedding(torch.nn.Module):
         return torch.cat([out.to(x.dtype), x[..., rd:]], -1)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q [T, Hq, D], k [T, Hkv, D] -> rotated (q, k); on CUDA rotated in place."""
+        """q [T, Hq, D], k [T, Hkv, D] -> rotated (q, k); on CUDA rotated in place.
+
+        ``positions`` must lie in ``[0, max_position)``; this is not checked here (a check
+        would cost a device sync per layer and break CUDA-graph capture). The engine keeps
+        it by refusing any request longer than max_model_len, which start-up keeps
+        <= max_position_embeddings.
+        """
         if triton_ops.enabled(q) and q.stride(-1) == 1 and k.stride(-1) == 1:
             triton_ops.rope_qk_inplace(q, k, positions, self.cos, self.sin)
             return q, k
