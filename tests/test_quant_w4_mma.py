@@ -293,3 +293,25 @@ def test_layout_on_reference_backend_warns_once(gen, caplog):
         method.process_weights_after_loading(layer2)
     hits = [r for r in caplog.records if "has no effect on the reference backend" in r.getMessage()]
     assert len(hits) == 1 and layer.wna16_layout == layer2.wna16_layout == "checkpoint"
+
+
+def test_device_facts_are_asked_once_per_device(monkeypatch):
+    """The eager decode path calls the GEMM ~100 times a step: the device's capability and
+    shared-memory limit are read once per device, not per call."""
+    from types import SimpleNamespace
+    calls = []
+
+    def props(index):
+        calls.append(index)
+        return SimpleNamespace(major=9, minor=0 if index == 0 else 1, shared_memory_per_block_optin=232448)
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", props)
+    w4_mma._device_facts.cache_clear()
+    try:
+        for _ in range(3):
+            assert w4_mma.wgmma_capable(torch.device("cuda", 0))
+            assert w4_mma._smem_limit(torch.device("cuda", 0)) == 232448 - 2048
+            assert not w4_mma.wgmma_capable(torch.device("cuda", 1))
+        assert calls == [0, 1]
+    finally:
+        w4_mma._device_facts.cache_clear()  # the fake's answers must not outlive the test

@@ -27,6 +27,8 @@ serial reduction); larger M: a dequantize kernel writes W^T, cuBLAS multiplies.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from kvforge.layers.arrival_counters import arrival_counters
@@ -288,7 +290,7 @@ def _gemm(x, words, scales, zeros, group_size, n, config, silu_and_mul, norm, ro
         x = kernels().x_tiles(x)  # chunk-major, swizzled (wg_x_tiles): one bulk copy per chunk
     elif cfg.get("WG"):
         x = chunk_k_order(x)  # the B operand's K order (a contiguous, aligned copy of M x K)
-    ctas_n, cps, splits = plan(m, n, k, group_size, cfg, _num_sms(x.device.index or 0))
+    ctas_n, cps, splits = plan(m, n, k, group_size, cfg, _num_sms(_index(x.device)))
     xs = x_bytes(cfg, m, k, cps, x.element_size())
     if norm is not None and xs + stage_bytes(cfg) > _smem_limit(x.device):
         if xs > _smem_limit(x.device):  # (callers ask norm_fits first)
@@ -316,12 +318,25 @@ def _gemm(x, words, scales, zeros, group_size, n, config, silu_and_mul, norm, ro
     return out, res_out
 
 
+@functools.lru_cache(maxsize=None)
+def _device_facts(index: int) -> tuple[tuple[int, int], int]:
+    # Asked once per device: the eager decode path calls the GEMM ~100 times a step.
+    props = torch.cuda.get_device_properties(index)
+    return (props.major, props.minor), props.shared_memory_per_block_optin
+
+
+def _index(device: torch.device) -> int:
+    if device.index is not None:
+        return device.index
+    return torch.cuda.current_device() if device.type == "cuda" else 0  # (CPU: the emulated tests)
+
+
 def wgmma_capable(device: torch.device) -> bool:
     """Whether ``device`` runs sm_90a code (WG's warpgroup MMAs): compute capability 9.0."""
-    return torch.cuda.get_device_capability(device) == (9, 0)
+    return _device_facts(_index(device))[0] == (9, 0)
 
 
 def _smem_limit(device: torch.device) -> int:
     """Dynamic shared memory a CTA may take: the opt-in maximum less 2 KB for the kernel's
     static shared memory (at most 1 KB of NORM sums and the split-K flag)."""
-    return torch.cuda.get_device_properties(device).shared_memory_per_block_optin - 2048
+    return _device_facts(_index(device))[1] - 2048
