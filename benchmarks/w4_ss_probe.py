@@ -6,6 +6,10 @@ each result against the fp32 reference of the dequantized weight (rel < 2e-2), t
 out (LO_LD, LO_DQ, LO_MMA: wrong results by design). Session 16; results in BENCHMARKS.md.
 
     python benchmarks/w4_ss_probe.py
+    python benchmarks/w4_ss_probe.py --sweep   # CTAs per SM: splits x stages x PBN at M = 64
+
+``--sweep`` asks whether more independent consumer warpgroups per SM pay: session 16's runs used
+2 splits, i.e. 224 CTAs at PBN 2, fewer than two per SM whatever the stage count allowed.
 """
 import os
 import sys
@@ -53,6 +57,14 @@ def probe_fn(pbn: int, pcpa: int, pch: int, leave_out: str = ""):
     return _FNS[key]
 
 
+def split_plan(k: int, splits: int, pch: int) -> tuple[int, int]:
+    """(chunks per split, splits used): whole groups and stages per split."""
+    kc, unit = k // 64, max(GROUP // 64, pch)  # (both powers of two)
+    assert kc % unit == 0, "the probe needs whole stages"
+    cps = -(-(-(-kc // splits)) // unit) * unit
+    return cps, -(-kc // cps)
+
+
 def probe(x, ops, k, n, pbn, pcpa, pch, splits, ws_buf, leave_out=""):
     """fp32 partials [splits', M, N] of x @ W (splits' <= splits: whole groups and stages per split)."""
     import cupy
@@ -60,10 +72,7 @@ def probe(x, ops, k, n, pbn, pcpa, pch, splits, ws_buf, leave_out=""):
     m = x.shape[0]
     xt = w4_mma_jit.kernels().x_tiles(x)
     kc, gc = k // 64, GROUP // 64
-    unit = max(gc, pch)  # (both powers of two)
-    cps = -(-(-(-kc // splits)) // unit) * unit
-    sp = -(-kc // cps)
-    assert kc % unit == 0, "the probe needs whole stages"
+    cps, sp = split_plan(k, splits, pch)
     ws = ws_buf[: sp * m * n].view(sp, m, n)
     p = lambda t: np.uint64(t.data_ptr())  # noqa: E731
     with cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
@@ -71,6 +80,15 @@ def probe(x, ops, k, n, pbn, pcpa, pch, splits, ws_buf, leave_out=""):
                                           p(ops["mma_zeros"]), np.int32(kc), np.int32(n // 64), np.int32(gc),
                                           np.int32(cps), p(ws), np.int32(n)), shared_mem=smem)
     return ws
+
+
+def ctas_per_sm(pbn: int, pcpa: int, pch: int) -> int:
+    """Resident CTAs of 160 threads per SM on an H100/H200 (sm_90: 228 KB of shared memory with
+    1 KB reserved per CTA, 64K registers allocated per warp in units of 256, 2048 threads)."""
+    fn, smem = probe_fn(pbn, pcpa, pch)
+    by_smem = (228 * 1024) // (smem + fn.shared_size_bytes + 1024)
+    by_regs = 65536 // (5 * (-(-fn.num_regs * 32 // 256) * 256))
+    return min(by_smem, by_regs, 2048 // 160, 32)
 
 
 def run(k, n, ms, cfgs, leave_out=""):
@@ -87,6 +105,12 @@ def run(k, n, ms, cfgs, leave_out=""):
         print(f"K={k} N={n} M={m}: bf16 {tb * 1e6:.1f} us, shipped table {tt * 1e6:.1f} us ({tb / tt:.2f}x)", flush=True)
         for pbn, pcpa, splits, pch in cfgs:
             name = f"PBN {pbn} PCPA {pcpa} splits {splits} PCH {pch}"
+            if not leave_out:
+                try:
+                    ctas = (n // (64 * pbn)) * split_plan(k, splits, pch)[1]
+                    name += f" [{ctas} CTAs, {ctas_per_sm(pbn, pcpa, pch)}/SM resident]"
+                except Exception as e:  # (compile errors are reported below)
+                    name += f" [occupancy unknown: {type(e).__name__}]"
             try:
                 out = probe(x, ops, k, n, pbn, pcpa, pch, splits, ws_buf, leave_out).sum(0)
                 rel = ((out - ref).abs().max() / ref.abs().max()).item()
@@ -102,6 +126,10 @@ def run(k, n, ms, cfgs, leave_out=""):
 
 def main() -> int:
     print("GPU", torch.cuda.get_device_name(), "torch", torch.__version__)
+    if "--sweep" in sys.argv:
+        cfgs = [(pbn, pcpa, splits, 1) for pbn in (4, 2, 1) for pcpa in (4, 3, 2) for splits in (2, 4, 6, 8)]
+        run(14336, 14336, [64], cfgs)
+        return 0
     run(14336, 14336, [64, 16], [(2, 4, 2, 1), (4, 4, 2, 1), (2, 4, 2, 2), (2, 3, 2, 4), (4, 2, 2, 4)])
     run(4096, 28672, [64], [(2, 4, 1, 1), (4, 4, 1, 2)])
     for leave_out in ("LO_LD", "LO_DQ", "LO_MMA"):
