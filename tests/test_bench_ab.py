@@ -214,6 +214,29 @@ def test_sim_runs_the_registered_scheduler_plugins(registry, facts, monkeypatch)
         sim(trace, "sjf:bogus=1", registry, facts)
 
 
+def test_sim_refuses_what_the_engine_refuses(facts):
+    """The simulator applies the engine's capability rules: a scheduler that requires prefix
+    caching is refused without it, naming the plugin, as `kvforge generate` refuses it."""
+    import types
+
+    import kvforge
+    from kvforge.plugin_manager import load_registry
+    from kvforge_plugins.schedulers.base import QueueSettings, queue_factory
+    from kvforge_plugins.schedulers.chunked_prefill import ChunkedPrefillScheduler
+    mod = types.ModuleType("needs_cache_plugin")
+    mod.KVFORGE_HOOK_API = kvforge.KVFORGE_HOOK_API
+
+    def kvforge_register_schedulers(register):
+        register("needs_cache", queue_factory(ChunkedPrefillScheduler), QueueSettings, requires_prefix_caching=True)
+
+    mod.kvforge_register_schedulers = kvforge.hookimpl(kvforge_register_schedulers)
+    reg = load_registry(extra_plugins=[("needs_cache_plugin", mod)])
+    trace = generate_trace("poisson:rate=20,n=5,prompt=uniform(8,32),output=4,seed=1")
+    with pytest.raises(ValueError, match=r"scheduler 'needs_cache'.*requires prefix caching"):
+        sim(trace, "needs_cache", reg, facts)
+    assert sim(trace, "needs_cache:enable_prefix_caching=true", reg, facts).num_steps > 0
+
+
 def test_sim_preemption_recompute_and_swap_free_every_block(registry, facts):
     trace = generate_trace("burst:n=24,prompt=uniform(40,90),output=uniform(40,80),seed=5")
     rec = summarize(sim(trace, "fcfs", registry, facts, num_gpu_blocks=40, max_num_seqs=16))
@@ -266,7 +289,7 @@ def _cli(tmp_path: Path, out: str, *extra: str) -> dict:
     return json.loads((tmp_path / out / "ab_results.json").read_text())
 
 
-def test_cli_sim_end_to_end(tmp_path, capsys):
+def test_cli_sim_end_to_end(tmp_path, capsys, monkeypatch):
     cm = SHIPPED_COST_MODEL if SHIPPED_COST_MODEL.exists() else tmp_path / "cm.json"
     if not SHIPPED_COST_MODEL.exists():
         COST.save(cm)
@@ -302,6 +325,17 @@ def test_cli_sim_end_to_end(tmp_path, capsys):
     assert main(["bench", "ab", "--model", STORIES_MODEL, "--scheduler", "fcfs", "--scheduler",
                  "chunked_prefill:preemption_mode=swap", "--workload", wl, "--output-dir", str(tmp_path / "y")]) == 2
     assert "swap_space_bytes" in capsys.readouterr().err and not (tmp_path / "y").exists()
+    # ... also for the model-side plugins a real arm builds (no CUDA here for flash_decode)
+    import kvforge.bench.real
+
+    def no_arm_runs(*a, **k):
+        raise AssertionError("an arm ran before every arm was checked")
+
+    monkeypatch.setattr(kvforge.bench.real, "run_real", no_arm_runs)
+    assert main(["bench", "ab", "--model", STORIES_MODEL, "--scheduler", "fcfs", "--scheduler",
+                 "chunked_prefill:attention.backend=flash_decode", "--workload", wl, "--mode", "real",
+                 "--output-dir", str(tmp_path / "z")]) == 2
+    assert "flash_decode" in capsys.readouterr().err and not (tmp_path / "z").exists()
 
 
 def test_real_mode_on_stories260k(tmp_path):

@@ -117,6 +117,21 @@ def sim_accuracy(real, sim, cost_model) -> dict[str, Any]:
             "step_time_mean_abs_rel_err": float(np.mean(np.abs(pred / meas - 1.0))) if len(steps) else None}
 
 
+def check_real_arm(config, registry) -> None:
+    """The capability check an engine build of ``config`` runs, without building it, so that a
+    bad arm fails before the first arm runs.
+
+    Raises:
+        ValueError: as :func:`kvforge.engine.capabilities.check_capabilities`.
+    """
+    from kvforge.engine.builder import load_hf_config
+    from kvforge.engine.resolve import resolve_device, resolve_dtype
+    from kvforge.engine.capabilities import check_capabilities
+    hf_config = load_hf_config(config.model.model)
+    check_capabilities(config, registry, hf_config, resolve_dtype(config.model.dtype, hf_config),
+                       resolve_device(config.model.device))
+
+
 def run_ab(args: argparse.Namespace) -> dict[str, Any]:
     """Run every arm and write the reports; returns the JSON document.
 
@@ -152,6 +167,8 @@ def run_ab(args: argparse.Namespace) -> dict[str, Any]:
         c.scheduler.max_num_batched_tokens = c.scheduler.max_num_batched_tokens or max(2048, limit)
         cpu_blocks = c.cache.swap_space_bytes // facts.kv_block_bytes(c.cache.block_size, c.model.dtype)
         build_scheduler(c, registry, 1, limit, cpu_blocks)  # a dry build: block ids only, no tensors
+        if mode in ("real", "both"):  # the engine's whole capability check, model-side kinds too
+            check_real_arm(c, registry)
     prompts = synthesize_prompts(trace, facts.vocab_size, facts.special_ids)
     progress = sys.stderr.isatty() if args.progress is None else args.progress
 

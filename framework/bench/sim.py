@@ -64,11 +64,17 @@ def build_scheduler(config: EngineConfig, registry: Registry, num_blocks: int, l
     """(scheduler, allocator) built by plugin name exactly as :func:`build_engine_parts` does.
 
     Raises:
-        ValueError: unknown plugin names or invalid plugin settings (naming the field).
+        ValueError: unknown plugin names, invalid plugin settings (naming the field) or a
+            declared conflict between the scheduler, the allocator and the cache config (as
+            :func:`kvforge.engine.capabilities.check_combination` refuses it).
     """
     from kvforge.engine.builder import validate_plugin_settings
+    from kvforge.engine.capabilities import check_combination
     sched_spec = registry.get("scheduler", config.scheduler.name)
     alloc_spec = registry.get("kv_allocator", config.cache.allocator)
+    # (the model-side kinds, attention and quantizer, are not simulated: their rules do not apply)
+    check_combination(config, {"scheduler": sched_spec, "kv_allocator": alloc_spec}, str(config.model.dtype), "cuda",
+                      registry)
     sched_settings = validate_plugin_settings(sched_spec, config.scheduler.settings, "scheduler.settings")
     alloc_settings = validate_plugin_settings(alloc_spec, config.cache.settings, "cache.settings")
     allocator = alloc_spec.factory(num_blocks, config.cache.block_size, alloc_settings, config.cache)
