@@ -237,3 +237,22 @@ def sampler_request(rid: str, sp, prompt=None, output=None, generator=None):
     return Request(request_id=rid, prompt_token_ids=list(prompt if prompt is not None else [5, 7, 11]),
                    sampling_params=sp, max_tokens=16, eos_token_ids=frozenset({SAMPLER_EOS}),
                    output_token_ids=list(output or []), generator=generator)
+
+
+def registry_with_schedulers(*entries: tuple) -> "object":
+    """The installed plugins plus an in-process plugin registering ``(name, QueueScheduler
+    subclass, capabilities dict)`` entries (built by ``queue_factory``, ``QueueSettings``)."""
+    import types
+
+    import kvforge
+    from kvforge.plugin_manager import load_registry
+    from kvforge_plugins.schedulers.base import QueueSettings, queue_factory
+    mod = types.ModuleType("test_schedulers_plugin")
+    mod.KVFORGE_HOOK_API = kvforge.KVFORGE_HOOK_API
+
+    def kvforge_register_schedulers(register):
+        for name, cls, caps in entries:
+            register(name, queue_factory(cls), QueueSettings, **caps)
+
+    mod.kvforge_register_schedulers = kvforge.hookimpl(kvforge_register_schedulers)
+    return load_registry(extra_plugins=[("test_schedulers_plugin", mod)])

@@ -217,24 +217,33 @@ def test_sim_runs_the_registered_scheduler_plugins(registry, facts, monkeypatch)
 def test_sim_refuses_what_the_engine_refuses(facts):
     """The simulator applies the engine's capability rules: a scheduler that requires prefix
     caching is refused without it, naming the plugin, as `kvforge generate` refuses it."""
-    import types
-
-    import kvforge
-    from kvforge.plugin_manager import load_registry
-    from kvforge_plugins.schedulers.base import QueueSettings, queue_factory
+    from helpers import registry_with_schedulers
     from kvforge_plugins.schedulers.chunked_prefill import ChunkedPrefillScheduler
-    mod = types.ModuleType("needs_cache_plugin")
-    mod.KVFORGE_HOOK_API = kvforge.KVFORGE_HOOK_API
-
-    def kvforge_register_schedulers(register):
-        register("needs_cache", queue_factory(ChunkedPrefillScheduler), QueueSettings, requires_prefix_caching=True)
-
-    mod.kvforge_register_schedulers = kvforge.hookimpl(kvforge_register_schedulers)
-    reg = load_registry(extra_plugins=[("needs_cache_plugin", mod)])
+    reg = registry_with_schedulers(("needs_cache", ChunkedPrefillScheduler, {"requires_prefix_caching": True}))
     trace = generate_trace("poisson:rate=20,n=5,prompt=uniform(8,32),output=4,seed=1")
     with pytest.raises(ValueError, match=r"scheduler 'needs_cache'.*requires prefix caching"):
         sim(trace, "needs_cache", reg, facts)
     assert sim(trace, "needs_cache:enable_prefix_caching=true", reg, facts).num_steps > 0
+
+
+def test_sim_refuses_a_step_over_the_token_budget(facts):
+    """A scheduler that never cuts a prompt to the budget is stopped at its first such step,
+    named, instead of being credited with the latencies of the bigger steps it ran."""
+    from helpers import registry_with_schedulers
+    from kvforge.engine.schedule_check import SchedulerContractError
+    from kvforge_plugins.schedulers.chunked_prefill import ChunkedPrefillScheduler
+
+    class Uncut(ChunkedPrefillScheduler):
+        def _chunk(self, remaining, budget):
+            return remaining
+
+    reg = registry_with_schedulers(("uncut", Uncut, {}))
+    trace = generate_trace("poisson:rate=50,n=6,prompt=uniform(40,60),output=4,seed=2")
+    with pytest.raises(SchedulerContractError, match=r"scheduler 'uncut' \(plugin test_schedulers_plugin.*"
+                                                      r"scheduled \d+ tokens in one step, more than "
+                                                      r"scheduler.max_num_batched_tokens \(32\)"):
+        sim(trace, "uncut", reg, facts, max_num_batched_tokens=32)
+    assert sim(trace, "chunked_prefill", reg, facts, max_num_batched_tokens=32).num_steps > 0
 
 
 def test_sim_preemption_recompute_and_swap_free_every_block(registry, facts):

@@ -168,27 +168,16 @@ def test_prompt_logprobs_with_cached_prefix():
 def test_a_plugin_schedulers_admission_error_refuses_up_front():
     """A third-party scheduler's ``admission_error`` is asked before any state changes: the
     prompt it cannot run gets a ValueError naming the field, and other requests run."""
-    import types
-
-    import kvforge
-    from helpers import STORIES_MODEL, assert_no_block_leak, run_engine
+    from helpers import STORIES_MODEL, assert_no_block_leak, registry_with_schedulers, run_engine
     from kvforge.config import EngineConfig
     from kvforge.engine.llm_engine import LLMEngine
-    from kvforge_plugins.schedulers.base import QueueSettings, queue_factory
     from kvforge_plugins.schedulers.chunked_prefill import ChunkedPrefillScheduler
 
     class ShortOnly(ChunkedPrefillScheduler):
         def admission_error(self, num_prompt_tokens):
             return f"{num_prompt_tokens} tokens; short_only runs at most 5" if num_prompt_tokens > 5 else None
 
-    mod = types.ModuleType("short_only_plugin")
-    mod.KVFORGE_HOOK_API = kvforge.KVFORGE_HOOK_API
-
-    def kvforge_register_schedulers(register):
-        register("short_only", queue_factory(ShortOnly), QueueSettings)
-
-    mod.kvforge_register_schedulers = kvforge.hookimpl(kvforge_register_schedulers)
-    registry = load_registry(extra_plugins=[("short_only_plugin", mod)])
+    registry = registry_with_schedulers(("short_only", ShortOnly, {}))
     cfg = EngineConfig.from_sources(None, {"model": STORIES_MODEL, "dtype": "float32", "scheduler.name": "short_only"})
     engine = LLMEngine(cfg, registry)
     params = SamplingParams(temperature=0, max_tokens=3)
@@ -202,3 +191,46 @@ def test_a_plugin_schedulers_admission_error_refuses_up_front():
     done = run_engine(engine)
     assert set(done) == {"ok"} and len(done["ok"].outputs[0].token_ids) == 3
     assert_no_block_leak(engine)
+
+
+def test_the_engine_stops_a_scheduler_that_breaks_its_limits():
+    """Over the token budget or over max_num_seqs: the engine raises at that step, naming the
+    plugin; an exception from schedule() keeps its type and gains a note naming the plugin."""
+    from helpers import STORIES_MODEL, registry_with_schedulers
+    from kvforge.config import EngineConfig
+    from kvforge.engine.llm_engine import LLMEngine
+    from kvforge.engine.schedule_check import SchedulerContractError
+    from kvforge_plugins.schedulers.chunked_prefill import ChunkedPrefillScheduler
+
+    class Uncut(ChunkedPrefillScheduler):
+        def _chunk(self, remaining, budget):
+            return remaining
+
+    class Crowded(ChunkedPrefillScheduler):
+        def schedule(self):
+            out = super().schedule()
+            out.scheduled = out.scheduled * 3  # (the counts are checked after the request count)
+            return out
+
+    class Raising(ChunkedPrefillScheduler):
+        def schedule(self):
+            raise KeyError("lost a request")
+
+    registry = registry_with_schedulers(("uncut", Uncut, {}), ("crowded", Crowded, {}), ("raising", Raising, {}))
+    rng = random.Random()
+    prompts = [[1] + [rng.randrange(3, 500) for _ in range(rng.randrange(20, 40))] for _ in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=2)
+    for name, exc, msg in (("uncut", SchedulerContractError, r"more than scheduler.max_num_batched_tokens \(16\)"),
+                           ("crowded", SchedulerContractError, r"requests in one step, more than "
+                                                               r"scheduler.max_num_seqs \(2\)"),
+                           ("raising", KeyError, "lost a request")):
+        cfg = EngineConfig.from_sources(None, {"model": STORIES_MODEL, "dtype": "float32", "scheduler.name": name,
+                                               "max_num_batched_tokens": 16, "max_num_seqs": 2})
+        engine = LLMEngine(cfg, registry)
+        for i, p in enumerate(prompts):
+            engine.add_request(f"r{i}", {"prompt_token_ids": p}, params)
+        with pytest.raises(exc, match=msg) as ei:
+            while engine.has_unfinished_requests():
+                engine.step()
+        who = f"scheduler '{name}' (plugin test_schedulers_plugin"
+        assert who in str(ei.value) or any(who in n for n in getattr(ei.value, "__notes__", [])), ei.value

@@ -28,8 +28,10 @@ from kvforge.bench.cost_model import CostModel, step_shape
 from kvforge.bench.metrics import RequestRecord, RunResult
 from kvforge.bench.trace import Trace
 from kvforge.config import EngineConfig
+from kvforge.engine.capabilities import describe
 from kvforge.engine.request import Request, RequestStatus
 from kvforge.engine.sampling_params import SamplingParams
+from kvforge.engine.schedule_check import checked_schedule
 from kvforge.interfaces import SchedulerContext
 from kvforge.plugin_manager import Registry
 
@@ -106,6 +108,7 @@ def simulate(trace: Trace, prompts: list[list[int]], config: EngineConfig, regis
     num_cpu_blocks = config.cache.swap_space_bytes // facts.kv_block_bytes(config.cache.block_size,
                                                                           config.model.dtype)
     scheduler, allocator = build_scheduler(config, registry, num_blocks, limit, num_cpu_blocks)
+    who = describe(registry.get("scheduler", config.scheduler.name))  # a broken step is refused as the engine does
 
     reqs = trace.requests
     records = [RequestRecord(request_id(i), r.arrival_time, r.prompt_len, r.output_len, r.priority, r.prefix_group)
@@ -142,7 +145,7 @@ def simulate(trace: Trace, prompts: list[list[int]], config: EngineConfig, regis
         if not scheduler.has_unfinished_requests():
             clock = max(clock, reqs[order[nxt]].arrival_time)
             continue
-        so = scheduler.schedule()
+        so = checked_schedule(scheduler, who, config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens)
         for req in so.finished:
             if req.request_id in live:
                 done(req)

@@ -10,6 +10,7 @@ import torch
 
 from kvforge.config import EngineConfig
 from kvforge.engine.builder import EngineParts, build_engine_parts
+from kvforge.engine.capabilities import describe
 from kvforge.engine.output_processor import OutputProcessor
 from kvforge.engine.outputs import RequestOutput
 from kvforge.engine.profiling import TraceProfiler, resolve_dir, span
@@ -17,7 +18,9 @@ from kvforge.engine.request import Request, RequestStatus, apply_stop_string, dr
 from kvforge.engine.request_choices import validate_request_choices
 from kvforge.engine.sampler import Sampler, compute_prompt_logprobs
 from kvforge.engine.sampling_params import SamplingParams
+from kvforge.engine.schedule_check import checked_schedule
 from kvforge.engine.tokenizer import eos_token_ids, load_tokenizer
+from kvforge.interfaces import SchedulerOutput
 from kvforge.plugin_manager import Registry, load_registry
 
 log = logging.getLogger("kvforge")
@@ -53,6 +56,7 @@ class LLMEngine:
         self.parts = parts
         self.config = parts.config
         self.scheduler = parts.scheduler
+        self._scheduler_who = describe(self.registry.get("scheduler", config.scheduler.name))
         self.allocator = parts.allocator
         self.max_model_len = parts.max_model_len
         self.vocab_size = parts.hf_config.vocab_size
@@ -258,6 +262,12 @@ class LLMEngine:
         return len(self.outputs.parents)
 
     # -- the step -------------------------------------------------------------------------
+    def schedule(self) -> "SchedulerOutput":
+        """The scheduler's next step, its errors and limits attributed to the plugin
+        (:func:`kvforge.engine.schedule_check.checked_schedule`)."""
+        sc = self.config.scheduler
+        return checked_schedule(self.scheduler, self._scheduler_who, sc.max_num_seqs, sc.max_num_batched_tokens)
+
     def step(self) -> list[RequestOutput]:
         """One engine iteration. Returns outputs of requests that changed (new tokens or finished).
 
@@ -275,7 +285,7 @@ class LLMEngine:
         results = self._pending
         self._pending = []
         with span("kvforge.schedule"):  # phase ranges for start_profile traces
-            so = self.scheduler.schedule()
+            so = self.schedule()
         touched: dict[str, None] = {}
         for req in so.finished:
             touched[req.parent_id] = None

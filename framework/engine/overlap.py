@@ -110,7 +110,7 @@ class OverlapStepper:
         if prev is not None and prev.pending is not None and not getattr(e.runner, "accepts_late_tokens", False):
             prev = self.inflight = self._complete(prev, touched)  # its tokens go into the next step's message
         with span("kvforge.schedule"):
-            so = e.scheduler.schedule()
+            so = e.schedule()
         for req in so.finished:
             touched[req.parent_id] = None
         if e.spec is not None:

@@ -1,0 +1,49 @@
+"""The engine's run-time check of a scheduler plugin's step.
+
+A scheduler that breaks its contract (more than ``max_num_seqs`` requests or more than
+``max_num_batched_tokens`` tokens in one step) would otherwise run: the engine would
+silently do more work per step than configured, and an A/B comparison would credit the
+broken scheduler with flattering latencies. The check is O(batch) per step (a sum over
+at most ``max_num_seqs`` counts), so it is always on; the conformance suite
+(``pytest --kvforge-conformance scheduler:NAME``) checks the full contract.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvforge.interfaces import Scheduler, SchedulerOutput
+
+
+class SchedulerContractError(RuntimeError):
+    """A scheduler plugin returned a step outside its limits."""
+
+
+def checked_schedule(scheduler: "Scheduler", who: str, max_num_seqs: int,
+                     max_num_batched_tokens: int | None) -> "SchedulerOutput":
+    """``scheduler.schedule()``, with its limits checked and its errors attributed to the plugin
+    (an exception from ``schedule()`` propagates as it is, with a note naming the plugin).
+
+    Args:
+        who: the plugin, as :func:`kvforge.engine.capabilities.describe` names it.
+        max_num_batched_tokens: the step's token budget (None: unchecked).
+
+    Raises:
+        SchedulerContractError: the step has more than ``max_num_seqs`` requests or more
+            tokens than the budget.
+    """
+    try:
+        so = scheduler.schedule()
+    except Exception as e:
+        # The type stays (callers and tests catch by type; the allocator's own errors surface
+        # here too): the note names the plugin under the traceback.
+        e.add_note(f"kvforge: raised during schedule() of {who}")
+        raise
+    if len(so.scheduled) > max_num_seqs:
+        raise SchedulerContractError(f"{who} scheduled {len(so.scheduled)} requests in one step, more than "
+                                     f"scheduler.max_num_seqs ({max_num_seqs})")
+    total = sum(so.num_scheduled_tokens.values())
+    if max_num_batched_tokens is not None and total > max_num_batched_tokens:
+        raise SchedulerContractError(f"{who} scheduled {total} tokens in one step, more than "
+                                     f"scheduler.max_num_batched_tokens ({max_num_batched_tokens})")
+    return so
