@@ -293,3 +293,21 @@ def test_prompt_logprobs_survive_preemption_mid_prefill(async_scheduling):
         assert list(got[pos]) == [tok], f"position {pos}: entry for {list(got[pos])}, prompt token {tok}"
         assert got[pos][tok].logprob == pytest.approx(ref[pos][tok].logprob, abs=1e-4), f"position {pos}"
     assert_no_block_leak(engine)
+
+
+def test_num_cached_tokens_counts_prompt_hits_at_admission_only():
+    """RequestOutput.num_cached_tokens is the prompt tokens the prefix cache served when the
+    request was admitted (vLLM's meaning): a recompute after preemption, whose hits may cover
+    generated tokens too, does not change it, so it never exceeds the prompt."""
+    rng = fresh_rng("cached-after-preemption")
+    base = [1] + [rng.randrange(3, 512) for _ in range(31)]
+    prompts = [base + [rng.randrange(3, 512)] for _ in range(6)]
+    eng = make_engine(block_size=16, num_gpu_blocks=5, max_num_seqs=3, max_model_len=64, enable_prefix_caching=True)
+    for i, p in enumerate(prompts):
+        eng.add_request(f"c{i}", {"prompt_token_ids": p}, SamplingParams(temperature=0.0, max_tokens=30,
+                                                                         ignore_eos=True))
+    done = run_engine(eng, max_steps=2000)
+    assert eng.scheduler.stats()["num_preemptions"] > 0, "the case needs preemptions"
+    cached = [done[f"c{i}"].num_cached_tokens for i in range(6)]
+    assert all(0 <= c <= len(p) for c, p in zip(cached, prompts)), cached
+    assert max(cached) >= 16, cached  # later requests hit the shared 32-token prefix

@@ -127,13 +127,16 @@ class QueueScheduler(Scheduler):
                     self.waiting.remove(req)
                     self._fail(req, reason, out)
                     continue
-                cached = self.allocator.get_computed_tokens(req)
-                req.num_computed_tokens = req.num_cached_tokens = cached
+                req.num_computed_tokens = self.allocator.get_computed_tokens(req)
+                if req.num_preemptions == 0:  # (vLLM's meaning: prompt tokens served from the cache at
+                    req.num_cached_tokens = req.num_computed_tokens  # admission; a recompute's hits do not count)
             remaining = req.num_tokens - req.num_computed_tokens
             n = self._chunk(remaining, budget)
             if (n < remaining and not self._may_chunk(req)) or self.allocator.allocate_slots(req, n) is None:
                 if fresh:  # forget the prefix-cache hit; it is looked up again next time
-                    req.num_computed_tokens = req.num_cached_tokens = 0
+                    req.num_computed_tokens = 0
+                    if req.num_preemptions == 0:
+                        req.num_cached_tokens = 0
                 break  # keep the order: later requests do not overtake
             self.waiting.remove(req)
             self._stop_ids.update(req.eos_token_ids, req.sampling_params.stop_token_ids)  # (also in add_request)
