@@ -69,8 +69,8 @@ def test_duplicate_and_invalid_requests_rejected(core):
         stream = await eng.add_request("dup", "Once upon a time", params)
         with pytest.raises(ValueError, match="already in flight"):
             await eng.add_request("dup", "Hello", params)
-        with pytest.raises(ValueError, match="max_tokens"):
-            await eng.add_request("big", "Hello", SamplingParams(max_tokens=10_000))
+        with pytest.raises(ValueError, match="max_model_len"):
+            await eng.add_request("big", {"prompt_token_ids": [1] * 10_000}, params)
         async for _ in stream:
             pass
         again = await eng.add_request("dup", "Hello", SamplingParams(max_tokens=2))

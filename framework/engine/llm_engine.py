@@ -126,7 +126,9 @@ class LLMEngine:
 
         Raises:
             ValueError: naming the field: duplicate request_id, empty prompt, token ids
-                outside the vocabulary, prompt + max_tokens > max_model_len, bad logit_bias.
+                outside the vocabulary, a prompt that leaves no room to generate within
+                max_model_len, bad logit_bias. (A max_tokens beyond the room left is not an
+                error: generation stops at max_model_len, finish_reason "length", as in vLLM.)
         """
         self.enqueue(self.prepare_request(request_id, prompt, params, priority, arrival_time))
 
@@ -170,10 +172,10 @@ class LLMEngine:
         # extra_args shared): a caller may change and reuse its object for later requests,
         # and the workers that sample cache params by object (worker_sampling.ParamsTable).
         params = params.clone()
-        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
-        if len(ids) + max_tokens > self.max_model_len:
-            raise ValueError(f"max_tokens: prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds "
-                             f"max_model_len ({self.max_model_len})")
+        # As vLLM's engine: more max_tokens than the room left stops at max_model_len with
+        # finish_reason "length" (the OpenAI server refuses such a request up front, 400).
+        room = self.max_model_len - len(ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
         if salt is not None and not isinstance(salt, str):
             raise ValueError("cache_salt: must be a string")
