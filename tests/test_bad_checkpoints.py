@@ -69,3 +69,20 @@ def test_non_chunking_scheduler_refuses_a_prompt_over_the_token_budget_up_front(
     chunking = LLM(STORIES_MODEL, dtype="float32", max_num_batched_tokens=4)  # the default scheduler splits it
     out = chunking.generate([{"prompt_token_ids": [1] + [7] * 6}], SamplingParams(max_tokens=2), use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 2 and out.error is None
+
+
+def test_a_tokenizer_larger_than_the_models_vocabulary_is_warned_about(caplog):
+    """Another model's tokenizer (llama2's 32000 tokens for a 512-token model) would make most
+    text fail at request time; start-up says so, naming model.tokenizer."""
+    import os
+    llama2 = os.path.join(os.path.dirname(STORIES_MODEL), "..", "tokenizers", "llama2")
+    if not os.path.isdir(llama2):
+        pytest.fail(f"missing shared tokenizer {llama2}")
+    with caplog.at_level("WARNING", logger="kvforge"):
+        LLM(STORIES_MODEL, dtype="float32", tokenizer=llama2, num_gpu_blocks=8)
+    assert any("model.tokenizer" in r.message and "32000 tokens" in r.message and "vocab_size is 512" in r.message
+               for r in caplog.records), [r.message for r in caplog.records]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="kvforge"):
+        LLM(STORIES_MODEL, dtype="float32", num_gpu_blocks=8)
+    assert not any("model.tokenizer" in r.message for r in caplog.records)

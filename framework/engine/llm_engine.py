@@ -61,6 +61,11 @@ class LLMEngine:
         self.max_model_len = parts.max_model_len
         self.vocab_size = parts.hf_config.vocab_size
         self.tokenizer = load_tokenizer(config.model.tokenizer or config.model.model)
+        if len(self.tokenizer) > self.vocab_size:  # (fewer is common: embedding tables are padded)
+            log.warning("model.tokenizer: %s has %d tokens but the model's vocab_size is %d, so any text that "
+                        "encodes to an id >= %d is refused: is it the model's tokenizer?",
+                        config.model.tokenizer or config.model.model, len(self.tokenizer), self.vocab_size,
+                        self.vocab_size)
         self.eos_token_ids = eos_token_ids(self.tokenizer, config.model.model)
         from kvforge.engine.executor import create_executor
         self.executor = create_executor(parts)  # in-process ModelRunner (+ CUDA graphs), or the workers' proxy
