@@ -350,7 +350,9 @@ def test_cli_sim_end_to_end(tmp_path, capsys, monkeypatch):
 def test_real_mode_on_stories260k(tmp_path):
     """Real engine replay (and the simulator beside it, mode both) of a tiny trace."""
     COST.save(tmp_path / "cm.json")
-    wl = "poisson:rate=40,n=6,prompt=uniform(8,40),output=uniform(3,6),prefix_groups=1,prefix_len=32,seed=3"
+    # (with priorities: fcfs and sjf ignore them, and the replay sends them 0, which the engine accepts)
+    wl = ("poisson:rate=40,n=6,prompt=uniform(8,40),output=uniform(3,6),prefix_groups=1,prefix_len=32,"
+          "priority=uniform(1,3),seed=3")
     doc = _cli(tmp_path, "r", "--mode", "both", "--cost-model", str(tmp_path / "cm.json"), "--workload", wl,
                "--no-plot", "--enable-prefix-caching", "true")
     labels = [s["label"] for s in doc["schedulers"]]

@@ -178,9 +178,15 @@ def test_nothing_is_allowed_by_default(registry):
         eng.add_request("x", "Once upon a time", _kv(drafter="ngram"))
     with pytest.raises(ValueError, match="allowed values: \\(none\\)"):
         eng.add_request("y", "Once upon a time", _kv(eviction_hint="keep"))
-    eng.add_request("z", "Once upon a time", SamplingParams(max_tokens=2), priority=100)  # no range set: any
-    while eng.has_unfinished_requests():
-        eng.step()
+    # the default scheduler ignores priority (priorities=False): any other value than 0 is refused
+    with pytest.raises(ValueError, match=r"priority: 100 was given, but scheduler 'chunked_prefill' .* ignores "
+                                         r"request priority"):
+        eng.add_request("z", "Once upon a time", SamplingParams(max_tokens=2), priority=100)
+    prio = build(registry, scheduler="priority")
+    prio.add_request("z", "Once upon a time", SamplingParams(max_tokens=2), priority=100)  # no range set: any
+    for e in (eng, prio):
+        while e.has_unfinished_requests():
+            e.step()
 
 
 def test_bad_priority_range_is_a_config_error():

@@ -69,6 +69,8 @@ def run_real(trace: Trace, prompts: list[list[int]], config: EngineConfig, regis
                for i, r in enumerate(reqs)]
     by_id = {rec.request_id: rec for rec in records}
     order = replay_order(trace)
+    # one trace serves every arm: a scheduler that ignores priority gets 0 (the engine refuses others)
+    honours = engine.registry.get("scheduler", engine.config.scheduler.name).capabilities.get("priorities") is not False
     nxt = 0
     busy = 0.0
     bar = tqdm(total=len(reqs), desc=f"real {label}", disable=not progress, dynamic_ncols=True, leave=False)
@@ -81,7 +83,7 @@ def run_real(trace: Trace, prompts: list[list[int]], config: EngineConfig, regis
                 r = reqs[i]
                 engine.add_request(request_id(i), list(prompts[i]),
                                    SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True),
-                                   priority=r.priority, arrival_time=t0 + r.arrival_time)
+                                   priority=r.priority if honours else 0, arrival_time=t0 + r.arrival_time)
                 nxt += 1
             if not engine.has_unfinished_requests():
                 time.sleep(max(0.0, reqs[order[nxt]].arrival_time - (time.monotonic() - t0)))

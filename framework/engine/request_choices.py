@@ -89,6 +89,13 @@ def validate_request_choices(config: "EngineConfig", registry: "Registry", param
     # (always: a priority scheduler compares them, and one bad value would break every later step)
     if not isinstance(priority, int) or isinstance(priority, bool):
         raise ValueError(f"priority: must be an integer, got {priority!r}")
+    if priority != 0:  # as vLLM: a priority the scheduler would silently ignore is refused
+        sched = registry.get("scheduler", config.scheduler.name)
+        if sched.capabilities.get("priorities") is False:
+            from kvforge.engine.capabilities import describe
+            raise ValueError(f"priority: {priority} was given, but {describe(sched)} ignores request priority "
+                             f"(it declares priorities=False); send 0, or serve with a scheduler that honours "
+                             f"it (scheduler.name: priority)")
     if rc.priorities is not None:
         lo, hi = rc.priorities
         if not lo <= priority <= hi:
