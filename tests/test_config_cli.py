@@ -248,11 +248,14 @@ def test_generate_with_config_file(tmp_path, capsys):
     assert out["token_ids"] == ref[0].outputs[0].token_ids
     assert "there was a little girl" in out["text"]
 
-    # The file is really applied: its max_model_len (40) rejects a too-long request...
+    # The file is really applied: its max_model_len (40) stops a longer request there...
     rc = cli_main(["generate", "--model", STORIES_MODEL, "--config", str(cfg), "--max-tokens", "64",
-                   "Once upon a time"])
-    err = capsys.readouterr().err
-    assert rc != 0 and "max_model_len (40)" in err, err
+                   "--ignore-eos", "--json", "Once upon a time"])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    prompt_len = len(json.loads(captured.out)[0]["prompt_token_ids"])
+    out = json.loads(captured.out)[0]["outputs"][0]
+    assert len(out["token_ids"]) == 40 - prompt_len and out["finish_reason"] == "length", out
     # ...and a flag beats it.
     rc = cli_main(["generate", "--model", STORIES_MODEL, "--config", str(cfg), "--max-model-len", "128",
                    "--max-tokens", "64", "--json", "Once upon a time"])
