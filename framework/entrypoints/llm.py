@@ -45,6 +45,51 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def chat(self, messages: Sequence[dict[str, Any]] | Sequence[Sequence[dict[str, Any]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
+             chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False) -> list[RequestOutput]:
+        """Generate replies to one conversation or a batch of them (as vLLM's ``LLM.chat``);
+        returns one finished RequestOutput per conversation, in order.
+
+        ``messages``: a conversation (a list of ``{"role", "content"}`` dicts; ``content`` a
+        string or a list of ``{"type": "text", "text": ...}`` parts, joined with newlines) or a
+        list of conversations. Each is rendered with ``chat_template`` (default: the
+        tokenizer's) exactly as ``/v1/chat/completions`` renders it, and encoded without the
+        tokenizer's special tokens (the template writes BOS itself). ``sampling_params``: one for
+        all, or one per conversation. ``continue_final_message`` extends the last (assistant)
+        message instead of starting a new one; it needs ``add_generation_prompt=False``.
+
+        Raises:
+            ValueError: a bad message (``messages[i]...`` or ``messages[c][i]...`` in a batch),
+                no chat template, a template that fails, or a bad sampling parameter (nothing
+                is queued then).
+        """
+        from kvforge.entrypoints.openai import chat_utils  # no web stack: pydantic + jinja only
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message: cannot be combined with add_generation_prompt=True")
+        tokenizer = self.get_tokenizer()
+        template = chat_template if chat_template is not None else getattr(tokenizer, "chat_template", None)
+        if not template:
+            raise ValueError("chat_template: the model's tokenizer has no chat template; pass chat_template=...")
+        batched = (isinstance(messages, Sequence) and not isinstance(messages, (str, bytes)) and len(messages) > 0
+                   and all(isinstance(c, Sequence) and not isinstance(c, (str, bytes, dict)) for c in messages))
+        conversations = list(messages) if batched else [messages]
+        prompts: list[PromptType] = []
+        for i, conv in enumerate(conversations):
+            where = f"messages[{i}]" if batched else "messages"
+            try:
+                text = chat_utils.render_chat(tokenizer, chat_utils.parse_messages(conv, where), template,
+                                              add_generation_prompt=add_generation_prompt,
+                                              continue_final_message=continue_final_message)
+            except chat_utils.ChatTemplateError as e:
+                msg = str(e)
+                if batched:  # name the conversation: "messages: ..." -> "messages[i]: ..."
+                    msg = where + msg[len("messages"):] if msg.startswith("messages") else f"{where}: {msg}"
+                raise ValueError(msg) from e
+            prompts.append({"prompt": text, "prompt_token_ids": chat_utils.encode_chat_prompt(tokenizer, text)})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:

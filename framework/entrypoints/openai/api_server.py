@@ -4,7 +4,9 @@ Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/mo
 ``GET /health``, ``GET /metrics`` (Prometheus), ``POST /tokenize``, ``POST /detokenize``.
 With ``--api-key`` every route except ``/health`` and ``/metrics`` needs
 ``Authorization: Bearer KEY`` (401 otherwise). ``X-Request-Id`` names a request (a
-duplicate in-flight id is a 400) and is echoed in the response.
+duplicate in-flight id is a 400) and is echoed in the response. A request's own
+``chat_template`` is rendered only with ``--trust-request-chat-template``; ``--chat-template``
+is compiled at start-up (a syntax error stops the server before it loads the model).
 
 Shutdown (SIGTERM / SIGINT): uvicorn stops accepting connections and waits for in-flight
 responses, then the engine drains and stops; the process exits 0.
@@ -25,6 +27,7 @@ from kvforge.engine.async_engine import AsyncLLMEngine
 from kvforge.engine.metrics import CONTENT_TYPE, EngineMetrics
 from kvforge.engine.tokenizer import load_tokenizer
 from kvforge.entrypoints.openai import serving_chat, serving_completion
+from kvforge.entrypoints.openai.chat_utils import compile_chat_template, encode_chat_prompt
 from kvforge.entrypoints.openai.errors import OpenAIError, error_response, install_handlers
 from kvforge.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                   TokenizeRequest, ignored_fields)
@@ -36,7 +39,7 @@ _OPEN_PATHS = frozenset({"/health", "/metrics", "/ping"})
 
 def build_app(engine: AsyncLLMEngine, served_model_names: list[str] | None = None,
               api_key: str | None = None, chat_template: str | None = None,
-              drain_timeout: float | None = 30.0) -> FastAPI:
+              drain_timeout: float | None = 30.0, trust_request_chat_template: bool = False) -> FastAPI:
     """The FastAPI app serving ``engine`` (started on app startup, drained on shutdown).
 
     Args:
@@ -45,7 +48,13 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str] | None = Non
         api_key: required bearer token, or None for no authentication.
         chat_template: Jinja chat template text overriding the tokenizer's.
         drain_timeout: seconds the engine waits for in-flight requests at shutdown.
+        trust_request_chat_template: render a chat request's own ``chat_template`` (else a 400).
+
+    Raises:
+        ValueError: ``chat_template`` is empty or has a Jinja syntax error (naming ``chat_template``).
     """
+    if chat_template is not None:
+        compile_chat_template(chat_template, "chat_template")
     core = engine.engine
     cfg = core.config.model
     names = list(served_model_names or [cfg.model])
@@ -54,7 +63,9 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str] | None = Non
     ctx = ServerContext(engine=engine, tokenizer=load_tokenizer(cfg.tokenizer or cfg.model),
                         served_model_names=names, max_model_len=core.max_model_len,
                         vocab_size=core.vocab_size, chat_template=chat_template, model_path=cfg.model,
-                        api_key=api_key, max_logprobs=cfg.max_logprobs)
+                        api_key=api_key, max_logprobs=cfg.max_logprobs,
+                        trust_request_chat_template=trust_request_chat_template)
+    _check_tokenizer_template(ctx)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -63,7 +74,7 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str] | None = Non
             yield
         finally:
             await engine.shutdown(drain_timeout)
-            ctx.executor.shutdown(wait=False)
+            ctx.shutdown()
 
     app = FastAPI(title="kvforge", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.ctx = ctx
@@ -119,8 +130,8 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str] | None = Non
         req = await body(raw, TokenizeRequest)
         ctx.check_model(req.model)
         if req.messages is not None:
-            text = await ctx.run_tokenizer(serving_chat.render_chat, ctx, req.messages, req.add_generation_prompt)
-            ids = await ctx.encode(text, False)
+            text = await ctx.run_render(serving_chat.render_chat, ctx, req.messages, req.add_generation_prompt)
+            ids = await ctx.run_tokenizer(encode_chat_prompt, ctx.tokenizer, text, False)
         else:
             ids = await ctx.encode(req.prompt, req.add_special_tokens)
         return {"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids}
@@ -139,10 +150,43 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str] | None = Non
     return app
 
 
+def _check_tokenizer_template(ctx: ServerContext) -> None:
+    """Warn at start-up when the model's own chat template (the one used without
+    ``--chat-template``) does not compile: chat requests would then get 500s. Not fatal, since
+    completions still work and the operator may not serve chat at all."""
+    template = getattr(ctx.tokenizer, "chat_template", None)
+    if ctx.chat_template is None and isinstance(template, str):
+        try:
+            compile_chat_template(template, "the tokenizer's chat template")
+        except ValueError as e:
+            log.warning("%s; chat requests will fail until --chat-template FILE replaces it", e)
+
+
 # -- command line -----------------------------------------------------------------------------
+def read_chat_template(path: str) -> str:
+    """The ``--chat-template`` file's text, compiled once to catch a broken template before the
+    model loads.
+
+    Raises:
+        ValueError: naming ``--chat-template PATH``: unreadable, not UTF-8, empty, or a Jinja syntax error.
+    """
+    source = f"--chat-template {path}"
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{source}: cannot read the template: {e}") from None
+    compile_chat_template(text, source)
+    return text
+
+
 def run_server(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     """Build the engine and serve until SIGTERM/SIGINT; returns the exit status (0 after a
-    graceful shutdown)."""
+    graceful shutdown).
+
+    Raises:
+        ValueError: a bad ``--chat-template`` (checked before the model loads) or engine config.
+    """
     import os
     import signal
 
@@ -150,14 +194,12 @@ def run_server(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
 
     from kvforge.config import EngineConfig
 
-    chat_template = None
-    if args.chat_template:
-        with open(args.chat_template, encoding="utf-8") as f:
-            chat_template = f.read()
+    chat_template = read_chat_template(args.chat_template) if args.chat_template else None
     api_key = args.api_key or os.environ.get("KVFORGE_API_KEY") or None
     from kvforge.engine.executor import create_engine  # LLMEngine, or data-parallel replicas
     engine = AsyncLLMEngine(create_engine(EngineConfig.from_sources(args.config, overrides)))
-    app = build_app(engine, args.served_model_name, api_key, chat_template, args.drain_timeout)
+    app = build_app(engine, args.served_model_name, api_key, chat_template, args.drain_timeout,
+                    trust_request_chat_template=args.trust_request_chat_template)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.drain_timeout, timeout_keep_alive=5)
     server = uvicorn.Server(config)

@@ -4,14 +4,33 @@ from __future__ import annotations
 import argparse
 
 
+def port_number(text: str) -> int:
+    """``--port``: an integer in 0..65535 (0: any free port).
+
+    Raises:
+        argparse.ArgumentTypeError: otherwise (argparse reports it as a usage error naming --port).
+    """
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer in 0..65535, got {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in 0..65535, got {port}")
+    return port
+
+
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     """Server flags (the engine flags are added by the CLI's ``_add_engine_flags``)."""
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
+    p.add_argument("--port", type=port_number, default=8000, help="TCP port, 0..65535 (default 8000)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (env KVFORGE_API_KEY)")
     p.add_argument("--served-model-name", action="append", default=None, metavar="NAME",
                    help="model name clients use (repeatable; default: the --model path)")
-    p.add_argument("--chat-template", default=None, metavar="FILE", help="Jinja chat template file")
+    p.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="Jinja chat template file (checked at start-up)")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="render a chat request's own chat_template (refused with a 400 by default: "
+                        "a template is code the server runs)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds to wait for in-flight requests on shutdown (default 30)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])

@@ -120,7 +120,7 @@ class CompletionRequest(_SamplingFields):
     ids, or a list of token-id lists (a batch)."""
 
     prompt: Any
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0)  # 0 only with echo (prompt scoring)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0)  # cap: the engine's model.max_logprobs
     best_of: int | None = Field(None, ge=1, le=MAX_N)
@@ -147,6 +147,9 @@ class CompletionRequest(_SamplingFields):
             raise ValueError("best_of: only best_of == n is supported")
         if self.suffix:
             raise ValueError("suffix: not supported by this server")
+        if self.max_tokens == 0 and not self.echo:  # as vLLM: 0 means "score the prompt", which needs echo
+            raise ValueError("max_tokens: must be >= 1 (0 is allowed only with echo, to return the prompt "
+                             "and its logprobs)")
         return self
 
 
@@ -214,8 +217,13 @@ class ChatCompletionRequest(_SamplingFields):
         if self.response_format is not None and self.response_format.type != "text":
             raise ValueError(f"response_format: type {self.response_format.type!r} is not supported "
                              "(only 'text')")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise ValueError("tool_choice: only 'none' and 'auto' are supported")
+        # vLLM refuses "auto" unless a tool-call parser is configured; this server has none, so an
+        # explicit "auto" would silently come back as plain text
+        if self.tool_choice == "auto":
+            raise ValueError("tool_choice: 'auto' needs a tool-call parser, which this server does not have; "
+                             "use 'none' or leave tool_choice unset")
+        if self.tool_choice not in (None, "none"):
+            raise ValueError("tool_choice: only 'none' is supported")
         return self
 
     @property

@@ -2,54 +2,83 @@
 
 The prompt is the conversation rendered by the chat template — ``--chat-template FILE``
 if given, else the tokenizer's own — with ``tokenizer.apply_chat_template``
-(transformers' sandboxed Jinja). A model with neither gets a 400. Streaming follows
-OpenAI: a first chunk per choice carries ``delta.role``, then ``delta.content`` pieces,
-then a chunk with the choice's ``finish_reason`` (exactly one per choice).
+(transformers' sandboxed Jinja; see :mod:`.chat_utils`, shared with the offline
+``LLM.chat``). A model with neither gets a 400. A request's own ``chat_template`` is code
+the server would run, so it is refused (400) unless the server was started with
+``--trust-request-chat-template`` (as vLLM). Rendering and tokenizing run off the event
+loop. Streaming follows OpenAI: a first chunk per choice carries ``delta.role``, then
+``delta.content`` pieces, then a chunk with the choice's ``finish_reason`` (exactly one per
+choice).
 """
 from __future__ import annotations
 
+import logging
 from typing import Any, AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from kvforge.engine.outputs import Logprob
+from kvforge.entrypoints.openai import chat_utils
 from kvforge.entrypoints.openai import serving_common as sc
 from kvforge.entrypoints.openai.errors import OpenAIError
 from kvforge.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
 
+log = logging.getLogger("kvforge.server")
 
-def conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """Messages as the plain dicts chat templates expect (text parts joined by newlines)."""
-    out = []
-    for m in messages:
-        d = {k: v for k, v in m.model_dump(exclude_none=True).items() if k != "content"}
-        d["content"] = m.text()
-        out.append(d)
-    return out
+
+def request_template(ctx: sc.ServerContext, req: ChatCompletionRequest) -> str | None:
+    """The request's own chat template (``chat_template``, or ``chat_template_kwargs.chat_template``,
+    where vLLM also reads one), or None.
+
+    Raises:
+        OpenAIError: 400 naming ``chat_template`` when the server does not trust request templates
+            (a nested loop in one would tie up a server thread) or the value is not a string.
+    """
+    template = req.chat_template
+    if template is None and req.chat_template_kwargs:
+        template = req.chat_template_kwargs.get("chat_template")
+    if template is None:
+        return None
+    if not ctx.trust_request_chat_template:
+        raise OpenAIError("chat_template: this server does not render chat templates sent with requests; "
+                          "start it with --trust-request-chat-template to allow them", 400,
+                          param="chat_template", code="untrusted_chat_template")
+    if not isinstance(template, str):
+        raise OpenAIError(f"chat_template: must be a string, got {type(template).__name__}", 400,
+                          param="chat_template")
+    return template
 
 
 def render_chat(ctx: sc.ServerContext, messages: list[ChatMessage], add_generation_prompt: bool,
                 continue_final_message: bool = False, template: str | None = None,
                 tools: list | None = None, kwargs: dict | None = None) -> str:
-    """The prompt text for ``messages``.
+    """The prompt text for ``messages`` (blocking: call it through ``ctx.run_render``).
+
+    ``template``: a request's own template, already allowed by :func:`request_template`.
 
     Raises:
-        OpenAIError: 400 when no chat template is available or the template fails.
+        OpenAIError: 400 when no chat template is available or the request made rendering fail
+            (naming the field); 500 ``chat_template_error`` when the server's template is broken.
     """
-    template = template or ctx.chat_template or getattr(ctx.tokenizer, "chat_template", None)
-    if not template:
+    from_request = template is not None
+    if template is None:
+        template = ctx.chat_template or getattr(ctx.tokenizer, "chat_template", None)
+    if not template and not from_request:
         raise OpenAIError("messages: this model has no chat template; start the server with "
                           "--chat-template FILE or use /v1/completions", 400, param="messages",
                           code="no_chat_template")
     try:
-        return ctx.tokenizer.apply_chat_template(
-            conversation(messages), tokenize=False, add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message, chat_template=template, tools=tools,
-            **(kwargs or {}))
-    except Exception as e:  # noqa: BLE001 - jinja errors, raise_exception() in templates
-        raise OpenAIError(f"messages: the chat template failed: {type(e).__name__}: {e}", 400,
-                          param="messages") from e
+        return chat_utils.render_chat(ctx.tokenizer, messages, template,
+                                      add_generation_prompt=add_generation_prompt,
+                                      continue_final_message=continue_final_message, tools=tools,
+                                      template_kwargs=kwargs, template_from_request=from_request)
+    except chat_utils.ChatTemplateError as e:
+        if e.client_fault:
+            raise OpenAIError(str(e), 400, param=e.param) from e
+        log.error("the server's chat template failed: %s", e.detail)  # the operator has to fix it
+        raise OpenAIError(f"the server's chat template failed: {e.detail}", 500, param=None,
+                          code="chat_template_error") from e
 
 
 def _logprobs_content(ctx: sc.ServerContext, ids: list[int], entries: list[dict[int, Logprob]],
@@ -71,11 +100,10 @@ async def create_chat_completion(ctx: sc.ServerContext, req: ChatCompletionReque
     """Handle one chat completions request; returns a JSON or SSE response."""
     ctx.check_model(req.model)
     rid = sc.request_id(raw, req.request_id, "chatcmpl")
-    prompt = await ctx.run_tokenizer(render_chat, ctx, req.messages, req.add_generation_prompt,
-                                     req.continue_final_message, req.chat_template,
-                                     req.tools if req.tool_choice != "none" else None,
-                                     req.chat_template_kwargs)
-    ids = await ctx.encode(prompt, req.add_special_tokens)
+    prompt = await ctx.run_render(render_chat, ctx, req.messages, req.add_generation_prompt,
+                                  req.continue_final_message, request_template(ctx, req),
+                                  req.tools if req.tool_choice != "none" else None, req.chat_template_kwargs)
+    ids = await ctx.run_tokenizer(chat_utils.encode_chat_prompt, ctx.tokenizer, prompt, req.add_special_tokens)
     if not ids:
         raise OpenAIError("messages: the rendered prompt is empty", 400, param="messages")
     explicit_field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"

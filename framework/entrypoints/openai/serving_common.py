@@ -1,5 +1,6 @@
 """Shared pieces of the completion and chat handlers: server context, sampling-parameter
-mapping, length checks, streaming deltas, SSE framing, disconnect handling, logprobs."""
+mapping, length checks, streaming deltas, SSE framing, disconnect handling (the logprobs
+helpers live in :mod:`.logprob_utils` and are re-exported here)."""
 from __future__ import annotations
 
 import asyncio
@@ -14,15 +15,14 @@ from fastapi import Request
 from starlette.responses import StreamingResponse
 
 from kvforge.engine.async_engine import AsyncLLMEngine, EngineClosedError, EngineError, RequestStream
-from kvforge.engine.detokenizer import decode_single_token
 from kvforge.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from kvforge.engine.request_choices import EXTRA_ARGS_KEY
 from kvforge.engine.sampling_params import SamplingParams
 from kvforge.entrypoints.openai.errors import OpenAIError
+from kvforge.entrypoints.openai.logprob_utils import (LOGPROB_FLOOR, clamp, prompt_logprobs_json,  # noqa: F401
+                                                      sorted_top, token_bytes, token_text)
 from kvforge.entrypoints.openai.protocol import _SamplingFields
 
-#: Log-probabilities are clamped to this floor so ``-inf`` stays valid JSON (as vLLM does).
-LOGPROB_FLOOR = -9999.0
 REQUEST_ID_HEADER = "X-Request-Id"
 
 
@@ -38,6 +38,11 @@ class ServerContext:
         chat_template: ``--chat-template`` text, overriding the tokenizer's.
         model_path: checkpoint directory.
         max_logprobs: the engine's ``model.max_logprobs`` (most log-probabilities per token).
+        trust_request_chat_template: ``--trust-request-chat-template``: render a request's own
+            ``chat_template`` (refused with a 400 otherwise, as in vLLM).
+        executor: the one thread that uses ``tokenizer`` (a fast tokenizer is not shared across threads).
+        render_executor: threads for chat-template rendering (pure Python Jinja, no tokenizer
+            state), so a slow template holds up neither the event loop nor other requests' tokenizing.
     """
 
     engine: AsyncLLMEngine
@@ -49,7 +54,10 @@ class ServerContext:
     model_path: str = ""
     api_key: str | None = None
     max_logprobs: int = 20
+    trust_request_chat_template: bool = False
     executor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, "kvforge-tokenize"))
+    render_executor: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(4, "kvforge-chat-template"))
 
     @property
     def model_name(self) -> str:
@@ -68,8 +76,18 @@ class ServerContext:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self.executor, lambda: fn(*args, **kwargs))
 
+    async def run_render(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run a chat-template render off the event loop, beside (not behind) tokenizer calls."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.render_executor, lambda: fn(*args, **kwargs))
+
     async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return await self.run_tokenizer(self.tokenizer.encode, text, add_special_tokens=add_special_tokens)
+
+    def shutdown(self) -> None:
+        """Stop the worker threads (queued calls are dropped; running ones finish on their own)."""
+        self.executor.shutdown(wait=False, cancel_futures=True)
+        self.render_executor.shutdown(wait=False, cancel_futures=True)
 
 
 def request_id(raw: Request, body_id: str | None, prefix: str) -> str:
@@ -345,51 +363,3 @@ def error_event(exc: BaseException) -> str:
         return sse(exc.body())
     status = 503 if isinstance(exc, EngineClosedError) else 500
     return sse(OpenAIError(str(exc), status, code="engine_error" if status == 500 else None).body())
-
-
-# -- logprobs -----------------------------------------------------------------------------------
-def clamp(lp: float) -> float:
-    """A JSON-safe log-probability: NaN and values below ``LOGPROB_FLOOR`` become the floor."""
-    return lp if lp == lp and lp > LOGPROB_FLOOR else LOGPROB_FLOOR
-
-
-def prompt_logprobs_json(tokenizer: Any, entries: list[dict[int, Logprob] | None] | None,
-                         prompt_ids: list[int], top: int) -> list[dict[str, dict] | None]:
-    """vLLM's ``prompt_logprobs`` response field: per prompt token, None (the first) or
-    ``{token_id: {"logprob", "rank", "decoded_token"}}`` holding the token itself and the
-    ``top`` most likely ones (``entries`` may hold more, e.g. for ``echo`` logprobs)."""
-    out: list[dict[str, dict] | None] = []
-    for i, tid in enumerate(prompt_ids):
-        entry = entries[i] if entries is not None and i < len(entries) else None
-        if not entry:
-            out.append(None)
-            continue
-        out.append({str(t): {"logprob": clamp(e.logprob), "rank": e.rank,
-                             "decoded_token": token_text(tokenizer, t, e)}
-                    for t, e in entry.items() if t == tid or (e.rank is not None and e.rank <= top)})
-    return out
-
-
-def token_text(tokenizer: Any, token_id: int, lp: Logprob | None = None) -> str:
-    if lp is not None and lp.decoded_token is not None:
-        return lp.decoded_token
-    return decode_single_token(tokenizer, token_id)
-
-
-def token_bytes(tokenizer: Any, token_id: int, text: str) -> list[int]:
-    """UTF-8 bytes of a token; a byte-fallback piece ``<0xNN>`` gives its single byte."""
-    if "\ufffd" in text:
-        piece = tokenizer.convert_ids_to_tokens(token_id)
-        if isinstance(piece, str) and len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
-            try:
-                return [int(piece[3:5], 16)]
-            except ValueError:
-                pass
-    return list(text.encode("utf-8"))
-
-
-def sorted_top(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
-    """The ``k`` most likely tokens of one position, by rank."""
-    items = [(t, lp) for t, lp in entry.items() if lp.rank is not None and lp.rank <= k]
-    items.sort(key=lambda x: (x[1].rank, -x[1].logprob))
-    return items[:k]

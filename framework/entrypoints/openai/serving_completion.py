@@ -2,10 +2,14 @@
 
 A batch prompt (list of strings or of token-id lists) becomes one engine request per
 prompt; choice ``index`` is ``prompt_index * n + i``. ``echo`` prepends the prompt (and,
-with ``logprobs``, the prompt tokens' log-probabilities, the first being null).
+with ``logprobs``, the prompt tokens' log-probabilities, the first being null); with
+``max_tokens`` 0 it returns only that (prompt scoring, as vLLM and OpenAI's legacy API:
+finish_reason ``length``, no completion tokens). Tokenizer work on prompts (encoding, the
+echoed text and its token offsets) runs off the event loop.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, AsyncIterator
 
 from fastapi import Request
@@ -90,36 +94,61 @@ def _echo_starts(ctx: sc.ServerContext, text: str, ids: list[int]) -> tuple[list
     return starts, len(text)
 
 
+def _echo_info(ctx: sc.ServerContext, prompts: list[tuple[str | None, list[int]]],
+               with_offsets: bool) -> list[tuple[str, tuple[list[int], int] | None]]:
+    """Per prompt: the echoed text (decoded for a token-id prompt) and, for echo logprobs, its
+    tokens' starts (see :func:`_echo_starts`). Tokenizer work: run through ``ctx.run_tokenizer``."""
+    out = []
+    for text, ids in prompts:
+        if text is None:
+            text = ctx.tokenizer.decode(ids)
+        out.append((text, _echo_starts(ctx, text, ids) if with_offsets else None))
+    return out
+
+
+def _prompt_only(out: RequestOutput) -> RequestOutput:
+    """``out`` without its generated tokens, for ``max_tokens`` 0: the engine generates at least one
+    token (computing the prompt's logprobs on the way), which the client did not ask for."""
+    def strip(c):
+        reason = c.finish_reason if c.finish_reason in (None, "abort", "error") else "length"
+        return dataclasses.replace(c, text="", token_ids=[], cumulative_logprob=None, logprobs=None,
+                                   finish_reason=reason, stop_reason=None)
+    return dataclasses.replace(out, outputs=[strip(c) for c in out.outputs])
+
+
 async def create_completion(ctx: sc.ServerContext, req: CompletionRequest, raw: Request):
     """Handle one completions request; returns a JSON or SSE response."""
     ctx.check_model(req.model)
     rid = sc.request_id(raw, req.request_id, "cmpl")
+    scoring = req.echo and req.max_tokens == 0  # the engine runs one token, dropped from the response
+    if scoring and req.min_tokens:
+        raise OpenAIError(f"min_tokens: must be 0 when max_tokens is 0, got {req.min_tokens}", 400)
     prompts = await _prompts(ctx, req)
     explicit = "max_tokens" in req.model_fields_set and req.max_tokens is not None
     items = []
     for i, (text, ids) in enumerate(prompts):
         field = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
-        max_tokens = sc.resolve_max_tokens(ctx, len(ids), req.max_tokens, explicit, field, "max_tokens")
+        max_tokens = sc.resolve_max_tokens(ctx, len(ids), 1 if scoring else req.max_tokens, explicit, field,
+                                           "max_tokens")
         asked = [v for v in (req.logprobs if req.echo else None, req.prompt_logprobs) if v is not None]
-        params = sc.sampling_params(req, max_tokens, req.logprobs, max(asked) if asked else None)
+        params = sc.sampling_params(req, max_tokens, None if scoring else req.logprobs,
+                                    max(asked) if asked else None)
         sub = rid if len(prompts) == 1 else f"{rid}-{i}"
         items.append((sub, sc.engine_prompt(ids, text, req.cache_salt), params))
+    echoes = await ctx.run_tokenizer(_echo_info, ctx, prompts, req.logprobs is not None) if req.echo else None
     streams = await sc.add_all(ctx, items, req.priority)
     headers = {sc.REQUEST_ID_HEADER: rid}
     if req.stream:
-        return sc.SSEResponse(_stream(ctx, req, rid, prompts, items, streams), streams, headers=headers)
+        return sc.SSEResponse(_stream(ctx, req, rid, prompts, items, streams, echoes, scoring), streams,
+                              headers=headers)
     try:
         outs = await sc.race_disconnect(raw, sc.final_outputs(streams))
     finally:
         for s in streams:
             s.abort()
-    return JSONResponse(_full_response(ctx, req, rid, outs), headers=headers)
-
-
-def _prompt_text(ctx: sc.ServerContext, out: RequestOutput) -> str:
-    if out.prompt is not None:
-        return out.prompt
-    return ctx.tokenizer.decode(out.prompt_token_ids)
+    if scoring:
+        outs = [_prompt_only(o) for o in outs]
+    return JSONResponse(_full_response(ctx, req, rid, outs, echoes), headers=headers)
 
 
 def _echo_logprobs(ctx: sc.ServerContext, out: RequestOutput, top: int) -> tuple[list[int], list]:
@@ -132,14 +161,13 @@ def _echo_logprobs(ctx: sc.ServerContext, out: RequestOutput, top: int) -> tuple
                  for tid, e in zip(ids, entries)]
 
 
-def _full_response(ctx: sc.ServerContext, req: CompletionRequest, rid: str,
-                   outs: list[RequestOutput]) -> dict[str, Any]:
+def _full_response(ctx: sc.ServerContext, req: CompletionRequest, rid: str, outs: list[RequestOutput],
+                   echoes: list[tuple[str, tuple[list[int], int] | None]] | None) -> dict[str, Any]:
     choices = []
     prompt_tokens = completion_tokens = 0
     for pi, out in enumerate(outs):
         prompt_tokens += len(out.prompt_token_ids)
-        prefix = _prompt_text(ctx, out) if req.echo else ""
-        echo = _echo_starts(ctx, prefix, out.prompt_token_ids) if req.echo and req.logprobs is not None else None
+        prefix, echo = echoes[pi] if echoes else ("", None)
         for c in out.outputs:
             completion_tokens += len(c.token_ids)
             logprobs = None
@@ -159,15 +187,15 @@ def _full_response(ctx: sc.ServerContext, req: CompletionRequest, rid: str,
             "usage": sc.usage(prompt_tokens, completion_tokens)}
 
 
-async def _stream(ctx: sc.ServerContext, req: CompletionRequest, rid: str, prompts, items,
-                  streams) -> AsyncIterator[str]:
+async def _stream(ctx: sc.ServerContext, req: CompletionRequest, rid: str, prompts, items, streams,
+                  echoes: list[tuple[str, tuple[list[int], int] | None]] | None,
+                  scoring: bool) -> AsyncIterator[str]:
     created = sc.now()
     opts = req.stream_options
     include_usage = bool(opts and opts.include_usage)
     continuous = bool(opts and opts.continuous_usage_stats)
     trackers = [[sc.ChoiceDelta(params) for _ in range(req.n)] for _, _, params in items]
     echoed = [[False] * req.n for _ in items]
-    echo_starts: dict[int, tuple[list[int], int]] = {}  # per prompt, for its choices' text_offset
     offsets = [[0] * req.n for _ in items]
     completion_tokens = [0] * len(items)
     prompt_tokens = sum(len(ids) for _, ids in prompts)
@@ -177,6 +205,8 @@ async def _stream(ctx: sc.ServerContext, req: CompletionRequest, rid: str, promp
 
     try:
         async for pi, out in sc.merge_streams(streams):
+            if scoring:
+                out = _prompt_only(out)
             completion_tokens[pi] = sum(len(c.token_ids) for c in out.outputs)
             if out.error or any(c.finish_reason == "error" for c in out.outputs):
                 yield sc.error_event(OpenAIError(out.error or "engine error", 500, code="engine_error"))
@@ -194,12 +224,9 @@ async def _stream(ctx: sc.ServerContext, req: CompletionRequest, rid: str, promp
                 echo = None
                 if req.echo and not echoed[pi][c.index]:
                     echoed[pi][c.index] = True
-                    prefix = _prompt_text(ctx, out)
+                    prefix, echo = echoes[pi]
                     if req.logprobs is not None:
                         lp_ids, lp_entries = _echo_logprobs(ctx, out, req.logprobs)
-                        if pi not in echo_starts:
-                            echo_starts[pi] = _echo_starts(ctx, prefix, out.prompt_token_ids)
-                        echo = echo_starts[pi]
                 if not (text or prefix or new_ids or fin):
                     continue
                 logprobs = None
