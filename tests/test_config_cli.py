@@ -292,6 +292,10 @@ def test_generate_bad_flag_value_names_field(capsys):
     err = capsys.readouterr().err
     assert rc == 2 and err.startswith("kvforge: error: invalid config: model.dtype: ") and err.count("\n") == 1, err
     assert "errors.pydantic.dev" not in err, err
+    # a missing model says where one comes from
+    rc = cli_main(["generate", "Once"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "model: Field required (pass --model DIR, or set model.model in the --config file)" in err, err
 
 
 def test_generate_refuses_a_prompt_the_kv_cache_cannot_hold(capsys):
