@@ -12,20 +12,26 @@ Environment:
 from __future__ import annotations
 
 import importlib.metadata as md
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 import pluggy
+from pydantic import BaseModel
 
 from kvforge import hookspecs
 from kvforge.hookspecs import HOOK_KINDS, KVFORGE_HOOK_API, PROJECT_NAME
 
 ENTRY_POINT_GROUP = "kvforge.plugins"
 
+log = logging.getLogger("kvforge")
+
 
 class PluginError(RuntimeError):
-    """A plugin could not be loaded or registered (API mismatch, duplicate name, bad hook)."""
+    """A plugin could not be loaded, registered or built (API mismatch, duplicate name, bad
+    hook, a hook that raised, a bad settings model, a factory that cannot be called as its
+    hook spec says or returns the wrong kind of object)."""
 
 
 @dataclass(frozen=True)
@@ -122,13 +128,18 @@ def _check_api(name: str, dist: str, obj: Any) -> str:
 def load_registry(extra_plugins: Iterable[tuple[str, Any]] = ()) -> Registry:
     """Discover plugins, validate them, run every ``kvforge_register_*`` hook once.
 
+    A plugin that implements no hook at all (a hook function without ``@kvforge.hookimpl``)
+    is loaded but logged as a warning naming it: it provides nothing.
+
     Args:
         extra_plugins: ``(name, module_or_object)`` pairs registered in addition to
             the entry points (for tests and embedding); they obey the same checks.
 
     Raises:
-        PluginError: API mismatch, a hook implementation with no matching spec,
-            or a name registered twice.
+        PluginError: API mismatch, a hook implementation with no matching spec, a name
+            registered twice, a ``settings_model`` that is not a pydantic model class, or an
+            exception raised inside a plugin's hook (naming the plugin, its distribution and
+            the hook; the original exception is chained as ``__cause__``).
     """
     pm = pluggy.PluginManager(PROJECT_NAME)
     pm.add_hookspecs(hookspecs)
@@ -155,6 +166,8 @@ def load_registry(extra_plugins: Iterable[tuple[str, Any]] = ()) -> Registry:
             pm.register(obj, name=name)
         except pluggy.PluginValidationError as e:
             raise PluginError(f"plugin {name!r} (distribution {dist}) has an invalid hook implementation: {e}") from e
+        if not pm.get_hookcallers(obj):
+            _warn_registers_nothing(name, dist, version, obj)
         meta[name] = (dist, version, api)
         registry.loaded_plugins.append((name, dist, version, api))
     try:
@@ -168,10 +181,96 @@ def load_registry(extra_plugins: Iterable[tuple[str, Any]] = ()) -> Registry:
             dist, version, api = meta[impl.plugin_name]
 
             def register(name: str, factory: Callable[..., Any], settings_model: type | None = None,
-                         _kind: str = kind, _impl=impl, _dist=dist, _ver=version, _api=api,
+                         _kind: str = kind, _impl=impl, _dist=dist, _ver=version, _api=api, _hook=hook_name,
                          **capabilities: Any) -> None:
-                registry.add(PluginSpec(_kind, name, factory, settings_model, _impl.plugin_name,
-                                        _dist, _ver, _api, dict(capabilities)))
+                spec = PluginSpec(_kind, name, factory, settings_model, _impl.plugin_name, _dist, _ver, _api,
+                                  dict(capabilities))
+                _check_settings_model(spec, _hook)
+                registry.add(spec)
 
-            impl.function(register=register)
+            try:
+                impl.function(register=register)
+            except PluginError:
+                raise  # raised by ``register`` itself: already names the plugin (and the other one)
+            except Exception as e:
+                # Without this the CLI prints only the plugin's own message ("boom"), and the
+                # user cannot tell which installed package is broken.
+                raise PluginError(f"plugin {impl.plugin_name!r} (distribution {dist} {version}) raised in its "
+                                  f"{hook_name} hook: {type(e).__name__}: {e}") from e
     return registry
+
+
+def _warn_registers_nothing(name: str, dist: str, version: str, obj: Any) -> None:
+    """A module that implements no hook loads fine and provides nothing, which otherwise only
+    shows up later as an "unknown scheduler" far from its cause; the usual reason is a hook
+    function written without the decorator, so name those."""
+    undecorated = sorted(a for a in dir(obj) if a in HOOK_KINDS)
+    where = f" (not decorated: {', '.join(undecorated)})" if undecorated else ""
+    log.warning("plugin %r (distribution %s %s) registered nothing; did you forget @kvforge.hookimpl?%s",
+                name, dist, version, where)
+
+
+def _check_settings_model(spec: PluginSpec, hook_name: str) -> None:
+    """Refuse a ``settings_model`` that is not a pydantic model class at registration: the
+    engine calls ``settings_model.model_validate`` on every build, so anything else would make
+    each build fail later with an AttributeError that names neither the plugin nor the field.
+
+    Raises:
+        PluginError: naming the plugin, its distribution, the hook and ``settings_model``.
+    """
+    model = spec.settings_model
+    if model is None or (isinstance(model, type) and issubclass(model, BaseModel)):
+        return
+    got = f"the class {model.__qualname__}" if isinstance(model, type) else f"{type(model).__name__} {model!r:.80}"
+    raise PluginError(f"plugin {spec.plugin!r} (distribution {spec.distribution} {spec.version}), {hook_name}: "
+                      f"{spec.kind} {spec.name!r} was registered with settings_model={got}, which is not a "
+                      f"pydantic BaseModel subclass; pass the model class itself (class MySettings(BaseModel)), "
+                      f"or settings_model=None if it takes no settings")
+
+
+#: kind -> (its interface in ``kvforge.interfaces``, how the engine calls the registered factory).
+FACTORY_CONTRACTS: dict[str, tuple[str, str]] = {
+    "model": ("Model", "factory(hf_config, ctx: ModelContext)"),
+    "kv_allocator": ("KVAllocator", "factory(num_blocks, block_size, settings, cache_config)"),
+    "scheduler": ("Scheduler", "factory(scheduler_config, allocator, settings, ctx: SchedulerContext)"),
+    "attention": ("AttentionBackend", "cls(settings), cls being the registered AttentionBackend subclass"),
+    "quantizer": ("QuantizationConfig", "factory(hf_quant_config: dict | None, settings)"),
+    "drafter": ("Drafter", "factory(speculative_config, settings, ctx: DrafterContext)"),
+}
+
+
+def build_plugin(spec: PluginSpec, *args: Any) -> Any:
+    """Call ``spec.factory(*args)`` (the arguments of its kind's hook spec) and check that it
+    returned an instance of its kind's interface (:data:`FACTORY_CONTRACTS`).
+
+    Every kind's interface is an ABC that the engine calls methods of right away, so an object
+    of another type (``None`` from a factory that forgot ``return``) is refused here rather
+    than failing on its first use, far from the plugin that caused it.
+
+    Raises:
+        PluginError: naming the plugin, its distribution, the kind and what was expected, when
+            the call itself raises TypeError (a factory whose parameters do not match the hook
+            spec, or one that is not callable) or the result is not an instance of the interface.
+        Exception: whatever the factory's own code raises passes through unchanged (a quantizer
+            refusing a checkpoint raises its own ValueError, a TypeError inside the factory body
+            keeps its traceback).
+    """
+    import kvforge.interfaces as interfaces  # not at import time: kvforge.interfaces imports torch
+    iface_name, call = FACTORY_CONTRACTS[spec.kind]
+    # (the format of kvforge.engine.capabilities.describe, which the capability errors use)
+    who = f"{spec.kind} {spec.name!r} (plugin {spec.plugin}, distribution {spec.distribution} {spec.version})"
+    try:
+        obj = spec.factory(*args)
+    except TypeError as e:
+        # Binding the arguments fails before any frame of the factory starts, so the traceback
+        # ends here; a TypeError from inside the factory has the factory's frame after this one.
+        if e.__traceback__ is not None and e.__traceback__.tb_next is not None:
+            raise
+        raise PluginError(f"{who}: its factory cannot be called as the engine calls it, "
+                          f"{call} ({len(args)} positional arguments): {e}") from e
+    iface = getattr(interfaces, iface_name)
+    if not isinstance(obj, iface):
+        got = "None" if obj is None else f"a {type(obj).__module__}.{type(obj).__qualname__}"
+        raise PluginError(f"{who}: its factory returned {got}, expected an instance of "
+                          f"kvforge.interfaces.{iface_name} ({call} must return one)")
+    return obj

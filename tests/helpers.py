@@ -256,3 +256,21 @@ def registry_with_schedulers(*entries: tuple) -> "object":
 
     mod.kvforge_register_schedulers = kvforge.hookimpl(kvforge_register_schedulers)
     return load_registry(extra_plugins=[("test_schedulers_plugin", mod)])
+
+
+class FakePytestConfig:
+    """Just what kvforge's pytest plugin (``pytest_configure``) reads from a pytest config."""
+
+    def __init__(self, targets: list[str], settings: list[str] | None = None) -> None:
+        import pytest
+        self.opts = {"kvforge_conformance": targets, "kvforge_settings": settings or [], "kvforge_model": None,
+                     "kvforge_device": "auto", "kvforge_grid": None}
+        self.stash: dict = {}
+        self.args_source = pytest.Config.ArgsSource.ARGS
+        self.args: list[str] = []
+
+    def getoption(self, name, default=None):
+        return self.opts.get(name, default)
+
+    def addinivalue_line(self, *a) -> None:
+        pass

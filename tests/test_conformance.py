@@ -21,6 +21,7 @@ import sys
 import pytest
 import torch
 
+from helpers import FakePytestConfig
 from kvforge.plugin_manager import load_registry
 from kvforge.testing import SUITE_KINDS
 
@@ -160,23 +161,6 @@ def test_pytest_plugin_entry_point_is_installed():
         f"pytest11 entry points of kvforge: {eps} (re-run pip install -e .)")
 
 
-class _FakeConfig:
-    """Just what the plugin's pytest_configure reads."""
-
-    def __init__(self, targets: list[str]) -> None:
-        self.opts = {"kvforge_conformance": targets, "kvforge_settings": [], "kvforge_model": None,
-                     "kvforge_device": "auto", "kvforge_grid": None}
-        self.stash: dict = {}
-        self.args_source = pytest.Config.ArgsSource.ARGS
-        self.args: list[str] = []
-
-    def getoption(self, name, default=None):
-        return self.opts.get(name, default)
-
-    def addinivalue_line(self, *a) -> None:
-        pass
-
-
 @pytest.mark.parametrize("targets, needle", [
     (["scheduler:no_such_sched"], "unknown scheduler 'no_such_sched'; registered schedulers: "),
     (["nope"], "expected KIND:NAME"),
@@ -185,5 +169,5 @@ class _FakeConfig:
 def test_cli_option_errors_are_usage_errors(targets, needle):
     from kvforge.testing import pytest_plugin
     with pytest.raises(pytest.UsageError, match="--kvforge-conformance") as ei:
-        pytest_plugin.pytest_configure(_FakeConfig(targets))
+        pytest_plugin.pytest_configure(FakePytestConfig(targets))
     assert needle in str(ei.value), str(ei.value)

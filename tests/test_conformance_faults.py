@@ -8,6 +8,8 @@ says what went wrong:
 - a KV allocator that leaks a block on free          -> kv_allocator suite;
 - a scheduler that exceeds its token budget           -> scheduler suite;
 - a scheduler that starves early arrivals (LIFO)      -> scheduler suite;
+- a scheduler whose finish_requests keeps the blocks  -> scheduler suite (abort, stop string);
+- a scheduler that stops only on length (no EOS, no stop_token_ids) -> scheduler suite;
 - an attention kernel with an off-by-one causal mask  -> attention suite;
 - a rejection sampler without the correction step     -> drafter suite;
 - a fused SwiGLU that swaps gate and up               -> quantizer suite;
@@ -24,6 +26,7 @@ import pytest
 import torch
 
 import kvforge
+from kvforge.engine.request import RequestStatus
 from kvforge.plugin_manager import load_registry
 from kvforge.testing import Target
 from kvforge.testing import attention as attention_suite
@@ -70,6 +73,38 @@ class OverBudgetScheduler(ChunkedPrefillScheduler):
 
     def _chunk(self, remaining: int, budget: int) -> int:
         return remaining
+
+
+class KeepsBlocksOnFinishScheduler(ChunkedPrefillScheduler):
+    """chunked_prefill, but finish_requests (abort, stop string) never frees the request's blocks."""
+
+    def finish_requests(self, request_ids, status):
+        self.allocator.free = lambda request: None  # the bug (an instance attribute hides the method)
+        try:
+            return super().finish_requests(request_ids, status)
+        finally:
+            del self.allocator.free
+
+
+class LengthOnlyStopScheduler(ChunkedPrefillScheduler):
+    """chunked_prefill, but its stop check knows only max_tokens / max_model_len: EOS and
+    stop_token_ids never end a request."""
+
+    def update(self, output, sampled):
+        finished = []
+        for req in output.scheduled:
+            if req.is_finished:
+                continue
+            req.num_computed_tokens += output.num_scheduled_tokens[req.request_id]
+            for tok in sampled.get(req.request_id, ()):
+                req.output_token_ids.append(tok)
+                if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:  # the bug
+                    self._finish(req, RequestStatus.FINISHED_LENGTH_CAPPED)
+                    finished.append(req)
+                    break
+        for fn in output.on_step_done:
+            fn()
+        return finished
 
 
 class OffByOneMaskBackend(TorchRefBackend):
@@ -175,7 +210,9 @@ def registry():
                        (("placeholder_hashing_paged", _make_placeholder_hashing, PagedSettings),
                         {"prefix_caching": True})])
     sched = _plugin("planted_sched", "kvforge_register_schedulers",
-                    [(("over_budget", queue_factory(OverBudgetScheduler), QueueSettings), {})])
+                    [(("over_budget", queue_factory(OverBudgetScheduler), QueueSettings), {}),
+                     (("keeps_blocks", queue_factory(KeepsBlocksOnFinishScheduler), QueueSettings), {}),
+                     (("length_only_stop", queue_factory(LengthOnlyStopScheduler), QueueSettings), {})])
     attn = _plugin("planted_attn", "kvforge_register_attention_backends",
                    [(("off_by_one", OffByOneMaskBackend), {"priority": -1})])
     quant = _plugin("planted_quant", "kvforge_register_quantizers",
@@ -226,6 +263,20 @@ def test_token_budget_overrun_is_caught(registry):
 
 def test_starving_scheduler_is_caught(registry):
     _fails(sched_suite.check_no_starvation_fcfs_load, Target("scheduler", "lifo_example", registry), "starves")
+
+
+def test_finish_requests_keeping_blocks_is_caught(registry):
+    _fails(sched_suite.check_stops_and_aborts, Target("scheduler", "keeps_blocks", registry), "still holds blocks",
+           "finish_requests")
+
+
+def test_scheduler_ignoring_eos_and_stop_ids_is_caught(registry):
+    _fails(sched_suite.check_stops_and_aborts, Target("scheduler", "length_only_stop", registry),
+           "the scheduler ignores EOS", "the scheduler ignores stop_token_ids")
+
+
+def test_chunked_prefill_itself_passes_the_stop_and_abort_check(registry):
+    sched_suite.check_stops_and_aborts(Target("scheduler", "chunked_prefill", registry))
 
 
 def test_off_by_one_mask_is_caught(registry):

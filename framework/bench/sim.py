@@ -33,7 +33,7 @@ from kvforge.engine.request import Request, RequestStatus
 from kvforge.engine.sampling_params import SamplingParams
 from kvforge.engine.schedule_check import checked_schedule
 from kvforge.interfaces import SchedulerContext
-from kvforge.plugin_manager import Registry
+from kvforge.plugin_manager import Registry, build_plugin
 
 log = logging.getLogger("kvforge")
 
@@ -79,9 +79,9 @@ def build_scheduler(config: EngineConfig, registry: Registry, num_blocks: int, l
                       registry)
     sched_settings = validate_plugin_settings(sched_spec, config.scheduler.settings, "scheduler.settings")
     alloc_settings = validate_plugin_settings(alloc_spec, config.cache.settings, "cache.settings")
-    allocator = alloc_spec.factory(num_blocks, config.cache.block_size, alloc_settings, config.cache)
-    scheduler = sched_spec.factory(config.scheduler, allocator, sched_settings,
-                                   SchedulerContext(limit, num_cpu_blocks))
+    allocator = build_plugin(alloc_spec, num_blocks, config.cache.block_size, alloc_settings, config.cache)
+    scheduler = build_plugin(sched_spec, config.scheduler, allocator, sched_settings,
+                             SchedulerContext(limit, num_cpu_blocks))
     return scheduler, allocator
 
 

@@ -13,7 +13,7 @@ from kvforge.engine.capabilities import check_capabilities
 from kvforge.engine.resolve import choose_attention, resolve_device, resolve_dtype, validate_plugin_settings
 from kvforge.interfaces import (AttentionBackend, AttentionRequirements, KVAllocator, Model, ModelContext,
                                 QuantizationConfig, Scheduler, SchedulerContext)
-from kvforge.plugin_manager import PluginSpec, Registry
+from kvforge.plugin_manager import PluginSpec, Registry, build_plugin
 
 log = logging.getLogger("kvforge")
 
@@ -183,6 +183,8 @@ def build_model_stack(registry: Registry, hf_config, model_spec: PluginSpec, mod
 
     Raises:
         ValueError: unknown or unusable quantizer/backend, bad settings, bad checkpoint.
+        PluginError: a quantizer, attention or model factory that cannot be called with its hook
+            spec's arguments or returns no instance of its interface (naming the plugin).
     """
     if num_layers is not None:
         hf_config = _truncate_layers(hf_config, num_layers)
@@ -194,7 +196,7 @@ def build_model_stack(registry: Registry, hf_config, model_spec: PluginSpec, mod
         qname = (hf_quant or {}).get("quant_method", "unquantized")
     quant_spec = registry.get("quantizer", qname)
     quant_settings = validate_plugin_settings(quant_spec, quant_settings, "quantization.settings")
-    quant_config: QuantizationConfig = quant_spec.factory(hf_quant, quant_settings)
+    quant_config: QuantizationConfig = build_plugin(quant_spec, hf_quant, quant_settings)
     reasons = quant_config.validate(dtype, device)
     if reasons:
         raise ValueError(f"quantization.method {qname!r} cannot run here: {'; '.join(reasons)}")
@@ -206,14 +208,14 @@ def build_model_stack(registry: Registry, hf_config, model_spec: PluginSpec, mod
                                 getattr(hf_config, "sliding_window", None))
     attn_spec, rejected = choose_attention(registry, attention.backend, req, device, attention.settings)
     attn_settings = validate_plugin_settings(attn_spec, attention.settings, "attention.settings")
-    backend: AttentionBackend = attn_spec.factory(attn_settings)
+    backend: AttentionBackend = build_plugin(attn_spec, attn_settings)
     if rejected:
         log.info("attention auto: chose %s; rejected %s", attn_spec.name, rejected)
 
     from kvforge.engine.weights import iter_safetensors, load_weights
     torch.manual_seed(seed)
     with torch.device(device):
-        model: Model = model_spec.factory(hf_config, ModelContext(dtype, device, backend, quant_config))
+        model: Model = build_plugin(model_spec, hf_config, ModelContext(dtype, device, backend, quant_config))
     model.eval()
     if share_from is not None:
         _share_parameters(model, share_from)
@@ -248,6 +250,10 @@ def build_engine_parts(config: EngineConfig, registry: Registry) -> EngineParts:
     Raises:
         ValueError: unknown plugin names (listing the registered ones), bad plugin
             settings, an unsupported model, or a backend that cannot run here.
+        PluginError: a plugin factory (quantizer, attention, model, KV allocator, scheduler)
+            that cannot be called with its hook spec's arguments or returns no instance of its
+            interface in ``kvforge.interfaces``; the message names the plugin, its distribution,
+            the kind and what was expected.
     """
     # Names and settings first: a typo fails before any weight is read.
     sched_spec = registry.get("scheduler", config.scheduler.name)
@@ -321,7 +327,8 @@ def build_engine_parts(config: EngineConfig, registry: Registry) -> EngineParts:
     num_blocks = _num_blocks(config, device, block_bytes + draft_block_bytes, max_model_len)
     max_model_len = fit_max_model_len(config, max_model_len, num_blocks, device, draft_block_bytes,
                                       block_bytes + draft_block_bytes)
-    allocator: KVAllocator = alloc_spec.factory(num_blocks, config.cache.block_size, alloc_settings, config.cache)
+    allocator: KVAllocator = build_plugin(alloc_spec, num_blocks, config.cache.block_size, alloc_settings,
+                                          config.cache)
     # One extra block past the allocator's range: the scratch block padded CUDA-graph rows write to.
     shape = backend.kv_cache_shape(num_blocks + 1, config.cache.block_size, num_kv_heads, head_dim)
     kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(hf_config.num_hidden_layers)]
@@ -329,8 +336,8 @@ def build_engine_parts(config: EngineConfig, registry: Registry) -> EngineParts:
     cpu_caches = [torch.zeros(backend.kv_cache_shape(num_cpu_blocks, config.cache.block_size, num_kv_heads, head_dim),
                               dtype=dtype, device="cpu", pin_memory=device.type == "cuda")
                   for _ in range(hf_config.num_hidden_layers)] if num_cpu_blocks else []
-    scheduler: Scheduler = sched_spec.factory(config.scheduler, allocator, sched_settings,
-                                              SchedulerContext(max_model_len, num_cpu_blocks))
+    scheduler: Scheduler = build_plugin(sched_spec, config.scheduler, allocator, sched_settings,
+                                        SchedulerContext(max_model_len, num_cpu_blocks))
     for d in drafters.values():
         d.init_kv_cache(num_blocks)  # same block count: a draft never holds more tokens than the target
     use_graphs = (device.type == "cuda" and not config.model.enforce_eager

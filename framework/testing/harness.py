@@ -284,7 +284,9 @@ def check_block_accounting(alloc, requests: Iterable[Any], fail: Callable[[str],
         if not table:
             continue
         if r.is_finished:
-            fail(f"finished request {r.request_id} ({r.status.value}) still holds blocks {table}")
+            fail(f"finished request {r.request_id} ({r.status.value}) still holds blocks {table}: a finished "
+                 f"request's blocks must be freed (allocator.free), also when it ends by abort or stop string "
+                 f"(Scheduler.finish_requests)")
         if len(set(table)) != len(table):
             fail(f"request {r.request_id}'s block table repeats a block: {table}")
         for b in table:
@@ -333,6 +335,15 @@ def random_prompts(rng: random.Random, n: int, min_len: int, max_len: int, vocab
 _REFERENCE_CACHE: dict[tuple, dict[str, list[int]]] = {}
 
 
+def reference_engine(target: Target, longest: int, num_requests: int) -> "LLMEngine":
+    """An engine in the reference configuration: scheduler ``fcfs``, allocator ``paged``
+    without prefix caching, attention ``torch_ref``, room for ``num_requests`` requests of up
+    to ``longest`` tokens (prompt + output) in one step."""
+    return target.engine(scheduler="fcfs", kv_allocator="paged", attention_backend="torch_ref",
+                         enable_prefix_caching=False, max_num_batched_tokens=max(2048, longest),
+                         max_num_seqs=max(1, num_requests))
+
+
 def reference_outputs(target: Target, prompts: list[list[int]], max_tokens: int,
                       ignore_eos: bool = False) -> list[list[int]]:
     """Greedy token ids from the reference configuration: scheduler ``fcfs``, allocator
@@ -340,10 +351,7 @@ def reference_outputs(target: Target, prompts: list[list[int]], max_tokens: int,
     key = (target.model, target.device, tuple(map(tuple, prompts)), max_tokens, ignore_eos)
     if key not in _REFERENCE_CACHE:
         from kvforge import SamplingParams
-        longest = max(len(p) for p in prompts) + max_tokens
-        eng = target.engine(scheduler="fcfs", kv_allocator="paged", attention_backend="torch_ref",
-                            enable_prefix_caching=False, max_num_batched_tokens=max(2048, longest),
-                            max_num_seqs=max(1, len(prompts)))
+        eng = reference_engine(target, max(len(p) for p in prompts) + max_tokens, len(prompts))
         sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
         mon = StepMonitor(eng, "reference fcfs")
         done = mon.drain({0: [(f"ref{i}", {"prompt_token_ids": p}, sp) for i, p in enumerate(prompts)]})

@@ -9,12 +9,14 @@ Options:
                                       next to the kvforge checkout).
     --kvforge-device auto|cpu|cuda    device for engines and kernels (default auto).
     --kvforge-grid full|small         attention shape grid (default $KVFORGE_TEST_GRID or full).
-    --kvforge-settings KIND:NAME=JSON the plugin's ``settings`` section for the run (repeatable).
+    --kvforge-settings KIND:NAME=JSON the plugin's ``settings`` section for the run (repeatable);
+                                      KIND:NAME must be one of the --kvforge-conformance targets.
 
 The plugin is resolved through the real registry (entry points of group
 ``kvforge.plugins``, ``KVFORGE_PLUGINS`` / ``KVFORGE_DISABLE_PLUGINS`` applied); an
-unknown name is a usage error listing the registered ones. When no test paths
-are given on the command line only the suites run; with paths, both run.
+unknown name is a usage error listing the registered ones, and so are settings for a
+plugin that is not under test. When no test paths are given on the command line only
+the suites run; with paths, both run.
 
 Nothing here imports kvforge until the option is used, so the plugin costs
 nothing in other test runs.
@@ -52,6 +54,10 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "kvforge_conformance: a kvforge plugin conformance check")
     raw = config.getoption("kvforge_conformance", default=None) or []
     if not raw:
+        stray = config.getoption("kvforge_settings", default=None) or []
+        if stray:  # nothing is under test, so these settings would reach no plugin
+            raise pytest.UsageError(f"--kvforge-settings {stray[0]!r}: no plugin is under test; settings apply "
+                                    f"only to --kvforge-conformance KIND:NAME targets")
         return
     from kvforge.testing import parse_target
     from kvforge.testing.harness import default_model_path, default_registry
@@ -64,7 +70,7 @@ def pytest_configure(config: pytest.Config) -> None:
         if kt not in targets:
             targets.append(kt)
     settings: dict[tuple[str, str], dict] = {}
-    for text in config.getoption("kvforge_settings") or []:
+    for text in config.getoption("kvforge_settings", default=None) or []:
         head, sep, body = text.partition("=")
         try:
             kt = parse_target(head)
@@ -73,6 +79,13 @@ def pytest_configure(config: pytest.Config) -> None:
             raise pytest.UsageError(f"--kvforge-settings {text!r}: expected KIND:NAME=JSON ({e})") from None
         if not isinstance(value, dict):
             raise pytest.UsageError(f"--kvforge-settings {text!r}: the JSON value must be an object")
+        if kt not in targets:
+            # Settings only reach the plugins under test; ignoring these would run the suite
+            # with defaults while the user believes their settings were tested.
+            under_test = ", ".join(f"{k}:{n}" for k, n in targets)
+            raise pytest.UsageError(
+                f"--kvforge-settings {text!r}: {kt[0]}:{kt[1]} is not under test (--kvforge-conformance "
+                f"targets: {under_test}); add --kvforge-conformance {kt[0]}:{kt[1]} or drop these settings")
         settings[kt] = value
     try:
         registry = default_registry()
