@@ -345,6 +345,10 @@ def test_cli_sim_end_to_end(tmp_path, capsys, monkeypatch):
                  "chunked_prefill:attention.backend=flash_decode", "--workload", wl, "--mode", "real",
                  "--output-dir", str(tmp_path / "z")]) == 2
     assert "flash_decode" in capsys.readouterr().err and not (tmp_path / "z").exists()
+    assert main(["bench", "ab", "--model", STORIES_MODEL, "--scheduler", "fcfs", "--scheduler",
+                 "chunked_prefill:quantization.method=gptq", "--workload", wl, "--mode", "real",
+                 "--output-dir", str(tmp_path / "q")]) == 2  # a dense checkpoint is no GPTQ one
+    assert "gptq" in capsys.readouterr().err.lower() and not (tmp_path / "q").exists()
 
 
 def test_real_mode_on_stories260k(tmp_path):

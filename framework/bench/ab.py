@@ -118,18 +118,21 @@ def sim_accuracy(real, sim, cost_model) -> dict[str, Any]:
 
 
 def check_real_arm(config, registry) -> None:
-    """The capability check an engine build of ``config`` runs, without building it, so that a
-    bad arm fails before the first arm runs.
+    """The capability and quantizer checks an engine build of ``config`` runs, without building
+    it or reading weights, so that a bad arm fails before the first arm runs.
 
     Raises:
-        ValueError: as :func:`kvforge.engine.capabilities.check_capabilities`.
+        ValueError: as :func:`kvforge.engine.capabilities.check_capabilities` and
+            :func:`kvforge.engine.builder.build_quant_config`.
     """
-    from kvforge.engine.builder import load_hf_config
+    from kvforge.engine.builder import build_quant_config, load_hf_config
     from kvforge.engine.resolve import resolve_device, resolve_dtype
     from kvforge.engine.capabilities import check_capabilities
     hf_config = load_hf_config(config.model.model)
-    check_capabilities(config, registry, hf_config, resolve_dtype(config.model.dtype, hf_config),
-                       resolve_device(config.model.device))
+    dtype, device = resolve_dtype(config.model.dtype, hf_config), resolve_device(config.model.device)
+    check_capabilities(config, registry, hf_config, dtype, device)
+    q = config.quantization  # (the checkpoint's format: e.g. gptq asked of a dense model)
+    build_quant_config(registry, hf_config, q.method, q.settings, dtype, device)
 
 
 def run_ab(args: argparse.Namespace) -> dict[str, Any]:

@@ -108,7 +108,9 @@ def simulate(trace: Trace, prompts: list[list[int]], config: EngineConfig, regis
     num_cpu_blocks = config.cache.swap_space_bytes // facts.kv_block_bytes(config.cache.block_size,
                                                                           config.model.dtype)
     scheduler, allocator = build_scheduler(config, registry, num_blocks, limit, num_cpu_blocks)
-    who = describe(registry.get("scheduler", config.scheduler.name))  # a broken step is refused as the engine does
+    sched_spec = registry.get("scheduler", config.scheduler.name)
+    who = describe(sched_spec)  # a broken step is refused as the engine does
+    honours = sched_spec.capabilities.get("priorities") is not False  # (as the real replay: 0 otherwise)
 
     reqs = trace.requests
     records = [RequestRecord(request_id(i), r.arrival_time, r.prompt_len, r.output_len, r.priority, r.prefix_group)
@@ -138,7 +140,8 @@ def simulate(trace: Trace, prompts: list[list[int]], config: EngineConfig, regis
             r = reqs[i]
             sp = SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True)
             req = Request(request_id(i), list(prompts[i]), sp, r.output_len, facts.special_ids,
-                          parent_id=request_id(i), priority=r.priority, arrival_time=r.arrival_time)
+                          parent_id=request_id(i), priority=r.priority if honours else 0,
+                          arrival_time=r.arrival_time)
             live[req.request_id] = req
             scheduler.add_request(req)
             nxt += 1

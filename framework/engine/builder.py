@@ -167,6 +167,32 @@ def _share_parameters(model: torch.nn.Module, source: torch.nn.Module) -> None:
         setattr(model.get_submodule(owner_path) if owner_path else model, pname, other)
 
 
+def build_quant_config(registry: Registry, hf_config, quant_method: str, quant_settings, dtype: torch.dtype,
+                       device: torch.device) -> tuple[PluginSpec, QuantizationConfig]:
+    """(spec, config) of the quantizer a model is built with (``quant_method`` "auto": the checkpoint's
+    ``quantization_config.quant_method``, else unquantized), checked against the checkpoint,
+    ``dtype`` and ``device``; reads no weights.
+
+    Raises:
+        ValueError: an unknown method, bad settings, a checkpoint of another format, or a
+            quantizer that cannot run here (its ``validate`` reasons).
+        PluginError: a factory that cannot be called as its hook spec says (see ``build_plugin``).
+    """
+    hf_quant = getattr(hf_config, "quantization_config", None)
+    if hf_quant is not None and not isinstance(hf_quant, dict):
+        hf_quant = hf_quant.to_dict()
+    qname = quant_method
+    if qname == "auto":
+        qname = (hf_quant or {}).get("quant_method", "unquantized")
+    quant_spec = registry.get("quantizer", qname)
+    quant_settings = validate_plugin_settings(quant_spec, quant_settings, "quantization.settings")
+    quant_config: QuantizationConfig = build_plugin(quant_spec, hf_quant, quant_settings)
+    reasons = quant_config.validate(dtype, device)
+    if reasons:
+        raise ValueError(f"quantization.method {qname!r} cannot run here: {'; '.join(reasons)}")
+    return quant_spec, quant_config
+
+
 def build_model_stack(registry: Registry, hf_config, model_spec: PluginSpec, model_dir: str, *,
                       dtype: torch.dtype, device: torch.device, block_size: int, attention,
                       quant_method: str, quant_settings: dict[str, Any], load_format: str, seed: int,
@@ -188,18 +214,7 @@ def build_model_stack(registry: Registry, hf_config, model_spec: PluginSpec, mod
     """
     if num_layers is not None:
         hf_config = _truncate_layers(hf_config, num_layers)
-    hf_quant = getattr(hf_config, "quantization_config", None)
-    if hf_quant is not None and not isinstance(hf_quant, dict):
-        hf_quant = hf_quant.to_dict()
-    qname = quant_method
-    if qname == "auto":
-        qname = (hf_quant or {}).get("quant_method", "unquantized")
-    quant_spec = registry.get("quantizer", qname)
-    quant_settings = validate_plugin_settings(quant_spec, quant_settings, "quantization.settings")
-    quant_config: QuantizationConfig = build_plugin(quant_spec, hf_quant, quant_settings)
-    reasons = quant_config.validate(dtype, device)
-    if reasons:
-        raise ValueError(f"quantization.method {qname!r} cannot run here: {'; '.join(reasons)}")
+    quant_spec, quant_config = build_quant_config(registry, hf_config, quant_method, quant_settings, dtype, device)
 
     num_heads = hf_config.num_attention_heads
     num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
