@@ -212,23 +212,34 @@ def test_the_engine_stops_a_scheduler_that_breaks_its_limits():
             out.scheduled = out.scheduled * 3  # (the counts are checked after the request count)
             return out
 
+    class KeepsAborted(ChunkedPrefillScheduler):
+        def finish_requests(self, request_ids, status):
+            kept = list(self.waiting)
+            done = super().finish_requests(request_ids, status)
+            self.waiting[:] = kept  # the bug: a finished request stays queued
+            return done
+
     class Raising(ChunkedPrefillScheduler):
         def schedule(self):
             raise KeyError("lost a request")
 
-    registry = registry_with_schedulers(("uncut", Uncut, {}), ("crowded", Crowded, {}), ("raising", Raising, {}))
+    registry = registry_with_schedulers(("uncut", Uncut, {}), ("crowded", Crowded, {}), ("raising", Raising, {}),
+                                        ("keeps_aborted", KeepsAborted, {}))
     rng = random.Random()
     prompts = [[1] + [rng.randrange(3, 500) for _ in range(rng.randrange(20, 40))] for _ in range(3)]
     params = SamplingParams(temperature=0, max_tokens=2)
     for name, exc, msg in (("uncut", SchedulerContractError, r"more than scheduler.max_num_batched_tokens \(16\)"),
                            ("crowded", SchedulerContractError, r"requests in one step, more than "
                                                                r"scheduler.max_num_seqs \(2\)"),
-                           ("raising", KeyError, "lost a request")):
+                           ("raising", KeyError, "lost a request"),
+                           ("keeps_aborted", SchedulerContractError, r"scheduled request 'r2', which has already "
+                                                                     r"finished or was aborted")):
         cfg = EngineConfig.from_sources(None, {"model": STORIES_MODEL, "dtype": "float32", "scheduler.name": name,
                                                "max_num_batched_tokens": 16, "max_num_seqs": 2})
         engine = LLMEngine(cfg, registry)
         for i, p in enumerate(prompts):
             engine.add_request(f"r{i}", {"prompt_token_ids": p}, params)
+        engine.abort_request("r2")  # waiting: max_num_seqs is 2
         with pytest.raises(exc, match=msg) as ei:
             while engine.has_unfinished_requests():
                 engine.step()

@@ -148,7 +148,8 @@ def simulate(trace: Trace, prompts: list[list[int]], config: EngineConfig, regis
         if not scheduler.has_unfinished_requests():
             clock = max(clock, reqs[order[nxt]].arrival_time)
             continue
-        so = checked_schedule(scheduler, who, config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens)
+        so = checked_schedule(scheduler, who, config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens,
+                              live)  # (keyed by request_id, which is each request's parent_id here)
         for req in so.finished:
             if req.request_id in live:
                 done(req)

@@ -273,7 +273,8 @@ class LLMEngine:
         """The scheduler's next step, its errors and limits attributed to the plugin
         (:func:`kvforge.engine.schedule_check.checked_schedule`)."""
         sc = self.config.scheduler
-        return checked_schedule(self.scheduler, self._scheduler_who, sc.max_num_seqs, sc.max_num_batched_tokens)
+        return checked_schedule(self.scheduler, self._scheduler_who, sc.max_num_seqs, sc.max_num_batched_tokens,
+                                self.outputs.parents)
 
     def step(self) -> list[RequestOutput]:
         """One engine iteration. Returns outputs of requests that changed (new tokens or finished).

@@ -3,13 +3,14 @@
 A scheduler that breaks its contract (more than ``max_num_seqs`` requests or more than
 ``max_num_batched_tokens`` tokens in one step) would otherwise run: the engine would
 silently do more work per step than configured, and an A/B comparison would credit the
-broken scheduler with flattering latencies. The check is O(batch) per step (a sum over
-at most ``max_num_seqs`` counts), so it is always on; the conformance suite
+broken scheduler with flattering latencies; a finished request scheduled again would fail
+later, far from the plugin. The checks are O(batch) per step (a dict lookup and a count per
+request, at most ``max_num_seqs`` of them), so they are always on; the conformance suite
 (``pytest --kvforge-conformance scheduler:NAME``) checks the full contract.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Container
 
 if TYPE_CHECKING:
     from kvforge.interfaces import Scheduler, SchedulerOutput
@@ -19,18 +20,20 @@ class SchedulerContractError(RuntimeError):
     """A scheduler plugin returned a step outside its limits."""
 
 
-def checked_schedule(scheduler: "Scheduler", who: str, max_num_seqs: int,
-                     max_num_batched_tokens: int | None) -> "SchedulerOutput":
+def checked_schedule(scheduler: "Scheduler", who: str, max_num_seqs: int, max_num_batched_tokens: int | None,
+                     live_parents: "Container[str] | None" = None) -> "SchedulerOutput":
     """``scheduler.schedule()``, with its limits checked and its errors attributed to the plugin
     (an exception from ``schedule()`` propagates as it is, with a note naming the plugin).
 
     Args:
         who: the plugin, as :func:`kvforge.engine.capabilities.describe` names it.
         max_num_batched_tokens: the step's token budget (None: unchecked).
+        live_parents: the user request ids still in flight (None: unchecked); every scheduled
+            request's ``parent_id`` must be one of them.
 
     Raises:
-        SchedulerContractError: the step has more than ``max_num_seqs`` requests or more
-            tokens than the budget.
+        SchedulerContractError: the step has more than ``max_num_seqs`` requests, a request
+            no longer in flight, or more tokens than the budget.
     """
     try:
         so = scheduler.schedule()
@@ -42,6 +45,12 @@ def checked_schedule(scheduler: "Scheduler", who: str, max_num_seqs: int,
     if len(so.scheduled) > max_num_seqs:
         raise SchedulerContractError(f"{who} scheduled {len(so.scheduled)} requests in one step, more than "
                                      f"scheduler.max_num_seqs ({max_num_seqs})")
+    if live_parents is not None:  # (its blocks and outputs are gone: it would crash later, unnamed)
+        for req in so.scheduled:
+            if req.parent_id not in live_parents:
+                raise SchedulerContractError(f"{who} scheduled request {req.request_id!r}, which has already "
+                                             f"finished or was aborted: update / finish_requests must take a "
+                                             f"finished request out of the scheduler's queues")
     total = sum(so.num_scheduled_tokens.values())
     if max_num_batched_tokens is not None and total > max_num_batched_tokens:
         raise SchedulerContractError(f"{who} scheduled {total} tokens in one step, more than "
