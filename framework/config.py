@@ -13,7 +13,7 @@ import logging
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 log = logging.getLogger("kvforge")
@@ -352,3 +352,15 @@ FLAT_FIELDS: dict[str, str] = _flat_fields()
 SELECTORS = {"cache": "allocator", **SHORTHAND}
 _SECTION_MODELS = {"cache": CacheConfig, "scheduler": SchedulerConfig, "attention": AttentionConfig,
                    "quantization": QuantizationSection, "speculative": SpeculativeConfig}
+
+
+def config_error_message(e: ValidationError) -> str:
+    """``invalid config: FIELD: MESSAGE; ...``: one clause per bad field (no pydantic dump); a
+    missing model says where one comes from."""
+    def one(err: dict) -> str:
+        where = ".".join(map(str, err["loc"]))
+        missing_model = err.get("type") == "missing" and tuple(err["loc"]) in (("model",), ("model", "model"))
+        hint = (" (pass --model DIR, LLM('DIR') in Python, or set model.model in the config file)"
+                if missing_model else "")
+        return f"{where}: {err['msg']}{hint}" if where else err["msg"]
+    return "invalid config: " + "; ".join(one(err) for err in e.errors())

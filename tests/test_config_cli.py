@@ -295,7 +295,9 @@ def test_generate_bad_flag_value_names_field(capsys):
     # a missing model says where one comes from
     rc = cli_main(["generate", "Once"])
     err = capsys.readouterr().err
-    assert rc == 2 and "model: Field required (pass --model DIR, or set model.model in the --config file)" in err, err
+    assert rc == 2 and "model: Field required (pass --model DIR, LLM('DIR') in Python, or set model.model" in err, err
+    with pytest.raises(ValueError, match=r"^invalid config: model: Field required \(pass --model DIR"):
+        LLM()
 
 
 def test_generate_refuses_a_prompt_the_kv_cache_cannot_hold(capsys):

@@ -9,7 +9,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from kvforge.config import FLAT_FIELDS, EngineConfig
+from kvforge.config import FLAT_FIELDS, EngineConfig, config_error_message
 
 
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -222,21 +222,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _hint(err: dict) -> str:
-    """Where a missing required setting comes from on the command line."""
-    if err.get("type") == "missing" and tuple(err["loc"]) in (("model",), ("model", "model")):
-        return " (pass --model DIR, or set model.model in the --config file)"
-    return ""
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except ValidationError as e:  # one line per field, as the other input errors read
-        msgs = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}{_hint(err)}" if err["loc"] else err["msg"]
-                         for err in e.errors())
-        print(f"kvforge: error: invalid config: {msgs}", file=sys.stderr)
+        print(f"kvforge: error: {config_error_message(e)}", file=sys.stderr)
         return 2
     except (ValueError, RuntimeError, OSError) as e:
         print(f"kvforge: error: {e}", file=sys.stderr)

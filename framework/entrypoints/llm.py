@@ -28,8 +28,15 @@ class LLM:
     def __init__(self, model: str | None = None, config: str | None = None, **kwargs: Any) -> None:
         if model is not None:
             kwargs["model.model"] = model
+        from pydantic import ValidationError
+
+        from kvforge.config import config_error_message
         from kvforge.engine.executor import create_engine  # LLMEngine, or data-parallel replicas
-        self.llm_engine = create_engine(EngineConfig.from_sources(config, kwargs))
+        try:
+            cfg = EngineConfig.from_sources(config, kwargs)
+        except ValidationError as e:  # one line per field, as from the command line
+            raise ValueError(config_error_message(e)) from None
+        self.llm_engine = create_engine(cfg)
         self._counter = itertools.count()
 
     def start_profile(self, out_dir: str | None = None) -> None:
