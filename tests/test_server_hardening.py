@@ -175,6 +175,16 @@ def test_port_out_of_range_is_a_usage_error(port, why, capsys):
     assert build_parser().parse_args(["serve", "--port", "65535"]).port == 65535
 
 
+@pytest.mark.parametrize("value", ["-5", "nan", "inf", "soon"])
+def test_drain_timeout_must_be_seconds(value, capsys):
+    from kvforge.entrypoints.cli import build_parser
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["serve", "--drain-timeout", value])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "argument --drain-timeout" in err and "Traceback" not in err, err
+    assert build_parser().parse_args(["serve", "--drain-timeout", "0"]).drain_timeout == 0.0
+
+
 # -- 4. echo + max_tokens 0 -----------------------------------------------------------------------------
 def test_echo_with_max_tokens_0_returns_the_scored_prompt(server):
     prompt = "Once upon a time"

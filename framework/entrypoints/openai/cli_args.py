@@ -19,6 +19,21 @@ def port_number(text: str) -> int:
     return port
 
 
+def seconds(text: str) -> float:
+    """A duration flag: a finite number of seconds >= 0.
+
+    Raises:
+        argparse.ArgumentTypeError: otherwise (a usage error naming the flag).
+    """
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds (a number >= 0), got {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds >= 0, got {text}")
+    return value
+
+
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     """Server flags (the engine flags are added by the CLI's ``_add_engine_flags``)."""
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
@@ -31,6 +46,6 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="render a chat request's own chat_template (refused with a 400 by default: "
                         "a template is code the server runs)")
-    p.add_argument("--drain-timeout", type=float, default=30.0,
+    p.add_argument("--drain-timeout", type=seconds, default=30.0,
                    help="seconds to wait for in-flight requests on shutdown (default 30)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
