@@ -71,3 +71,13 @@ def test_chat_bad_input_is_named_and_queues_nothing(llm, messages, kw, match):
     with pytest.raises(ValueError, match=match):
         llm.chat(messages, GREEDY, use_tqdm=False, **kw)
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_chat_template_kwargs_and_tools_reach_the_template(llm):
+    template = ("{% if greeting %}{{ greeting }} {% endif %}{% for t in tools or [] %}[{{ t['name'] }}]{% endfor %}"
+                "{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    (out,) = llm.chat([{"role": "user", "content": "Once upon a time"}], GREEDY, use_tqdm=False,
+                      chat_template=template, chat_template_kwargs={"greeting": "Hi"}, tools=[{"name": "clock"}])
+    assert out.prompt == "Hi [clock]Once upon a time"
+    with pytest.raises(ValueError, match="chat_template_kwargs"):
+        llm.chat(CONV, GREEDY, use_tqdm=False, chat_template=template, chat_template_kwargs={"tokenize": True})

@@ -55,7 +55,8 @@ class LLM:
     def chat(self, messages: Sequence[dict[str, Any]] | Sequence[Sequence[dict[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
              chat_template: str | None = None, add_generation_prompt: bool = True,
-             continue_final_message: bool = False) -> list[RequestOutput]:
+             continue_final_message: bool = False, chat_template_kwargs: dict[str, Any] | None = None,
+             tools: list[dict[str, Any]] | None = None) -> list[RequestOutput]:
         """Generate replies to one conversation or a batch of them (as vLLM's ``LLM.chat``);
         returns one finished RequestOutput per conversation, in order.
 
@@ -66,6 +67,8 @@ class LLM:
         tokenizer's special tokens (the template writes BOS itself). ``sampling_params``: one for
         all, or one per conversation. ``continue_final_message`` extends the last (assistant)
         message instead of starting a new one; it needs ``add_generation_prompt=False``.
+        ``chat_template_kwargs``: extra template variables (as the server's field); ``tools``:
+        tool definitions passed to the template as ``tools`` (rendered only: no tool-call parsing).
 
         Raises:
             ValueError: a bad message (``messages[i]...`` or ``messages[c][i]...`` in a batch),
@@ -88,7 +91,8 @@ class LLM:
             try:
                 text = chat_utils.render_chat(tokenizer, chat_utils.parse_messages(conv, where), template,
                                               add_generation_prompt=add_generation_prompt,
-                                              continue_final_message=continue_final_message)
+                                              continue_final_message=continue_final_message, tools=tools,
+                                              template_kwargs=chat_template_kwargs)
             except chat_utils.ChatTemplateError as e:
                 msg = str(e)
                 if batched:  # name the conversation: "messages: ..." -> "messages[i]: ..."
