@@ -86,6 +86,18 @@ class KeepsBlocksOnFinishScheduler(ChunkedPrefillScheduler):
             del self.allocator.free
 
 
+class KeepsBlocksOfPromptAbortsScheduler(ChunkedPrefillScheduler):
+    """chunked_prefill, but a request aborted before its first token keeps its blocks."""
+
+    def finish_requests(self, request_ids, status):
+        free = self.allocator.free
+        self.allocator.free = lambda request: free(request) if request.output_token_ids else None  # the bug
+        try:
+            return super().finish_requests(request_ids, status)
+        finally:
+            del self.allocator.free
+
+
 class LengthOnlyStopScheduler(ChunkedPrefillScheduler):
     """chunked_prefill, but its stop check knows only max_tokens / max_model_len: EOS and
     stop_token_ids never end a request."""
@@ -212,6 +224,8 @@ def registry():
     sched = _plugin("planted_sched", "kvforge_register_schedulers",
                     [(("over_budget", queue_factory(OverBudgetScheduler), QueueSettings), {}),
                      (("keeps_blocks", queue_factory(KeepsBlocksOnFinishScheduler), QueueSettings), {}),
+                     (("keeps_prompt_aborts", queue_factory(KeepsBlocksOfPromptAbortsScheduler), QueueSettings),
+                      {}),
                      (("length_only_stop", queue_factory(LengthOnlyStopScheduler), QueueSettings), {})])
     attn = _plugin("planted_attn", "kvforge_register_attention_backends",
                    [(("off_by_one", OffByOneMaskBackend), {"priority": -1})])
@@ -268,6 +282,11 @@ def test_starving_scheduler_is_caught(registry):
 def test_finish_requests_keeping_blocks_is_caught(registry):
     _fails(sched_suite.check_stops_and_aborts, Target("scheduler", "keeps_blocks", registry), "still holds blocks",
            "finish_requests")
+
+
+def test_blocks_kept_by_an_abort_mid_prompt_are_caught(registry):
+    _fails(sched_suite.check_stops_and_aborts, Target("scheduler", "keeps_prompt_aborts", registry),
+           "(abort) still holds blocks")  # (mid-prompt; on some seeds the random aborts hit it first)
 
 
 def test_scheduler_ignoring_eos_and_stop_ids_is_caught(registry):

@@ -26,7 +26,8 @@ Checks:
   outputs (so they are certain to be hit), by ``max_tokens`` despite an EOS
   (``ignore_eos``), and by ``engine.abort_request`` while waiting or running: finish
   reasons, stop reasons and token ids equal ``fcfs``'s (an aborted request's tokens are a
-  prefix of them), and every block comes back (``finish_requests`` must free them).
+  prefix of them), and every block comes back (``finish_requests`` must free them), also
+  for a request aborted mid-prompt (chunking schedulers).
 """
 from __future__ import annotations
 
@@ -289,6 +290,37 @@ def check_stops_and_aborts(target: Target) -> None:
     if problems:
         more = f"; and {len(problems) - 8} more" if len(problems) > 8 else ""
         raise AssertionError(f"{label}: " + "; ".join(problems[:8]) + more)
+    _abort_mid_prompt(target, rng, label)
+
+
+def _abort_mid_prompt(target: Target, rng, label: str) -> None:
+    """A request aborted while its prompt is still being computed in chunks (running, no token
+    yet) must give its blocks back too; only for a scheduler that splits prompts (one that
+    refuses a prompt over the budget up front is not asked)."""
+    budget = 8
+    eng = _engine(target, max_num_seqs=4, max_num_batched_tokens=budget, num_gpu_blocks=32, async_scheduling=False)
+    prompts = random_prompts(rng, 3, 3 * budget, 4 * budget)
+    if eng.scheduler.admission_error(len(prompts[0])) is not None:
+        return
+    label = f"{label} (abort mid-prompt)"
+    mon = StepMonitor(eng, label)
+    hit: list[str] = []
+
+    def abort(m: StepMonitor) -> None:
+        if hit:
+            return
+        mid = sorted(rid for rid, r in m.requests.items() if r.num_computed_tokens > 0 and not r.output_token_ids
+                     and not r.is_finished)
+        if mid:
+            hit.append(rng.choice(mid))
+            m.engine.abort_request(hit[0])
+
+    mon.drain({0: [(f"m{i}", {"prompt_token_ids": p}, _greedy(4)) for i, p in enumerate(prompts)]}, on_step=abort)
+    if not hit:
+        raise AssertionError(f"{label}: no request was ever mid-prompt with {len(prompts)} prompts of "
+                             f"{[len(p) for p in prompts]} tokens and max_num_batched_tokens={budget}, yet the "
+                             f"scheduler accepted prompts over the budget")
+    assert_drained(eng, label)
 
 
 CHECKS = [check_token_budget_and_max_num_seqs, check_no_starvation_fcfs_load, check_preemption_correct,
