@@ -23,6 +23,7 @@ from kvforge.bench.cost_model import step_shape
 from kvforge.bench.metrics import RequestRecord, RunResult
 from kvforge.bench.trace import Trace
 from kvforge.config import EngineConfig
+from kvforge.engine.capabilities import ignores_priority
 from kvforge.engine.sampling_params import SamplingParams
 from kvforge.plugin_manager import Registry
 
@@ -70,7 +71,7 @@ def run_real(trace: Trace, prompts: list[list[int]], config: EngineConfig, regis
     by_id = {rec.request_id: rec for rec in records}
     order = replay_order(trace)
     # one trace serves every arm: a scheduler that ignores priority gets 0 (the engine refuses others)
-    honours = engine.registry.get("scheduler", engine.config.scheduler.name).capabilities.get("priorities") is not False
+    honours = not ignores_priority(engine.registry.get("scheduler", engine.config.scheduler.name))
     nxt = 0
     busy = 0.0
     bar = tqdm(total=len(reqs), desc=f"real {label}", disable=not progress, dynamic_ncols=True, leave=False)

@@ -28,7 +28,7 @@ from kvforge.bench.cost_model import CostModel, step_shape
 from kvforge.bench.metrics import RequestRecord, RunResult
 from kvforge.bench.trace import Trace
 from kvforge.config import EngineConfig
-from kvforge.engine.capabilities import describe
+from kvforge.engine.capabilities import describe, ignores_priority
 from kvforge.engine.request import Request, RequestStatus
 from kvforge.engine.sampling_params import SamplingParams
 from kvforge.engine.schedule_check import checked_schedule
@@ -110,7 +110,7 @@ def simulate(trace: Trace, prompts: list[list[int]], config: EngineConfig, regis
     scheduler, allocator = build_scheduler(config, registry, num_blocks, limit, num_cpu_blocks)
     sched_spec = registry.get("scheduler", config.scheduler.name)
     who = describe(sched_spec)  # a broken step is refused as the engine does
-    honours = sched_spec.capabilities.get("priorities") is not False  # (as the real replay: 0 otherwise)
+    honours = not ignores_priority(sched_spec)  # (as the real replay: 0 otherwise)
 
     reqs = trace.requests
     records = [RequestRecord(request_id(i), r.arrival_time, r.prompt_len, r.output_len, r.priority, r.prefix_group)

@@ -74,6 +74,12 @@ KNOWN_CAPABILITIES: dict[str, dict[str, tuple[str, str]]] = {
 _warned: set[tuple[str, str, str]] = set()
 
 
+def ignores_priority(spec: "PluginSpec") -> bool:
+    """A scheduler that declares ``priorities=False`` (it ignores request priority; undeclared:
+    no restriction, see the module docstring)."""
+    return spec.capabilities.get("priorities") is False
+
+
 def describe(spec: "PluginSpec") -> str:
     """``scheduler 'fcfs' (plugin fcfs, distribution kvforge 0.1.0)``."""
     return f"{spec.kind} {spec.name!r} (plugin {spec.plugin}, distribution {spec.distribution} {spec.version})"
@@ -210,7 +216,7 @@ def check_combination(config: "EngineConfig", specs: dict[str, "PluginSpec"], dt
         if missing:
             raise ValueError(f"request_choices.eviction_hints {missing} are not honoured by {describe(alloc)} "
                              f"(it declares eviction_hints={tuple(honoured)!r})")
-        if rc.priorities is not None and sched.capabilities.get("priorities") is False:
+        if rc.priorities is not None and ignores_priority(sched):
             raise ValueError(f"request_choices.priorities is set, but {describe(sched)} ignores request priority "
                              f"(it declares priorities=False)")
 

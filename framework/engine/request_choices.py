@@ -27,6 +27,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from kvforge.engine.capabilities import describe, ignores_priority
+
 if TYPE_CHECKING:
     from kvforge.config import EngineConfig
     from kvforge.plugin_manager import Registry
@@ -91,8 +93,7 @@ def validate_request_choices(config: "EngineConfig", registry: "Registry", param
         raise ValueError(f"priority: must be an integer, got {priority!r}")
     if priority != 0:  # as vLLM: a priority the scheduler would silently ignore is refused
         sched = registry.get("scheduler", config.scheduler.name)
-        if sched.capabilities.get("priorities") is False:
-            from kvforge.engine.capabilities import describe
+        if ignores_priority(sched):
             raise ValueError(f"priority: {priority} was given, but {describe(sched)} ignores request priority "
                              f"(it declares priorities=False); send 0, or serve with a scheduler that honours "
                              f"it (scheduler.name: priority)")
