@@ -173,7 +173,10 @@ def test_stories_stops_at_eos_like_hf(stories_hf, stories_llm):
     kvforge's token_ids end with that EOS id, as HF's new tokens do (batch with mixed finishes)."""
     seed = urandom_seed()
     rng = random.Random(seed)
-    prompts = rng.sample(TEXT_PROMPTS, 4)
+    # "Once upon a time" is always one: greedy, the model ends that story (~340 tokens), so the
+    # case tests EOS on every seed (4 random openings missed on seed 175591250351338)
+    prompts = ["Once upon a time"] + rng.sample(TEXT_PROMPTS[1:], 3)
+    rng.shuffle(prompts)
     max_new = 400
     refs = []
     for p in prompts:
