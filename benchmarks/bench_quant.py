@@ -308,6 +308,8 @@ def main(argv=None) -> int:
     p.add_argument("--tune-mma", action="store_true", help="the same for the mma-layout W4A16 kernel (CUDA C++)")
     p.add_argument("--tune-mma-wide", action="store_true",
                    help="the same over a 120-config grid (quant_tuning.wide_mma_candidates)")
+    p.add_argument("--tune-mma-occupancy", action="store_true",
+                   help="the same over WG 2 with explicit K splits (quant_tuning.occupancy_mma_candidates)")
     p.add_argument("--e2e", action="store_true", help="end-to-end batch-1 decode per format (Llama-3-8B shape)")
     p.add_argument("--e2e-formats", default=",".join(E2E_FORMATS), help="formats for --e2e (comma separated)")
     p.add_argument("--input-len", type=int, default=32)
@@ -335,14 +337,16 @@ def main(argv=None) -> int:
         wb = weight_bytes(k, n)
         print(f"  K={k:<6d} N={n:<6d} " + "  ".join(f"{f} {b / 2 ** 20:7.1f} MiB ({wb['bf16'] / b:.2f}x smaller)"
                                                   for f, b in wb.items()))
-    if a.tune or a.tune_ckpt or a.tune_mma or a.tune_mma_wide:
-        from quant_tuning import tune_wna16, wide_mma_candidates  # noqa: E402 (benchmarks/ on sys.path)
-    if a.tune_mma or a.tune_mma_wide:
-        tune_wna16(shapes, ms, not a.no_cudagraph, "mma", wide_mma_candidates if a.tune_mma_wide else None)
+    if a.tune or a.tune_ckpt or a.tune_mma or a.tune_mma_wide or a.tune_mma_occupancy:
+        import quant_tuning as qt  # noqa: E402 (benchmarks/ on sys.path)
+    if a.tune_mma or a.tune_mma_wide or a.tune_mma_occupancy:
+        grid = (qt.wide_mma_candidates if a.tune_mma_wide else
+                qt.occupancy_mma_candidates if a.tune_mma_occupancy else None)
+        qt.tune_wna16(shapes, ms, not a.no_cudagraph, "mma", grid)
     if a.tune:
-        tune_wna16(shapes, ms, not a.no_cudagraph, "pairs")
+        qt.tune_wna16(shapes, ms, not a.no_cudagraph, "pairs")
     if a.tune_ckpt:
-        tune_wna16(shapes, ms, not a.no_cudagraph, "ckpt")
+        qt.tune_wna16(shapes, ms, not a.no_cudagraph, "ckpt")
     rows = gemm_table(shapes, ms, not a.no_cudagraph)
     targets(rows)
     if a.write_choices:

@@ -112,6 +112,15 @@ def _xr_candidates(m: int) -> list[dict]:
         for wg_, grid_ in ((1, wg), (2, ws)) for wa, cp, wv, mb in grid_]
 
 
+def occupancy_mma_candidates(m: int) -> list[dict]:
+    """``--tune-mma-occupancy`` (session 18): WG 2 with K split explicitly, so that 2-4 CTAs
+    share each SM. ``waves`` rounds to one split whenever N alone gives more CTAs than SMs
+    (14336^2: 224 CTAs, under 2 per SM), so the main grid never filled the 3-4 CTAs per SM
+    that WG 2's registers (96) and stages (11 KB each at M = 64) allow. (WARPS, CPA) x split_k."""
+    return [dict(TW=1, WARPS=wa, KW=1, S=1, XS=0, XR=1, WG=2, CPA=cp, SCALE_A=True, LDW=1, MINB=1, split_k=sk)
+            for wa, cp in ((4, 3), (4, 4), (4, 6), (8, 4)) for sk in (1, 2, 3, 4, 6, 8)]
+
+
 def wide_mma_candidates(m: int) -> list[dict]:
     """``--tune-mma-wide``: the twelfth session's sweep grid for the mma kernel, 8 tilings
     (TW, WARPS, KW) x 5 pipelines x 3 split rules (120 configs per shape and M)."""
