@@ -9,7 +9,7 @@ import pytest
 
 from kvforge import SamplingParams
 from kvforge.engine.detokenizer import IncrementalDetokenizer, decode_single_token
-from kvforge.engine.tokenizer import eos_token_ids, load_tokenizer
+from kvforge.engine.tokenizer import eos_token_ids, extra_eos_token_ids, load_tokenizer
 
 STORIES = "/work/shared/models/stories260K"
 LLAMA2 = "/work/shared/tokenizers/llama2"
@@ -98,6 +98,29 @@ def _reference(tok, prompt, gen, params) -> str | None:
 def test_eos_token_ids_stories():
     tok = load_tokenizer(STORIES)
     assert eos_token_ids(tok, STORIES) == frozenset({1, 2})
+
+
+def test_extra_eos_token_ids_are_generation_configs_own():
+    # stories260K: the tokenizer's EOS is 2; generation_config.json lists [2, 1]. vLLM makes 1 a
+    # stop_token_id (so it is reported as stop_reason) and leaves 2 as plain EOS.
+    tok = load_tokenizer(STORIES)
+    assert tok.eos_token_id == 2
+    assert extra_eos_token_ids(tok, eos_token_ids(tok, STORIES)) == frozenset({1})
+    assert extra_eos_token_ids(tok, frozenset({2})) == frozenset()
+
+
+def test_check_stop_reports_extra_eos_ids_only():
+    from kvforge.engine.request import Request, RequestStatus, check_stop
+
+    def finish(last, **sp):
+        r = Request("r", [5, 6], SamplingParams(max_tokens=8, **sp), 8, frozenset({1, 2}), frozenset({1}))
+        r.output_token_ids = [9, last]
+        return check_stop(r, 64), r.stop_reason
+    assert finish(2) == (RequestStatus.FINISHED_STOPPED, None)  # the tokenizer's EOS
+    assert finish(1) == (RequestStatus.FINISHED_STOPPED, 1)  # generation_config's extra EOS
+    assert finish(1, ignore_eos=True) == (None, None)
+    assert finish(1, min_tokens=3) == (None, None)
+    assert finish(1, stop_token_ids=[1]) == (RequestStatus.FINISHED_STOPPED, 1)
 
 
 def test_eos_token_ids_without_generation_config(tmp_path):

@@ -19,7 +19,7 @@ from kvforge.engine.request_choices import validate_request_choices
 from kvforge.engine.sampler import Sampler, compute_prompt_logprobs
 from kvforge.engine.sampling_params import SamplingParams
 from kvforge.engine.schedule_check import checked_schedule
-from kvforge.engine.tokenizer import eos_token_ids, load_tokenizer
+from kvforge.engine.tokenizer import eos_token_ids, extra_eos_token_ids, load_tokenizer
 from kvforge.interfaces import SchedulerOutput
 from kvforge.plugin_manager import Registry, load_registry
 
@@ -67,6 +67,7 @@ class LLMEngine:
                         config.model.tokenizer or config.model.model, len(self.tokenizer), self.vocab_size,
                         self.vocab_size)
         self.eos_token_ids = eos_token_ids(self.tokenizer, config.model.model)
+        self.extra_eos_token_ids = extra_eos_token_ids(self.tokenizer, self.eos_token_ids)
         from kvforge.engine.executor import create_executor
         self.executor = create_executor(parts)  # in-process ModelRunner (+ CUDA graphs), or the workers' proxy
         self.runner = self.executor.runner
@@ -193,9 +194,9 @@ class LLMEngine:
             gen = None
             if params.seed is not None:
                 gen = torch.Generator(device=self.parts.device).manual_seed(params.seed + i)
-            children.append(Request(cid, list(ids), params, max_tokens, self.eos_token_ids, parent_id=request_id,
-                                    index=i, priority=priority, arrival_time=arrival + i * 1e-9, generator=gen,
-                                    cache_salt=salt))
+            children.append(Request(cid, list(ids), params, max_tokens, self.eos_token_ids,
+                                    self.extra_eos_token_ids, parent_id=request_id, index=i, priority=priority,
+                                    arrival_time=arrival + i * 1e-9, generator=gen, cache_salt=salt))
         return PreparedRequest(request_id, text, children)
 
     def enqueue(self, prepared: "PreparedRequest") -> None:

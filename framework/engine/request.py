@@ -50,6 +50,9 @@ class Request:
         num_computed_tokens: tokens whose KV is in the cache; catches up to ``num_tokens``.
         max_tokens: resolved cap on output tokens.
         eos_token_ids: ids that end generation unless ``ignore_eos``.
+        extra_eos_token_ids: those of them that are not the tokenizer's own ``eos_token_id``
+            (``generation_config.json``'s further ids). vLLM makes these stop_token_ids, so a
+            request that ends on one reports it as ``stop_reason``; the tokenizer's EOS reports None.
         generator: per-request torch.Generator when ``sampling_params.seed`` is set.
         priority: lower value = more important (vLLM convention).
         spec_token_ids: draft tokens proposed for the next step (speculative decoding); not
@@ -68,6 +71,7 @@ class Request:
     sampling_params: SamplingParams
     max_tokens: int
     eos_token_ids: frozenset[int] = frozenset()
+    extra_eos_token_ids: frozenset[int] = frozenset()
     parent_id: str | None = None
     index: int = 0
     priority: int = 0
@@ -158,6 +162,8 @@ def check_stop(request: Request, max_model_len: int) -> RequestStatus | None:
     last = out[-1]
     if n_out >= sp.min_tokens:
         if not sp.ignore_eos and last in request.eos_token_ids:
+            if last in request.extra_eos_token_ids:
+                request.stop_reason = last
             return RequestStatus.FINISHED_STOPPED
         if last in sp.stop_token_ids:
             request.stop_reason = last

@@ -42,6 +42,13 @@ def _as_id_set(value: Any) -> set[int]:
     return {int(value)}
 
 
+def extra_eos_token_ids(tokenizer: Any, eos_ids: frozenset[int]) -> frozenset[int]:
+    """The ids of ``eos_ids`` other than ``tokenizer.eos_token_id``: the ones vLLM turns into
+    stop_token_ids (``SamplingParams.update_from_generation_config``), so that a request
+    ending on one reports it as ``stop_reason``."""
+    return frozenset(eos_ids - _as_id_set(getattr(tokenizer, "eos_token_id", None)))
+
+
 def eos_token_ids(tokenizer: Any, model_dir: str) -> frozenset[int]:
     """Every token id that ends a sequence for this model.
 
