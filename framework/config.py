@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import json
 import logging
+import types
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -22,8 +23,24 @@ log = logging.getLogger("kvforge")
 SHORTHAND = {"quantization": "method", "attention": "backend", "scheduler": "name", "speculative": "method"}
 
 
+def _numbers_only(annotation: Any) -> bool:
+    """Whether a field's type admits only numbers (int / float, optionally None)."""
+    members = get_args(annotation) if get_origin(annotation) in (Union, types.UnionType) else (annotation,)
+    members = [m for m in members if m is not type(None)]
+    return bool(members) and all(m in (int, float) for m in members)
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_booleans_for_numbers(cls, v: Any, info) -> Any:
+        # pydantic's lax mode reads True as 1, and YAML reads yes / no / on / off as booleans:
+        # ``max_num_seqs: yes`` would silently become 1
+        if isinstance(v, bool) and _numbers_only(cls.model_fields[info.field_name].annotation):
+            raise ValueError(f"expected a number, got {v!r} (YAML reads yes / no / on / off as true / false)")
+        return v
 
 
 class ModelConfig(_Section):

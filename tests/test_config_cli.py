@@ -98,6 +98,23 @@ def test_file_errors_name_field(tmp_path, fmt, section, key, value, field):
     assert field in str(ei.value), str(ei.value)
 
 
+def test_yaml_booleans_are_not_numbers(tmp_path):
+    # YAML reads ``yes`` as true, and pydantic's lax mode would read true as 1 (one sequence)
+    path = tmp_path / "c.yaml"
+    path.write_text(f"model:\n  model: {STORIES_MODEL}\nscheduler:\n  max_num_seqs: yes\n")
+    with pytest.raises(ValidationError, match=r"(?s)scheduler\.max_num_seqs.*expected a number, got True"):
+        EngineConfig.from_sources(path)
+    path.write_text(f"model:\n  model: {STORIES_MODEL}\ncache:\n  gpu_memory_utilization: on\n")
+    with pytest.raises(ValidationError, match=r"cache\.gpu_memory_utilization"):
+        EngineConfig.from_sources(path)
+    with pytest.raises(ValidationError, match=r"scheduler\.max_num_seqs"):  # keywords / flags too
+        EngineConfig.from_sources(None, {"model": STORIES_MODEL, "max_num_seqs": True})
+    # booleans stay booleans, and numbers in quotes still read as numbers
+    path.write_text(f"model:\n  model: {STORIES_MODEL}\n  enforce_eager: yes\nscheduler:\n  max_num_seqs: '8'\n")
+    cfg = EngineConfig.from_sources(path)
+    assert cfg.model.enforce_eager is True and cfg.scheduler.max_num_seqs == 8
+
+
 def test_override_errors_name_field(tmp_path):
     path = _write(tmp_path, _file_data(fresh_rng()), "yaml")
     with pytest.raises(ValidationError, match=r"scheduler\.max_num_seqs"):
