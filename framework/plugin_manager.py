@@ -152,8 +152,10 @@ def load_registry(extra_plugins: Iterable[tuple[str, Any]] = ()) -> Registry:
         version = ep.dist.version if ep.dist is not None else "unknown"
         try:
             obj = ep.load()
-        except Exception as e:  # surface the plugin name, keep the cause
-            raise PluginError(f"plugin {ep.name!r} (distribution {dist}) failed to import: {e}") from e
+        except (Exception, SystemExit) as e:  # surface the plugin name, keep the cause
+            # (SystemExit too: a module that calls sys.exit() would end every kvforge command)
+            raise PluginError(f"plugin {ep.name!r} (distribution {dist}) failed to import: "
+                              f"{type(e).__name__}: {e}") from e
         candidates.append((ep.name, obj, dist, version))
     for name, obj in extra_plugins:
         candidates.append((name, obj, "<in-process>", "0"))
@@ -192,9 +194,10 @@ def load_registry(extra_plugins: Iterable[tuple[str, Any]] = ()) -> Registry:
                 impl.function(register=register)
             except PluginError:
                 raise  # raised by ``register`` itself: already names the plugin (and the other one)
-            except Exception as e:
+            except (Exception, SystemExit) as e:
                 # Without this the CLI prints only the plugin's own message ("boom"), and the
-                # user cannot tell which installed package is broken.
+                # user cannot tell which installed package is broken; a SystemExit would end
+                # every command with no message at all.
                 raise PluginError(f"plugin {impl.plugin_name!r} (distribution {dist} {version}) raised in its "
                                   f"{hook_name} hook: {type(e).__name__}: {e}") from e
     return registry
@@ -261,6 +264,8 @@ def build_plugin(spec: PluginSpec, *args: Any) -> Any:
     who = f"{spec.kind} {spec.name!r} (plugin {spec.plugin}, distribution {spec.distribution} {spec.version})"
     try:
         obj = spec.factory(*args)
+    except SystemExit as e:  # (not an error the engine can report: it would end the process)
+        raise PluginError(f"{who}: its factory called sys.exit({e.code!r})") from e
     except TypeError as e:
         # Binding the arguments fails before any frame of the factory starts, so the traceback
         # ends here; a TypeError from inside the factory has the factory's frame after this one.

@@ -87,6 +87,23 @@ def test_cli_error_for_a_raising_hook_names_the_installed_distribution(monkeypat
             "kvforge_register_kv_allocators hook: ValueError: boom in hook") in err, err
 
 
+def test_sys_exit_in_a_hook_or_at_import_is_a_plugin_error(monkeypatch, capsys):
+    """Before: a plugin calling sys.exit() ended every kvforge command with rc 1 and no message."""
+    def hook(register):
+        raise SystemExit(3)
+    with pytest.raises(PluginError, match=r"'exits' \(distribution <in-process> 0\) raised in its "
+                                          r"kvforge_register_schedulers hook: SystemExit: 3"):
+        load_registry(extra_plugins=[("exits", _module("exits", kvforge_register_schedulers=hook))])
+
+    class _ExitOnImport(_FakeEntryPoint):
+        def load(self):
+            raise SystemExit("cannot run here")
+    monkeypatch.setattr(plugin_manager, "_iter_entry_points", lambda: [_ExitOnImport("exits_early", None)])
+    assert cli_main(["plugins"]) == 2
+    err = capsys.readouterr().err
+    assert ("plugin 'exits_early' (distribution acme-boom) failed to import: SystemExit: cannot run here") in err, err
+
+
 def test_duplicate_name_error_is_not_rewrapped():
     """register()'s own PluginError (a duplicate name) keeps naming both plugins."""
     dup = _registering("dup_plugin", "kvforge_register_schedulers", ("fcfs", make_fcfs, QueueSettings))
@@ -229,6 +246,22 @@ def test_type_error_inside_a_factory_passes_through_unwrapped():
     with pytest.raises(TypeError, match="has no len") as ei:
         build_plugin(_spec("kv_allocator", factory), 4, 16, None, None)
     assert not isinstance(ei.value, PluginError)
+
+
+def test_factory_calling_sys_exit_is_a_plugin_error():
+    def factory(num_blocks, block_size, settings, cache_config):
+        raise SystemExit(0)
+    with pytest.raises(PluginError, match=r"kv_allocator 'x' \(plugin unit_plugin.*its factory called sys.exit\(0\)"):
+        build_plugin(_spec("kv_allocator", factory), 4, 16, None, None)
+
+
+def test_drafter_factory_returning_none_fails_at_build():
+    """The drafter builder went around build_plugin: a drafter factory returning None failed
+    later, on its first use, with an AttributeError naming no plugin."""
+    reg = load_registry(extra_plugins=[("none_drafter_plugin", _registering(
+        "none_drafter_plugin", "kvforge_register_drafters", ("none_drafter", lambda cfg, settings, ctx: None)))])
+    with pytest.raises(PluginError, match=r"drafter 'none_drafter' \(plugin none_drafter_plugin.*returned None"):
+        _engine(reg, speculative="none_drafter", num_speculative_tokens=2)
 
 
 def test_not_callable_factory_is_a_plugin_error():

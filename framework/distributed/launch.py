@@ -58,6 +58,7 @@ def build_parallel_parts(config, registry, hf_config, arch: str, device: torch.d
     """
     from kvforge.engine.builder import EngineParts
     from kvforge.interfaces import SchedulerContext
+    from kvforge.plugin_manager import build_plugin
 
     par = config.parallel
     if par.pipeline_parallel_size > hf_config.num_hidden_layers:
@@ -72,13 +73,14 @@ def build_parallel_parts(config, registry, hf_config, arch: str, device: torch.d
         max_model_len = fit_max_model_len(config, max_model_len, num_blocks, device)
         block_bytes = max(i["block_bytes"] for i in infos)
         num_cpu_blocks = config.cache.swap_space_bytes // max(block_bytes, 1)
-        allocator = alloc_spec.factory(num_blocks, config.cache.block_size, alloc_settings, config.cache)
+        allocator = build_plugin(alloc_spec, num_blocks, config.cache.block_size, alloc_settings, config.cache)
         executor.init_cache(allocator, num_blocks, num_cpu_blocks, timeout=INIT_TIMEOUT_S)
+        # (inside the try: a scheduler factory that raises must not leave the workers running)
+        scheduler = build_plugin(sched_spec, config.scheduler, allocator, sched_settings,
+                                 SchedulerContext(max_model_len, num_cpu_blocks))
     except BaseException:
         executor.shutdown()
         raise
-    scheduler = sched_spec.factory(config.scheduler, allocator, sched_settings,
-                                   SchedulerContext(max_model_len, num_cpu_blocks))
     choices = {"model": arch, "scheduler": sched_spec.name, "kv_allocator": alloc_spec.name,
                **infos[0]["choices"], "executor": par.distributed_executor_backend or "mp",
                "parallel": f"tp={par.tensor_parallel_size} pp={par.pipeline_parallel_size}"

@@ -12,7 +12,7 @@ from typing import Any
 from kvforge.config import EngineConfig
 from kvforge.engine.builder import ModelStack, build_model_stack
 from kvforge.engine.resolve import _DTYPES, validate_plugin_settings
-from kvforge.plugin_manager import PluginSpec, Registry
+from kvforge.plugin_manager import PluginSpec, Registry, build_plugin
 
 log = logging.getLogger("kvforge")
 
@@ -57,7 +57,7 @@ def build_drafter(config: EngineConfig, registry: Registry, spec: PluginSpec, se
         alloc_spec = registry.get("kv_allocator", config.cache.allocator)
         alloc_settings = validate_plugin_settings(alloc_spec, config.cache.settings, "cache.settings")
         cache_cfg = config.cache.model_copy(update={"enable_prefix_caching": False})
-        allocator = alloc_spec.factory(num_blocks, config.cache.block_size, alloc_settings, cache_cfg)
+        allocator = build_plugin(alloc_spec, num_blocks, config.cache.block_size, alloc_settings, cache_cfg)
         graphs = (stack.device.type == "cuda" and not getattr(config.model, "enforce_eager", False)
                   and bool(stack.attn_spec.capabilities.get("cuda_graphs")))
         # With CUDA graphs, one extra block past the allocator's range is the padded rows' scratch block.
@@ -90,6 +90,6 @@ def build_drafter(config: EngineConfig, registry: Registry, spec: PluginSpec, se
         block_size=config.cache.block_size, max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
         seed=config.model.seed, load_format=config.model.load_format,
         build_model=build_model, build_runner=build_runner)
-    drafter = spec.factory(config.speculative, settings, ctx)
+    drafter = build_plugin(spec, config.speculative, settings, ctx)
     drafter.num_speculative_tokens = config.speculative.num_speculative_tokens
     return drafter

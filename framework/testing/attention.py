@@ -64,7 +64,8 @@ class _Row:
 
 def _build_backend(spec, settings: dict):
     from kvforge.engine.builder import validate_plugin_settings
-    return spec.factory(validate_plugin_settings(spec, dict(settings), "attention.settings"))
+    from kvforge.plugin_manager import build_plugin
+    return build_plugin(spec, validate_plugin_settings(spec, dict(settings), "attention.settings"))
 
 
 def _inputs(rows: list[_Row], first_step: bool, bs: int, device):

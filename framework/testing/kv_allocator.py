@@ -38,11 +38,12 @@ def make_allocator(target: Target, num_blocks: int, block_size: int, prefix_cach
     ``factory(num_blocks, block_size, settings, cache_config)``."""
     from kvforge.config import CacheConfig
     from kvforge.engine.builder import validate_plugin_settings
+    from kvforge.plugin_manager import build_plugin
     spec = target.spec
     settings = validate_plugin_settings(spec, dict(target.settings), "cache.settings")
     cc = CacheConfig(allocator=target.name, block_size=block_size, num_gpu_blocks=num_blocks,
                      enable_prefix_caching=prefix_caching)
-    alloc = spec.factory(num_blocks, block_size, settings, cc)
+    alloc = build_plugin(spec, num_blocks, block_size, settings, cc)
     assert alloc.num_blocks == num_blocks and alloc.block_size == block_size, (
         f"{target}: factory built an allocator with num_blocks={alloc.num_blocks}, "
         f"block_size={alloc.block_size}; asked for {num_blocks}, {block_size}")

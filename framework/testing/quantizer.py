@@ -60,10 +60,11 @@ def _dtypes(device):
 
 def _quant_config(target: Target, hf_cfg: dict | None):
     from kvforge.engine.builder import validate_plugin_settings
+    from kvforge.plugin_manager import build_plugin
     spec = target.spec
     settings = validate_plugin_settings(spec, dict(target.settings), "quantization.settings")
     try:
-        return spec.factory(hf_cfg, settings)
+        return build_plugin(spec, hf_cfg, settings)
     except ValueError as e:
         import pytest
         pytest.skip(f"{target}: NOT CHECKED: its factory refuses quantization_config={hf_cfg!r} ({e}); list the "

@@ -157,7 +157,8 @@ def _eos_story(target: Target) -> tuple[list[int] | None, int]:
         done = StepMonitor(eng, "reference fcfs (EOS story)").drain({0: [("story", STORY_PROMPT, sp)]})
         o = done["story"]
         c = o.outputs[0]
-        ends_with_eos = c.finish_reason == "stop" and c.stop_reason is None
+        # (not "stop_reason is None": an EOS id of generation_config.json reports itself, as in vLLM)
+        ends_with_eos = c.finish_reason == "stop" and bool(c.token_ids) and c.token_ids[-1] in eng.eos_token_ids
         _EOS_STORY[key] = (list(o.prompt_token_ids) + list(c.token_ids) if ends_with_eos else None,
                            eng.max_model_len)
     return _EOS_STORY[key]
@@ -214,8 +215,10 @@ def _stop_requests(target: Target, rng, max_tokens: int) -> list[tuple]:
     return requests
 
 
-def _mismatch(rid: str, why: str, got, want) -> str | None:
-    """What differs between ``got`` and the reference's ``want`` (CompletionOutputs), or None."""
+def _mismatch(rid: str, why: str, got, want, stop_token_ids=()) -> str | None:
+    """What differs between ``got`` and the reference's ``want`` (CompletionOutputs), or None.
+    ``stop_token_ids``: the request's own (an EOS id of generation_config.json also reports
+    its id as stop_reason, so stop_reason alone cannot tell EOS from a stop id)."""
     if (got.finish_reason, got.stop_reason, got.token_ids) == (want.finish_reason, want.stop_reason, want.token_ids):
         return None
     hint = ""
@@ -224,7 +227,7 @@ def _mismatch(rid: str, why: str, got, want) -> str | None:
         if isinstance(want.stop_reason, str):  # the engine matched it and called finish_requests
             hint = ": the request ran past its stop string (finish_requests must end it)"
         else:
-            what = "EOS" if want.stop_reason is None else "stop_token_ids"
+            what = "stop_token_ids" if want.token_ids and want.token_ids[-1] in stop_token_ids else "EOS"
             hint = f": the scheduler ignores {what} (update must end a request there, see check_stop)"
     elif got.token_ids != want.token_ids:
         i = next((k for k, (a, b) in enumerate(zip(got.token_ids, want.token_ids)) if a != b),
@@ -275,7 +278,7 @@ def check_stops_and_aborts(target: Target) -> None:
                              f"a request to abort ({aborted or 'none'}): with {len(requests)} requests and "
                              f"max_num_seqs=4, plain requests must be waiting at step 1 and running later")
     problems = []
-    for rid, _, _, why in requests:
+    for rid, _, sp, why in requests:
         if rid not in got:
             problems.append(f"request {rid} ({why}) never finished")
         elif rid in aborted:
@@ -285,7 +288,7 @@ def check_stops_and_aborts(target: Target) -> None:
                                 f"{len(c.token_ids)} tokens; expected 'abort' with a prefix of the reference's "
                                 f"{len(want.token_ids)} tokens")
         else:
-            problems.append(_mismatch(rid, why, got[rid], ref[rid]))
+            problems.append(_mismatch(rid, why, got[rid], ref[rid], sp.stop_token_ids))
     problems = [p for p in problems if p]
     if problems:
         more = f"; and {len(problems) - 8} more" if len(problems) > 8 else ""
