@@ -349,6 +349,15 @@ def test_cli_sim_end_to_end(tmp_path, capsys, monkeypatch):
                  "chunked_prefill:quantization.method=gptq", "--workload", wl, "--mode", "real",
                  "--output-dir", str(tmp_path / "q")]) == 2  # a dense checkpoint is no GPTQ one
     assert "gptq" in capsys.readouterr().err.lower() and not (tmp_path / "q").exists()
+    # an arm's explicit KV budget: one holding no block, then one too small for the trace
+    for kv, needle in (("cache.kv_cache_memory_bytes=100", "hold no KV block"),
+                       ("cache.num_gpu_blocks=2", "fewer than the trace's longest request")):
+        assert main(["bench", "ab", "--model", STORIES_MODEL, "--scheduler", "fcfs", "--scheduler",
+                     f"chunked_prefill:{kv}", "--workload", wl, "--mode", "real",
+                     "--output-dir", str(tmp_path / "k")]) == 2
+        err = capsys.readouterr().err
+        assert needle in err and kv.split("=")[0] in err, err
+        assert not (tmp_path / "k").exists()
 
 
 def test_real_mode_on_stories260k(tmp_path):

@@ -117,13 +117,16 @@ def sim_accuracy(real, sim, cost_model) -> dict[str, Any]:
             "step_time_mean_abs_rel_err": float(np.mean(np.abs(pred / meas - 1.0))) if len(steps) else None}
 
 
-def check_real_arm(config, registry) -> None:
+def check_real_arm(config, registry, facts=None, longest: int = 0) -> None:
     """The capability and quantizer checks an engine build of ``config`` runs, without building
-    it or reading weights, so that a bad arm fails before the first arm runs.
+    it or reading weights, so that a bad arm fails before the first arm runs. With ``facts``
+    (the model's :class:`~kvforge.bench.common.ModelFacts`) and an explicit KV budget
+    (``cache.num_gpu_blocks`` or ``cache.kv_cache_memory_bytes``), also that the budget holds a
+    block, an explicit ``model.max_model_len``, and the trace's ``longest`` request (tokens).
 
     Raises:
         ValueError: as :func:`kvforge.engine.capabilities.check_capabilities` and
-            :func:`kvforge.engine.builder.build_quant_config`.
+            :func:`kvforge.engine.builder.build_quant_config`; or naming the cache setting.
     """
     from kvforge.engine.builder import build_quant_config, load_hf_config
     from kvforge.engine.resolve import resolve_device, resolve_dtype
@@ -133,6 +136,25 @@ def check_real_arm(config, registry) -> None:
     check_capabilities(config, registry, hf_config, dtype, device)
     q = config.quantization  # (the checkpoint's format: e.g. gptq asked of a dense model)
     build_quant_config(registry, hf_config, q.method, q.settings, dtype, device)
+    c = config.cache
+    if facts is None or (c.num_gpu_blocks is None and c.kv_cache_memory_bytes is None):
+        return  # (a GPU's default budget depends on the memory free when the arm starts)
+    if c.num_gpu_blocks is not None:
+        blocks, knob = c.num_gpu_blocks, "cache.num_gpu_blocks"
+    else:  # the engine's block: K and V of every layer, in the dtype it resolves
+        block_bytes = (2 * facts.num_hidden_layers * c.block_size * facts.num_kv_heads * facts.head_dim
+                       * dtype.itemsize)
+        blocks, knob = c.kv_cache_memory_bytes // block_bytes, "cache.kv_cache_memory_bytes"
+        if blocks < 1:
+            raise ValueError(f"{knob}: {c.kv_cache_memory_bytes} bytes hold no KV block of {block_bytes} bytes "
+                             f"({c.block_size} tokens)")
+    tokens, explicit = blocks * c.block_size, config.model.max_model_len
+    if explicit is not None and tokens < explicit:
+        raise ValueError(f"model.max_model_len {explicit} exceeds the {tokens} tokens that {blocks} KV blocks of "
+                         f"{c.block_size} tokens hold: raise {knob} or lower model.max_model_len")
+    if tokens < longest:
+        raise ValueError(f"{knob}: {blocks} KV blocks of {c.block_size} tokens hold {tokens} tokens, fewer than "
+                         f"the trace's longest request ({longest} tokens)")
 
 
 def run_ab(args: argparse.Namespace) -> dict[str, Any]:
@@ -171,7 +193,7 @@ def run_ab(args: argparse.Namespace) -> dict[str, Any]:
         cpu_blocks = c.cache.swap_space_bytes // facts.kv_block_bytes(c.cache.block_size, c.model.dtype)
         build_scheduler(c, registry, 1, limit, cpu_blocks)  # a dry build: block ids only, no tensors
         if mode in ("real", "both"):  # the engine's whole capability check, model-side kinds too
-            check_real_arm(c, registry)
+            check_real_arm(c, registry, facts, max((r.prompt_len + r.output_len for r in trace.requests), default=0))
     prompts = synthesize_prompts(trace, facts.vocab_size, facts.special_ids)
     progress = sys.stderr.isatty() if args.progress is None else args.progress
 
