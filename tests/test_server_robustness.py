@@ -23,7 +23,7 @@ BAD = [
     (C, {"prompt": 5}, "prompt"), (C, {"prompt": []}, "prompt"), (C, {"prompt": [1, "a"]}, "prompt"),
     (C, {"prompt": [[1], []]}, "prompt"), (C, {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
     (C, {"prompt": "hi", "max_tokens": "10"}, "max_tokens"), (C, {"prompt": "hi", "max_tokens": 1000}, "max_tokens"),
-    (C, {"prompt": "hi", "temperature": -1}, "temperature"), (C, {"prompt": "hi", "temperature": 3}, "temperature"),
+    (C, {"prompt": "hi", "temperature": -1}, "temperature"),
     (C, {"prompt": "hi", "top_p": 0}, "top_p"), (C, {"prompt": "hi", "top_p": 1.5}, "top_p"),
     (C, {"prompt": "hi", "n": 0}, "n"), (C, {"prompt": "hi", "n": 1.5}, "n"),
     (C, {"prompt": "hi", "logprobs": 100}, "logprobs"), (C, {"prompt": "hi", "logprobs": -1}, "logprobs"),
@@ -121,6 +121,8 @@ def test_limits_come_from_the_engine_and_floats_must_be_finite(server):
             err = r.json()["error"]
             assert r.status_code == 400 and err["param"] == "temperature" and "finite" in err["message"], err
         r = c.post(C, json={"prompt": "hi", "max_tokens": 1, "logprobs": 20})
+        assert r.status_code == 200, r.text
+        r = c.post(C, json={"prompt": "hi", "max_tokens": 2, "temperature": 3.5})  # vLLM takes any T >= 0
         assert r.status_code == 200, r.text
 
 
