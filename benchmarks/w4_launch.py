@@ -7,6 +7,8 @@ AutoAWQ-layout operands as ``bench_quant.py`` makes them.
 ``--config-of KxN --time`` instead times the table's config for KxN (same M) at ``--shape``
 (CUDA graph, median), e.g. to ask whether a grid's last partial wave costs what a whole one
 does: N 16896 gives 14336^2's configs 132 (M = 16) or 1056 (M = 64) CTAs, whole waves.
+``--config-m`` runs another M's config, e.g. M = 64's at M = 16: the same kernel with a quarter
+of the x bytes (each CTA reads all of x, so x's L2 traffic scales with M).
 """
 import argparse
 import os
@@ -24,6 +26,7 @@ def main() -> int:
     p.add_argument("--m", type=int, default=64, help="tokens")
     p.add_argument("--launches", type=int, default=4)
     p.add_argument("--config-of", help="KxN: use the table's config of this shape")
+    p.add_argument("--config-m", type=int, help="... and of this M (default --m): e.g. M = 16's config at M = 1")
     p.add_argument("--time", action="store_true", help="time it (and bf16) instead")
     a = p.parse_args()
     k, n = (int(v) for v in a.shape.split("x"))
@@ -34,8 +37,9 @@ def main() -> int:
     if a.config_of:
         from kvforge_plugins.quant.kernels.choices import lookup
         ck, cn = (int(v) for v in a.config_of.split("x"))
-        cfg = lookup("w4_mma", a.m, cn, ck, x.device)
-        assert cfg, f"no table entry for M={a.m} {a.config_of}"
+        cm = a.config_m or a.m
+        cfg = lookup("w4_mma", cm, cn, ck, x.device)
+        assert cfg, f"no table entry for M={cm} {a.config_of}"
         cfg = {key: v for key, v in cfg.items() if key != "schema"}
         fn = (lambda v, c=cfg, base=fns["w4a16-mma"]: base(v, c))
     if a.time:
@@ -45,7 +49,8 @@ def main() -> int:
                                            group_size=GROUP, pack_k=False, awq_order=True, dtype=torch.float32)
         rel = ((fn(x).float() - ref).abs().max() / ref.abs().max()).item()
         tb, tw = bench(fns["bf16"], x, True), bench(fn, x, True)
-        print(f"K={k} N={n} M={a.m} config of {a.config_of or 'its own shape'}: w4a16-mma {tw * 1e6:.1f} us, "
+        of = f"{a.config_of} M={a.config_m or a.m}" if a.config_of else "its own shape"
+        print(f"K={k} N={n} M={a.m} config of {of}: w4a16-mma {tw * 1e6:.1f} us, "
               f"bf16 {tb * 1e6:.1f} us ({tb / tw:.2f}x), rel err {rel:.1e}")
         return 0
     for _ in range(a.launches):
