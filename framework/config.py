@@ -23,11 +23,27 @@ log = logging.getLogger("kvforge")
 SHORTHAND = {"quantization": "method", "attention": "backend", "scheduler": "name", "speculative": "method"}
 
 
-def _numbers_only(annotation: Any) -> bool:
-    """Whether a field's type admits only numbers (int / float, optionally None)."""
+def _is_bool(v: Any) -> bool:
+    return isinstance(v, bool) or type(v).__name__ in ("bool", "bool_")  # (numpy's too: np.bool_)
+
+
+def boolean_for_number(annotation: Any, value: Any) -> bool:
+    """Whether ``value`` is a boolean (or a list / tuple holding one) given to a field whose type
+    admits only numbers there (int / float, optionally None; or a list / tuple of them).
+    pydantic's lax mode would read it as 1 or 0, and YAML reads yes / no / on / off as booleans."""
     members = get_args(annotation) if get_origin(annotation) in (Union, types.UnionType) else (annotation,)
     members = [m for m in members if m is not type(None)]
-    return bool(members) and all(m in (int, float) for m in members)
+    if _is_bool(value):
+        return bool(members) and all(m in (int, float) for m in members)
+    if isinstance(value, (list, tuple)):
+        elems = [e for m in members if get_origin(m) in (list, tuple) for e in get_args(m) if e is not Ellipsis]
+        return bool(elems) and all(e in (int, float) for e in elems) and any(_is_bool(v) for v in value)
+    return False
+
+
+def boolean_for_number_message(value: Any) -> str:
+    what = f"the boolean {value!r}" if _is_bool(value) else f"{value!r}, which holds a boolean"
+    return f"expected a number, got {what} (in YAML, yes / no / on / off are booleans)"
 
 
 class _Section(BaseModel):
@@ -38,8 +54,8 @@ class _Section(BaseModel):
     def _no_booleans_for_numbers(cls, v: Any, info) -> Any:
         # pydantic's lax mode reads True as 1, and YAML reads yes / no / on / off as booleans:
         # ``max_num_seqs: yes`` would silently become 1
-        if isinstance(v, bool) and _numbers_only(cls.model_fields[info.field_name].annotation):
-            raise ValueError(f"expected a number, got {v!r} (YAML reads yes / no / on / off as true / false)")
+        if boolean_for_number(cls.model_fields[info.field_name].annotation, v):
+            raise ValueError(boolean_for_number_message(v))
         return v
 
 

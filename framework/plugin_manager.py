@@ -242,6 +242,33 @@ FACTORY_CONTRACTS: dict[str, tuple[str, str]] = {
 }
 
 
+def describe_plugin(spec: PluginSpec) -> str:
+    """``kind 'name' (plugin P, distribution D V)``: how every error names a plugin."""
+    return f"{spec.kind} {spec.name!r} (plugin {spec.plugin}, distribution {spec.distribution} {spec.version})"
+
+
+def validate_backend(spec: PluginSpec, req: Any, device: Any) -> list[str]:
+    """An attention backend's ``validate(req, device)``: the reasons it cannot run (empty: it can).
+
+    ``auto`` asks every installed backend, so a crash there (an exception, ``sys.exit()``)
+    would stop engines that never chose that backend; it becomes an error naming the plugin.
+
+    Raises:
+        PluginError: ``validate`` raised, called ``sys.exit()``, or returned a string instead
+            of a list of reasons.
+    """
+    try:
+        reasons = spec.factory.validate(req, device)
+    except PluginError:
+        raise
+    except (Exception, SystemExit) as e:
+        raise PluginError(f"{describe_plugin(spec)}: its validate() raised {type(e).__name__}: {e}") from e
+    if isinstance(reasons, str):
+        raise PluginError(f"{describe_plugin(spec)}: its validate() returned the string {reasons!r}; it must "
+                          "return a list of reasons (empty when the backend can run)")
+    return list(reasons or [])
+
+
 def build_plugin(spec: PluginSpec, *args: Any) -> Any:
     """Call ``spec.factory(*args)`` (the arguments of its kind's hook spec) and check that it
     returned an instance of its kind's interface (:data:`FACTORY_CONTRACTS`).
@@ -260,8 +287,7 @@ def build_plugin(spec: PluginSpec, *args: Any) -> Any:
     """
     import kvforge.interfaces as interfaces  # not at import time: kvforge.interfaces imports torch
     iface_name, call = FACTORY_CONTRACTS[spec.kind]
-    # (the format of kvforge.engine.capabilities.describe, which the capability errors use)
-    who = f"{spec.kind} {spec.name!r} (plugin {spec.plugin}, distribution {spec.distribution} {spec.version})"
+    who = describe_plugin(spec)
     try:
         obj = spec.factory(*args)
     except SystemExit as e:  # (not an error the engine can report: it would end the process)

@@ -356,8 +356,13 @@ def test_cli_sim_end_to_end(tmp_path, capsys, monkeypatch):
                      f"chunked_prefill:{kv}", "--workload", wl, "--mode", "real",
                      "--output-dir", str(tmp_path / "k")]) == 2
         err = capsys.readouterr().err
-        assert needle in err and kv.split("=")[0] in err, err
+        assert needle in err and kv.split("=")[0] in err and "arm 'chunked_prefill:" in err, err
         assert not (tmp_path / "k").exists()
+    # ... and nothing is written first, --save-trace included
+    assert main(["bench", "ab", "--model", STORIES_MODEL, "--scheduler", "fcfs", "--num-gpu-blocks", "2",
+                 "--workload", wl, "--mode", "real", "--save-trace", str(tmp_path / "t.json"),
+                 "--output-dir", str(tmp_path / "k")]) == 2
+    assert "cache.num_gpu_blocks" in capsys.readouterr().err and not (tmp_path / "t.json").exists()
 
 
 def test_real_mode_on_stories260k(tmp_path):

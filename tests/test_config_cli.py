@@ -102,7 +102,7 @@ def test_yaml_booleans_are_not_numbers(tmp_path):
     # YAML reads ``yes`` as true, and pydantic's lax mode would read true as 1 (one sequence)
     path = tmp_path / "c.yaml"
     path.write_text(f"model:\n  model: {STORIES_MODEL}\nscheduler:\n  max_num_seqs: yes\n")
-    with pytest.raises(ValidationError, match=r"(?s)scheduler\.max_num_seqs.*expected a number, got True"):
+    with pytest.raises(ValidationError, match=r"(?s)scheduler\.max_num_seqs.*expected a number, got the boolean True"):
         EngineConfig.from_sources(path)
     path.write_text(f"model:\n  model: {STORIES_MODEL}\ncache:\n  gpu_memory_utilization: on\n")
     with pytest.raises(ValidationError, match=r"cache\.gpu_memory_utilization"):
@@ -113,6 +113,24 @@ def test_yaml_booleans_are_not_numbers(tmp_path):
     path.write_text(f"model:\n  model: {STORIES_MODEL}\n  enforce_eager: yes\nscheduler:\n  max_num_seqs: '8'\n")
     cfg = EngineConfig.from_sources(path)
     assert cfg.model.enforce_eager is True and cfg.scheduler.max_num_seqs == 8
+
+
+def test_booleans_inside_sequences_and_plugin_settings_are_not_numbers():
+    import numpy as np
+    from kvforge.engine.resolve import validate_plugin_settings
+    from kvforge.plugin_manager import load_registry
+    with pytest.raises(ValidationError, match=r"request_choices\.priorities"):
+        EngineConfig.from_sources(None, {"model": STORIES_MODEL, "request_choices.priorities": [True, True]})
+    with pytest.raises(ValidationError, match=r"scheduler\.max_num_seqs"):
+        EngineConfig.from_sources(None, {"model": STORIES_MODEL, "max_num_seqs": np.bool_(True)})
+    assert EngineConfig.from_sources(None, {"model": STORIES_MODEL, "request_choices.priorities": [0, 3]}
+                                     ).request_choices.priorities == (0, 3)
+    # a plugin's own settings model: chunked_prefill's threshold read True as 1 token per step
+    spec = load_registry().get("scheduler", "chunked_prefill")
+    with pytest.raises(ValueError, match=r"scheduler\.settings\.long_prefill_token_threshold: expected a number"):
+        validate_plugin_settings(spec, {"long_prefill_token_threshold": True}, "scheduler.settings")
+    assert validate_plugin_settings(spec, {"long_prefill_token_threshold": 64},
+                                    "scheduler.settings").long_prefill_token_threshold == 64
 
 
 def test_override_errors_name_field(tmp_path):

@@ -264,6 +264,76 @@ def test_drafter_factory_returning_none_fails_at_build():
         _engine(reg, speculative="none_drafter", num_speculative_tokens=2)
 
 
+class _ExitingValidate(TorchRefBackend):
+    @classmethod
+    def validate(cls, req, device):
+        raise SystemExit("validate exit")
+
+
+class _RaisingValidate(TorchRefBackend):
+    @classmethod
+    def validate(cls, req, device):
+        return {}["missing"]
+
+
+class _StringValidate(TorchRefBackend):
+    @classmethod
+    def validate(cls, req, device):
+        return "no GPU here"
+
+
+@pytest.mark.parametrize("backend, shown", [(_ExitingValidate, "raised SystemExit: validate exit"),
+                                            (_RaisingValidate, "raised KeyError: 'missing'"),
+                                            (_StringValidate, "returned the string 'no GPU here'")])
+def test_attention_validate_that_crashes_is_a_plugin_error_under_auto(backend, shown):
+    """``auto`` asks every installed backend: one that crashed in validate() stopped engines that
+    never chose it, with nothing naming it (a sys.exit gave rc 1 and a bare message)."""
+    reg = load_registry(extra_plugins=[("crashy_attn", _registering(
+        "crashy_attn", "kvforge_register_attention_backends", ("crashy", backend)))])
+    with pytest.raises(PluginError, match=r"attention 'crashy' \(plugin crashy_attn.*its validate\(\) "
+                                          + shown.replace("(", r"\(")):
+        _engine(reg)  # attention.backend: auto
+
+
+def test_drafter_conformance_suite_reports_a_none_factory_as_the_engine_does():
+    from kvforge.testing.drafter import check_greedy_lossless
+    from kvforge.testing.harness import Target
+    reg = load_registry(extra_plugins=[("none_drafter_plugin", _registering(
+        "none_drafter_plugin", "kvforge_register_drafters", ("none_drafter", lambda cfg, settings, ctx: None)))])
+    with pytest.raises(PluginError, match=r"drafter 'none_drafter' \(plugin none_drafter_plugin.*returned None"):
+        check_greedy_lossless(Target("drafter", "none_drafter", reg, STORIES_MODEL, "cpu"))
+
+
+def test_settings_model_calling_sys_exit_is_a_plugin_error():
+    from pydantic import BaseModel, field_validator
+
+    from kvforge.engine.resolve import validate_plugin_settings
+
+    class Exiting(BaseModel):
+        x: int = 0
+
+        @field_validator("x")
+        @classmethod
+        def _exit(cls, v):
+            raise SystemExit("settings validator exit")
+
+    spec = PluginSpec("kv_allocator", "x", make_paged, Exiting, "unit_plugin", "acme", "1.0", "1")
+    with pytest.raises(PluginError, match=r"kv_allocator 'x' \(plugin unit_plugin.*settings model called sys.exit"):
+        validate_plugin_settings(spec, {"x": 7}, "cache.settings")
+
+
+def test_forkserver_preloads_only_the_enabled_plugins(monkeypatch):
+    """A disabled plugin must not be imported anywhere, the CPU workers' forkserver included
+    (one that failed at import killed the forkserver: EOFError, no plugin named)."""
+    from kvforge.distributed.mp import _plugin_modules
+    everything = _plugin_modules()
+    assert "kvforge_plugins.schedulers.fcfs" in everything
+    monkeypatch.setenv("KVFORGE_DISABLE_PLUGINS", "fcfs")
+    assert "kvforge_plugins.schedulers.fcfs" not in _plugin_modules()
+    monkeypatch.setenv("KVFORGE_PLUGINS", "paged,llama")
+    assert _plugin_modules() == ["kvforge_plugins.kv_cache.paged", "kvforge_plugins.models.llama"]
+
+
 def test_not_callable_factory_is_a_plugin_error():
     with pytest.raises(PluginError, match="'int' object is not callable"):
         build_plugin(_spec("scheduler", 42), 1, 2, 3, 4)

@@ -88,12 +88,9 @@ def cmd_ab(args: argparse.Namespace) -> int:
 
 
 def load_or_generate(args: argparse.Namespace):
-    from kvforge.bench.trace import load_trace, save_trace
+    from kvforge.bench.trace import load_trace
     from kvforge.bench.workload import generate_trace
-    trace = load_trace(args.trace) if args.trace else generate_trace(args.workload)
-    if getattr(args, "save_trace", None):
-        save_trace(trace, args.save_trace)
-    return trace
+    return load_trace(args.trace) if args.trace else generate_trace(args.workload)
 
 
 def sim_accuracy(real, sim, cost_model) -> dict[str, Any]:
@@ -123,6 +120,8 @@ def check_real_arm(config, registry, facts=None, longest: int = 0) -> None:
     (the model's :class:`~kvforge.bench.common.ModelFacts`) and an explicit KV budget
     (``cache.num_gpu_blocks`` or ``cache.kv_cache_memory_bytes``), also that the budget holds a
     block, an explicit ``model.max_model_len``, and the trace's ``longest`` request (tokens).
+    A drafter's share of each block (a draft model's own KV) is not counted: it is known only
+    once the drafter is built, so such an arm can still fail when it starts.
 
     Raises:
         ValueError: as :func:`kvforge.engine.capabilities.check_capabilities` and
@@ -185,15 +184,23 @@ def run_ab(args: argparse.Namespace) -> dict[str, Any]:
     configs = [scheduler_config(base, s, args.config) for s in specs]
     model_dir = configs[0].model.model
     facts = model_facts(model_dir)
-    for cfg in configs:  # every arm's plugins, settings and lengths are checked before anything runs
-        limit = max_model_len(cfg, facts)
-        check_trace_fits(trace, limit)
-        c = cfg.model_copy(deep=True)
-        c.scheduler.max_num_batched_tokens = c.scheduler.max_num_batched_tokens or max(2048, limit)
-        cpu_blocks = c.cache.swap_space_bytes // facts.kv_block_bytes(c.cache.block_size, c.model.dtype)
-        build_scheduler(c, registry, 1, limit, cpu_blocks)  # a dry build: block ids only, no tensors
-        if mode in ("real", "both"):  # the engine's whole capability check, model-side kinds too
-            check_real_arm(c, registry, facts, max((r.prompt_len + r.output_len for r in trace.requests), default=0))
+    longest = max((r.prompt_len + r.output_len for r in trace.requests), default=0)
+    for spec, cfg in zip(specs, configs):  # every arm is checked before anything runs or is written
+        try:
+            limit = max_model_len(cfg, facts)
+            check_trace_fits(trace, limit)
+            c = cfg.model_copy(deep=True)
+            c.scheduler.max_num_batched_tokens = c.scheduler.max_num_batched_tokens or max(2048, limit)
+            cpu_blocks = c.cache.swap_space_bytes // facts.kv_block_bytes(c.cache.block_size, c.model.dtype)
+            build_scheduler(c, registry, 1, limit, cpu_blocks)  # a dry build: block ids only, no tensors
+            if mode in ("real", "both"):  # the engine's whole capability check, model-side kinds too
+                check_real_arm(c, registry, facts, longest)
+        except ValueError as e:
+            if len(specs) > 1 and type(e) is ValueError:  # (pydantic's errors format themselves)
+                e.args = (f"arm {spec.label!r}: {e}", *e.args[1:])
+            raise
+    if getattr(args, "save_trace", None):
+        save_trace(trace, args.save_trace)
     prompts = synthesize_prompts(trace, facts.vocab_size, facts.special_ids)
     progress = sys.stderr.isatty() if args.progress is None else args.progress
 

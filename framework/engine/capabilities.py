@@ -82,7 +82,8 @@ def ignores_priority(spec: "PluginSpec") -> bool:
 
 def describe(spec: "PluginSpec") -> str:
     """``scheduler 'fcfs' (plugin fcfs, distribution kvforge 0.1.0)``."""
-    return f"{spec.kind} {spec.name!r} (plugin {spec.plugin}, distribution {spec.distribution} {spec.version})"
+    from kvforge.plugin_manager import describe_plugin
+    return describe_plugin(spec)
 
 
 def _type_ok(kind: str, value: Any) -> bool:

@@ -6,8 +6,9 @@ from typing import Any
 import torch
 from pydantic import ValidationError
 
+from kvforge.config import boolean_for_number, boolean_for_number_message
 from kvforge.interfaces import AttentionRequirements
-from kvforge.plugin_manager import PluginSpec, Registry
+from kvforge.plugin_manager import PluginError, PluginSpec, Registry, describe_plugin, validate_backend
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -23,11 +24,18 @@ def validate_plugin_settings(spec: PluginSpec, settings: dict[str, Any], field: 
         if settings:
             raise ValueError(f"{field}: {spec.kind} {spec.name!r} takes no settings, got {sorted(settings)}")
         return None
+    fields = getattr(model, "model_fields", {})
+    misread = [f"{field}.{k}: {boolean_for_number_message(v)}" for k, v in settings.items()
+               if k in fields and boolean_for_number(fields[k].annotation, v)]
+    if misread:
+        raise ValueError(f"invalid settings for {spec.kind} {spec.name!r}: {'; '.join(misread)}")
     try:
         return model.model_validate(settings)
     except ValidationError as e:
         msgs = "; ".join(f"{field}.{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
         raise ValueError(f"invalid settings for {spec.kind} {spec.name!r}: {msgs}") from None
+    except SystemExit as e:  # (a validator of the plugin's calling sys.exit would end the process)
+        raise PluginError(f"{describe_plugin(spec)}: its settings model called sys.exit({e.code!r})") from e
 
 
 def resolve_device(name: str) -> torch.device:
@@ -62,7 +70,7 @@ def choose_attention(registry: Registry, name: str, req: AttentionRequirements, 
         spec = registry.get("attention", name)
         if settings is not None:
             validate_plugin_settings(spec, settings, "attention.settings")
-        reasons = spec.factory.validate(req, device)
+        reasons = validate_backend(spec, req, device)
         if reasons:
             raise ValueError(f"attention.backend {name!r} cannot run here: {'; '.join(reasons)}")
         return spec, {}
@@ -70,7 +78,7 @@ def choose_attention(registry: Registry, name: str, req: AttentionRequirements, 
     ok: list[PluginSpec] = []
     for n in registry.names("attention"):
         spec = registry.get("attention", n)
-        reasons = spec.factory.validate(req, device)
+        reasons = validate_backend(spec, req, device)
         (rejected.__setitem__(n, reasons) if reasons else ok.append(spec))
     if not ok:
         detail = "; ".join(f"{n}: {', '.join(r)}" for n, r in rejected.items()) or "none registered"

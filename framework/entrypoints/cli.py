@@ -141,6 +141,7 @@ def _explain(args: argparse.Namespace, reg) -> None:
 
     from kvforge.engine.builder import load_hf_config, resolve_device, resolve_dtype
     from kvforge.interfaces import AttentionRequirements
+    from kvforge.plugin_manager import validate_backend
     if not args.model:
         print("\n(--explain needs --model to know head sizes and dtype)")
         return
@@ -154,7 +155,7 @@ def _explain(args: argparse.Namespace, reg) -> None:
     print(f"\nattention backends for {args.model} on {dev} ({dtype}):")
     for name in reg.names("attention"):
         spec = reg.get("attention", name)
-        reasons = spec.factory.validate(req, dev)
+        reasons = validate_backend(spec, req, dev)
         prio = spec.capabilities.get("priority", 0)
         print(f"  {name} (priority {prio}): " + ("ok" if not reasons else "rejected: " + "; ".join(reasons)))
     del torch

@@ -155,7 +155,8 @@ def _compare(target: Target, shape, bs: int, heads, dtype, window: int | None, t
     from kvforge.interfaces import AttentionRequirements
     hq, hkv, d = heads
     req = AttentionRequirements(dtype, d, hq, hkv, bs, dtype, window)
-    reasons = target.spec.factory.validate(req, device)
+    from kvforge.plugin_manager import validate_backend
+    reasons = validate_backend(target.spec, req, device)
     if reasons:
         rejected.append(f"{str(dtype).removeprefix('torch.')} block_size={bs} heads={heads} window={window}: "
                         f"{'; '.join(reasons)}")

@@ -155,12 +155,11 @@ def _spy_registry(target: Target, counter: dict[str, int]):
     from kvforge.plugin_manager import Registry
     reg = Registry()
     reg.loaded_plugins = list(target.registry.loaded_plugins)
+    from kvforge.plugin_manager import build_plugin
     for spec in target.registry.all():
         if spec.kind == "drafter" and spec.name == target.name:
-            inner = spec.factory
-
-            def factory(*args: Any, _inner=inner, **kwargs: Any):
-                drafter = _inner(*args, **kwargs)
+            def factory(*args: Any, _spec=spec):
+                drafter = build_plugin(_spec, *args)  # (the engine's checks and errors, on the real factory)
                 orig = drafter.propose
 
                 def propose(*a: Any, **kw: Any):
