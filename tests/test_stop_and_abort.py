@@ -23,12 +23,41 @@ def greedy_three():
 def test_stop_string_on_the_last_allowed_token_is_the_reason(greedy_three, async_scheduling):
     llm = LLM(STORIES_MODEL, dtype="float32", async_scheduling=async_scheduling)
     tail = greedy_three.text[-1:]
-    for sp in (SamplingParams(temperature=0, max_tokens=3, stop=[tail]),
-               SamplingParams(temperature=0, max_tokens=9, stop=[tail], stop_token_ids=[greedy_three.token_ids[-1]])):
+    o = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=3, stop=[tail]), use_tqdm=False)[0].outputs[0]
+    assert o.token_ids == greedy_three.token_ids
+    assert (o.finish_reason, o.stop_reason) == ("stop", tail)
+    assert o.text == greedy_three.text[:-1]
+    # The same token also a stop_token_id: as in vLLM, a stop token's text is not detokenized
+    # (so the stop string inside it never matches) unless include_stop_str_in_output
+    two = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)[0].outputs[0].text
+    last = greedy_three.token_ids[-1]
+    for include, reason, text in ((False, last, two), (True, tail, greedy_three.text)):
+        sp = SamplingParams(temperature=0, max_tokens=9, stop=[tail], stop_token_ids=[last],
+                            include_stop_str_in_output=include)
         o = llm.generate(PROMPT, sp, use_tqdm=False)[0].outputs[0]
         assert o.token_ids == greedy_three.token_ids
-        assert (o.finish_reason, o.stop_reason) == ("stop", tail), sp
-        assert o.text == greedy_three.text[:-1]
+        assert (o.finish_reason, o.stop_reason, o.text) == ("stop", reason, text), sp
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_stop_token_text_is_left_out_like_vllm(greedy_three, async_scheduling):
+    """vLLM keeps a stop_token_id / EOS in token_ids but leaves its text out of ``text``
+    (unless include_stop_str_in_output), also where skip_special_tokens=False would show EOS."""
+    llm = LLM(STORIES_MODEL, dtype="float32", async_scheduling=async_scheduling)
+    two = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)[0].outputs[0].text
+    last = greedy_three.token_ids[-1]
+    o = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=9, stop_token_ids=[last], logprobs=1),
+                     use_tqdm=False)[0].outputs[0]
+    assert (o.token_ids, o.text, o.stop_reason) == (greedy_three.token_ids, two, last)
+    assert len(o.logprobs) == 3  # the stop token keeps its logprobs
+    o = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=9, stop_token_ids=[last],
+                                            include_stop_str_in_output=True), use_tqdm=False)[0].outputs[0]
+    assert o.text == greedy_three.text
+    # EOS with skip_special_tokens=False: "Once upon a time" ends on EOS id 1 (<s>) within 400 tokens
+    sp = SamplingParams(temperature=0, max_tokens=400, skip_special_tokens=False)
+    o = llm.generate("Once upon a time", sp, use_tqdm=False)[0].outputs[0]
+    assert o.finish_reason == "stop" and o.token_ids[-1] in (1, 2)
+    assert not o.text.endswith(("<s>", "</s>")), o.text[-20:]
 
 
 @pytest.mark.parametrize("max_tokens", [1, 5])

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from kvforge.engine.detokenizer import IncrementalDetokenizer
 from kvforge.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from kvforge.engine.request import Request
+from kvforge.engine.request import Request, RequestStatus
 
 
 def _done(r: Request) -> bool:
@@ -88,14 +88,21 @@ class OutputProcessor:
         """Detokenize ``req``'s last ``num_new`` output tokens.
 
         Returns the stop string matched, if any; the request's ``output_token_ids``
-        are then truncated to end at the token that completed it.
+        are then truncated to end at the token that completed it. A request that the last of
+        them ended as EOS or a stop_token_id keeps that token in its ids but not in its text,
+        unless ``include_stop_str_in_output`` (vLLM's rule for both; the scheduler has set
+        the status already).
         """
         child = self._child(req)
         new = req.output_token_ids[len(req.output_token_ids) - num_new:]
         if req.first_token_time is None and new:
             req.first_token_time = time.monotonic()
-        stop, consumed = child.detok.update(new)
-        if stop is not None and consumed < num_new:
+        token_stop = (new and req.status is RequestStatus.FINISHED_STOPPED and not isinstance(req.stop_reason, str)
+                      and not req.sampling_params.include_stop_str_in_output)
+        stop, consumed = child.detok.update(new[:-1] if token_stop else new)
+        if stop is None:
+            consumed = num_new  # (the stop token stays in the ids and logprobs: only its text is left out)
+        elif consumed < num_new:
             del req.output_token_ids[len(req.output_token_ids) - (num_new - consumed):]
         for i in range(consumed):
             child.cumulative_logprob += sampled_logprobs[i] if i < len(sampled_logprobs) else 0.0
