@@ -127,7 +127,7 @@ def check_real_arm(config, registry, facts=None, longest: int = 0) -> None:
         ValueError: as :func:`kvforge.engine.capabilities.check_capabilities` and
             :func:`kvforge.engine.builder.build_quant_config`; or naming the cache setting.
     """
-    from kvforge.engine.builder import build_quant_config, load_hf_config
+    from kvforge.engine.builder import _kv_block_bytes, build_quant_config, load_hf_config
     from kvforge.engine.resolve import resolve_device, resolve_dtype
     from kvforge.engine.capabilities import check_capabilities
     hf_config = load_hf_config(config.model.model)
@@ -141,8 +141,7 @@ def check_real_arm(config, registry, facts=None, longest: int = 0) -> None:
     if c.num_gpu_blocks is not None:
         blocks, knob = c.num_gpu_blocks, "cache.num_gpu_blocks"
     else:  # the engine's block: K and V of every layer, in the dtype it resolves
-        block_bytes = (2 * facts.num_hidden_layers * c.block_size * facts.num_kv_heads * facts.head_dim
-                       * dtype.itemsize)
+        block_bytes = _kv_block_bytes(hf_config, facts.head_dim, facts.num_kv_heads, c.block_size, dtype)
         blocks, knob = c.kv_cache_memory_bytes // block_bytes, "cache.kv_cache_memory_bytes"
         if blocks < 1:
             raise ValueError(f"{knob}: {c.kv_cache_memory_bytes} bytes hold no KV block of {block_bytes} bytes "
@@ -197,7 +196,7 @@ def run_ab(args: argparse.Namespace) -> dict[str, Any]:
                 check_real_arm(c, registry, facts, longest)
         except ValueError as e:
             if len(specs) > 1 and type(e) is ValueError:  # (pydantic's errors format themselves)
-                e.args = (f"arm {spec.label!r}: {e}", *e.args[1:])
+                raise ValueError(f"arm {spec.label!r}: {e}") from None
             raise
     if getattr(args, "save_trace", None):
         save_trace(trace, args.save_trace)

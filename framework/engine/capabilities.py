@@ -20,6 +20,8 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
+from kvforge.plugin_manager import describe_plugin as describe
+
 if TYPE_CHECKING:
     import torch
 
@@ -78,12 +80,6 @@ def ignores_priority(spec: "PluginSpec") -> bool:
     """A scheduler that declares ``priorities=False`` (it ignores request priority; undeclared:
     no restriction, see the module docstring)."""
     return spec.capabilities.get("priorities") is False
-
-
-def describe(spec: "PluginSpec") -> str:
-    """``scheduler 'fcfs' (plugin fcfs, distribution kvforge 0.1.0)``."""
-    from kvforge.plugin_manager import describe_plugin
-    return describe_plugin(spec)
 
 
 def _type_ok(kind: str, value: Any) -> bool:

@@ -97,7 +97,7 @@ class OutputProcessor:
         new = req.output_token_ids[len(req.output_token_ids) - num_new:]
         if req.first_token_time is None and new:
             req.first_token_time = time.monotonic()
-        token_stop = (new and req.status is RequestStatus.FINISHED_STOPPED and not isinstance(req.stop_reason, str)
+        token_stop = (bool(new) and req.status is RequestStatus.FINISHED_STOPPED and not isinstance(req.stop_reason, str)
                       and not req.sampling_params.include_stop_str_in_output)
         stop, consumed = child.detok.update(new[:-1] if token_stop else new)
         if stop is None:
