@@ -310,6 +310,8 @@ def main(argv=None) -> int:
                    help="the same over a 120-config grid (quant_tuning.wide_mma_candidates)")
     p.add_argument("--tune-mma-occupancy", action="store_true",
                    help="the same over WG 2 with explicit K splits (quant_tuning.occupancy_mma_candidates)")
+    p.add_argument("--tune-mma-cluster", action="store_true",
+                   help="the same with split K summed in a thread block cluster (quant_tuning.cluster_mma_candidates)")
     p.add_argument("--e2e", action="store_true", help="end-to-end batch-1 decode per format (Llama-3-8B shape)")
     p.add_argument("--e2e-formats", default=",".join(E2E_FORMATS), help="formats for --e2e (comma separated)")
     p.add_argument("--input-len", type=int, default=32)
@@ -337,11 +339,13 @@ def main(argv=None) -> int:
         wb = weight_bytes(k, n)
         print(f"  K={k:<6d} N={n:<6d} " + "  ".join(f"{f} {b / 2 ** 20:7.1f} MiB ({wb['bf16'] / b:.2f}x smaller)"
                                                   for f, b in wb.items()))
-    if a.tune or a.tune_ckpt or a.tune_mma or a.tune_mma_wide or a.tune_mma_occupancy:
+    mma_grids = a.tune_mma or a.tune_mma_wide or a.tune_mma_occupancy or a.tune_mma_cluster
+    if a.tune or a.tune_ckpt or mma_grids:
         import quant_tuning as qt  # noqa: E402 (benchmarks/ on sys.path)
-    if a.tune_mma or a.tune_mma_wide or a.tune_mma_occupancy:
+    if mma_grids:
         grid = (qt.wide_mma_candidates if a.tune_mma_wide else
-                qt.occupancy_mma_candidates if a.tune_mma_occupancy else None)
+                qt.occupancy_mma_candidates if a.tune_mma_occupancy else
+                qt.cluster_mma_candidates if a.tune_mma_cluster else None)
         qt.tune_wna16(shapes, ms, not a.no_cudagraph, "mma", grid)
     if a.tune:
         qt.tune_wna16(shapes, ms, not a.no_cudagraph, "pairs")

@@ -20,6 +20,7 @@ import argparse
 import time
 
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from kvforge import SamplingParams
@@ -28,13 +29,32 @@ from kvforge.engine.llm_engine import LLMEngine
 from kvforge.entrypoints.cli import _add_engine_flags, engine_overrides
 
 
-def _table(prof, title: str, rows: int) -> None:
-    stats = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+_GROUPS = (("GEMM (cuBLAS)", ("nvjet", "gemm", "xmma", "cutlass", "splitKreduce")),
+           ("attention", ("_paged_", "flash_decode", "_merge")),
+           ("norm / RoPE / SiLU / cache write", ("_rmsnorm", "_rope", "_silu", "_reshape_and_cache")),
+           ("sampling", ("_greedy", "_sample", "softmax", "argmax")))
+
+
+def _table(prof, title: str, rows: int, steps: int = 0) -> float:
+    """Print the top kernels (device-side events only: a CPU op's self device time is its
+    kernels' again) and their groups; returns the kernel time in ms."""
+    stats = [e for e in prof.key_averages()
+             if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0]
     total = sum(e.self_device_time_total for e in stats)
-    print(f"\n== {title}: {total / 1e3:.2f} ms of kernel time")
+    if not total:
+        print(f"\n== {title}: no kernel ran (a CPU run?)")
+        return 0.0
+    per = f" ({total / 1e3 / steps:.2f} ms per step)" if steps else ""
+    print(f"\n== {title}: {total / 1e3:.2f} ms of kernel time{per}")
     for e in sorted(stats, key=lambda e: -e.self_device_time_total)[:rows]:
         print(f"  {e.self_device_time_total / 1e3:9.2f} ms {100 * e.self_device_time_total / total:5.1f}%  "
               f"x{e.count:<5d} {e.key[:110]}")
+    grouped = dict.fromkeys([g for g, _ in _GROUPS] + ["other"], 0.0)
+    for e in stats:
+        name = next((g for g, keys in _GROUPS if any(k in e.key for k in keys)), "other")
+        grouped[name] += e.self_device_time_total
+    print("  by group: " + ", ".join(f"{g} {100 * v / total:.1f}%" for g, v in grouped.items()))
+    return total / 1e3
 
 
 def _run(engine, steps: int, title: str, rows: int) -> None:
@@ -43,7 +63,7 @@ def _run(engine, steps: int, title: str, rows: int) -> None:
         for _ in range(steps):
             engine.step()
         torch.cuda.synchronize()
-    _table(prof, title, rows)
+    _table(prof, title, rows, steps)
 
 
 def _steady(engine, a) -> None:

@@ -121,6 +121,17 @@ def occupancy_mma_candidates(m: int) -> list[dict]:
             for wa, cp in ((4, 3), (4, 4), (4, 6), (8, 4)) for sk in (1, 2, 3, 4, 6, 8)]
 
 
+def cluster_mma_candidates(m: int) -> list[dict]:
+    """``--tune-mma-cluster`` (session 19): split K summed inside a thread block cluster (CLU 1,
+    2-8 splits) instead of global partials. M > 16: the occupancy grid's WG 2 tiles; M <= 16: the
+    mma.sync tilings that won there (K split by the warps, cp.async stages), now with split K."""
+    if m > 16:
+        return [{**c, "CLU": 1} for c in occupancy_mma_candidates(m) if c["split_k"] > 1]
+    return [dict(TW=tw, WARPS=wa, KW=kw, S=1, CPA=cp, LDW=1, MINB=1, SCALE_A=False, XS=0, split_k=sk, CLU=1)
+            for tw, wa, kw, cp in ((4, 8, 4, 4), (2, 8, 8, 3), (4, 4, 4, 3), (2, 8, 4, 4), (4, 4, 1, 4))
+            for sk in (2, 3, 4)]
+
+
 def wide_mma_candidates(m: int) -> list[dict]:
     """``--tune-mma-wide``: the twelfth session's sweep grid for the mma kernel, 8 tilings
     (TW, WARPS, KW) x 5 pipelines x 3 split rules (120 configs per shape and M)."""

@@ -4,7 +4,9 @@ bf16/fp16 x M in 1..64, each result against the fp32 reference of the dequantize
 (``BOUND`` as the tests) and re-run for bit-identical replays. Prints the M = 64 rows and every
 failure, then the failure count.
 
-    python benchmarks/w4_ring_check.py
+    python benchmarks/w4_ring_check.py [--clu]
+
+``--clu`` runs the tests' CLU configs instead (split K summed in a thread block cluster).
 """
 import os
 import sys
@@ -13,7 +15,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-from test_quant_w4_mma import BOUND, gpu_kernel_cases  # noqa: E402
+from test_quant_w4_mma import BOUND, GPU_CONFIGS, gpu_kernel_cases  # noqa: E402
 
 CONFIGS = (dict(TW=1, WARPS=4, CPA=4, XR=1, WG=1, SCALE_A=True),
            dict(TW=1, WARPS=8, CPA=3, XR=1, WG=1, SCALE_A=True, split_k=2),
@@ -24,12 +26,13 @@ CONFIGS = (dict(TW=1, WARPS=4, CPA=4, XR=1, WG=1, SCALE_A=True),
 
 
 def main() -> int:
+    configs = [c for c in GPU_CONFIGS if c.get("CLU")] if "--clu" in sys.argv[1:] else CONFIGS
     seed = int(time.time())
     gen = torch.Generator().manual_seed(seed)
     bad = 0
     for k, n, group in ((1024, 2048, 128), (768, 320, 256), (512, 192, 64), (576, 256, 64)):  # (9 chunks: odd)
         for dtype in (torch.bfloat16, torch.float16):
-            for m, cfg, err, same in gpu_kernel_cases(k, n, group, dtype, CONFIGS, (1, 5, 16, 13, 32, 33, 64), gen):
+            for m, cfg, err, same in gpu_kernel_cases(k, n, group, dtype, configs, (1, 5, 16, 13, 32, 33, 64), gen):
                 ok = err <= BOUND[dtype] and same
                 bad += not ok
                 if not ok or m == 64:

@@ -62,6 +62,7 @@ def _w4_configs() -> list[dict]:
     from test_quant_w4_mma import GPU_CONFIGS  # what the GPU and the emulation run: every #if branch
     from test_quant_w4_mma_emulated import EMULATED
     extra = GPU_CONFIGS + [c for *_, c in EMULATED if c]
+    extra += [{**c, "CLU": 4} for c in extra if c.get("CLU")]  # the define is the cluster's size: 2..8
     for cfg in [{}] + tuned + extra:
         for gcc in (0, 2):
             c = {**cfg, "GCC": gcc}

@@ -168,7 +168,11 @@ GPU_CONFIGS = [dict(split_k=1), dict(WARPS=1, TW=1, S=3, XS=1), dict(WARPS=2, TW
                dict(TW=1, WARPS=8, CPA=3, XR=1, WG=1, SCALE_A=True, split_k=2),
                # WG 2: a producer warp's bulk copies through mbarrier-guarded stages (dead warpgroups)
                dict(TW=1, WARPS=16, CPA=4, XR=1, WG=2, SCALE_A=True),
-               dict(TW=1, WARPS=4, CPA=8, XR=1, WG=2, SCALE_A=True, split_k=2)]
+               dict(TW=1, WARPS=4, CPA=8, XR=1, WG=2, SCALE_A=True, split_k=2),
+               # split K summed inside a thread block cluster (CLU): WG 2, WG, and KW sums first
+               dict(TW=1, WARPS=4, CPA=8, XR=1, WG=2, SCALE_A=True, split_k=2, CLU=1),
+               dict(TW=1, WARPS=8, CPA=3, XR=1, WG=1, SCALE_A=True, split_k=3, CLU=1),
+               dict(TW=4, WARPS=4, KW=2, SCALE_A=True, split_k=3, CLU=1)]
 
 
 @cuda

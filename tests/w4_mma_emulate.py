@@ -327,8 +327,11 @@ class FakeKernels:
         m, k = (x.shape[1], x.shape[0] * 64) if tiles else x.shape
         assert tiles == (cfg.get("WG") == 2) and (not tiles or x.is_contiguous())
         xs = w4_mma.x_bytes(cfg, m, k, chunks_per_split, x.element_size())
-        assert smem == max(xs + w4_mma.stage_bytes(cfg) + w4_mma.xr_bytes(cfg), w4_mma.reduce_bytes(cfg))
-        if splits > 1:
+        assert smem == max(xs + w4_mma.stage_bytes(cfg) + w4_mma.xr_bytes(cfg), w4_mma.reduce_bytes(cfg),
+                           w4_mma.cluster_bytes(cfg))
+        if cfg.get("CLU"):  # the splits are one cluster (the kernel sums them in split order, as ws's reader)
+            assert cfg["CLU"] == splits and 2 <= splits <= w4_mma.MAX_CLUSTER
+        elif splits > 1:
             cols = cfg["WARPS"] // cfg.get("KW", 1)
             assert ws.shape == (splits, m, n) and cnt.numel() >= -(-((n // 16) // cfg["TW"]) // cols)
         # x as a flat view from its data pointer: storage from x's first element

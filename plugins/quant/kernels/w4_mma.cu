@@ -27,7 +27,10 @@
 // programmatic dependent: weight prefetch, then griddepcontrol.wait; sm_90+), PDLP (chunks
 // per warp PDL prefetches into L2; -1: all), KW (warps of a CTA splitting its K range: warp kw takes the split's groups kw, kw + KW, ...;
 // their sums meet in shared memory, so K parallelism costs a CTA barrier, not split K's
-// global partials, fence and arrival counter: ~2.5 us per call on the H200, BENCHMARKS.md).
+// global partials, fence and arrival counter: ~2.5 us per call on the H200, BENCHMARKS.md),
+// CLU (0: split K's partials go through global memory, below; else the split count, when the
+// splits of a column block are one thread block cluster and sum in distributed shared memory:
+// w4_cluster.cuh).
 //
 // Layout (w4_mma.py has the packer): 64-row blocks of N ("nblk"), 64-wide chunks of K. Chunk
 // c of nblk is 512 int32 words, [tile T (16 rows)][lane][MMA i]: lane = 4g + t holds, for the
@@ -49,7 +52,8 @@
 // Source: w4_mma_ops.cuh (helpers), w4_mma_stages.cuh (one chunk; cp.async stages), w4_wgmma.cuh (WG),
 // w4_wgmma_ws.cuh (WG 2; the x tiles kernel),
 // w4_mma_io.cuh (x in: the shared copy, the RMSNorm prologue; y out: the SwiGLU / RoPE
-// epilogues), then this file, joined by w4_mma_jit.SOURCE (one NVRTC translation unit).
+// epilogues), w4_cluster.cuh (CLU's reduction), then this file, joined by w4_mma_jit.SOURCE
+// (one NVRTC translation unit).
 
 #ifndef MINB
 #define MINB 1
@@ -70,7 +74,12 @@
 #define XR_DIST (CPA - 1)
 #endif
 
-extern "C" __global__ void __launch_bounds__((WARPS + (WG == 2)) * 32, MINB)
+#if CLU  // the splits of a column block are one cluster (w4_cluster.cuh)
+#define W4_CLUSTER __cluster_dims__(1, CLU, 1)
+#else
+#define W4_CLUSTER
+#endif
+extern "C" __global__ void W4_CLUSTER __launch_bounds__((WARPS + (WG == 2)) * 32, MINB)
 w4_mma_gemm(const dt* __restrict__ x, int M, long long stride_x, const uint4* __restrict__ wq,
             const float* __restrict__ sc, const dt* __restrict__ zp, int N, int KC, int gc_rt, int cps, float* __restrict__ ws,
             int* __restrict__ cnt, dt* __restrict__ out, long long stride_o, const dt* __restrict__ res,
@@ -104,7 +113,7 @@ w4_mma_gemm(const dt* __restrict__ x, int M, long long stride_x, const uint4* __
                 asm volatile("prefetch.global.L2 [%0];" ::"l"(wp + (size_t)chunk_of(j) * 128 + a * 32));
     asm volatile("griddepcontrol.wait;" ::: "memory");  // the previous kernel's writes (x) are visible
 #endif
-#if XS || CPA || KW > 1  // (XR needs CPA)
+#if XS || CPA || KW > 1 || CLU  // (XR needs CPA)
     extern __shared__ __align__(16) unsigned char smem_raw[];
 #endif
 #if CPA  // the stages first; this thread's unit 0 of stage 0 (shared-space byte address)
@@ -305,6 +314,10 @@ w4_mma_gemm(const dt* __restrict__ x, int M, long long stride_x, const uint4* __
     const int nbase = nblk * 64 + tile0 * 16 + g;
 #define FRAG_TOK (8 * b + 2 * t + (f & 1))
 #define FRAG_ROW (nbase + 16 * a + 8 * (f >> 1))
+#if CLU  // gridDim.y == CLU: the splits' sums meet in the cluster's shared memory
+    if (cluster_reduce(A, owner, smem_u32(smem_raw))) store_out(A.acc, out, stride_o, M, nbase, t, cs, rope_rows, hd);
+    return;
+#endif
     if (splits == 1) {
         if (owner) store_out(A.acc, out, stride_o, M, nbase, t, cs, rope_rows, hd);
         return;

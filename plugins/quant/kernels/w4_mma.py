@@ -23,7 +23,7 @@ p = 64c + 16t + 4i, the word's nibbles are (bit: value) 0: q[p, n0], 16: q[p+1, 
 
 Shapes: x [M, K] fp16/bf16 -> [M, N] in x.dtype (fp32 accumulation); K, N multiples of 64,
 group_size a multiple of 64 dividing K. M <= 64: the fused kernel (split K, deterministic
-serial reduction); larger M: a dequantize kernel writes W^T, cuBLAS multiplies.
+serial reduction, through global memory or, with config CLU, inside a thread block cluster); larger M: a dequantize kernel writes W^T, cuBLAS multiplies.
 """
 from __future__ import annotations
 
@@ -35,8 +35,9 @@ from kvforge.layers.arrival_counters import arrival_counters
 from kvforge.layers.cupy_launch import nvrtc_reasons
 
 from .choices import lookup
-from .w4_mma_config import (CONFIG_KEYS, MAX_FUSED_M, XR_PITCH, check_config, check_config_keys,  # noqa: F401
-                            reduce_bytes, stage_bytes, ws_stage_bytes, x_bytes, xr_bytes)
+from .w4_mma_config import (CONFIG_KEYS, MAX_CLUSTER, MAX_FUSED_M, XR_PITCH, check_config,  # noqa: F401
+                            check_config_keys, cluster_bytes, cluster_splits, reduce_bytes, stage_bytes,
+                            ws_stage_bytes, x_bytes, xr_bytes)
 from .w4_mma_orders import (chunk_k_order, deinterleave_gate_up, deinterleave_heads, interleave_gate_up,  # noqa: F401
                             interleave_heads, silu_and_mul_interleaved, wg_x_tiles)
 from .wna16 import _num_sms, dequantize_groups
@@ -291,6 +292,7 @@ def _gemm(x, words, scales, zeros, group_size, n, config, silu_and_mul, norm, ro
     elif cfg.get("WG"):
         x = chunk_k_order(x)  # the B operand's K order (a contiguous, aligned copy of M x K)
     ctas_n, cps, splits = plan(m, n, k, group_size, cfg, _num_sms(_index(x.device)))
+    cfg["CLU"] = cluster_splits(cfg, splits)  # the compile-time cluster size (0: global partials)
     xs = x_bytes(cfg, m, k, cps, x.element_size())
     if norm is not None and xs + stage_bytes(cfg) > _smem_limit(x.device):
         if xs > _smem_limit(x.device):  # (callers ask norm_fits first)
@@ -299,13 +301,13 @@ def _gemm(x, words, scales, zeros, group_size, n, config, silu_and_mul, norm, ro
         cfg["CPA"] = 0  # the rows must stay: the stages go to registers (S) instead (XR is off with NORM)
     elif (xs or cfg.get("CPA")) and xs + stage_bytes(cfg) > _smem_limit(x.device):  # (query only when asked)
         cfg["XS"], xs = 0, 0  # the x slice does not fit beside the stages: each warp loads x itself
-    smem = max(xs + stage_bytes(cfg) + xr_bytes(cfg), reduce_bytes(cfg))
+    smem = max(xs + stage_bytes(cfg) + xr_bytes(cfg), reduce_bytes(cfg), cluster_bytes(cfg))
     if smem and smem > _smem_limit(x.device):
         raise ValueError(f"w4 mma GEMM: config {cfg} needs {smem} bytes of shared memory for its CPA stages / x ring / KW sums, "
                          f"more than the device's {_smem_limit(x.device)}")
     out = torch.empty((m, n // 2 if silu_and_mul else n), dtype=x.dtype, device=x.device)
     ws = cnt = out
-    if splits > 1:
+    if splits > 1 and not cfg["CLU"]:
         ws = torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
         cnt = arrival_counters(ctas_n, x.device)
     res_out = None

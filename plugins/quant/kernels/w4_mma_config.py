@@ -16,7 +16,8 @@ def x_bytes(cfg: dict, m: int, k: int, cps: int, esize: int) -> int:
 
 
 #: Launch-config keys: the kernel's compile-time constants (GCC is set per call) and the split rule.
-CONFIG_KEYS = ("NB", "TW", "WARPS", "S", "XS", "SCALE_A", "MINB", "LDW", "CPA", "KW", "XR", "WG", "waves", "split_k")
+CONFIG_KEYS = ("NB", "TW", "WARPS", "S", "XS", "SCALE_A", "MINB", "LDW", "CPA", "KW", "XR", "WG", "CLU", "waves",
+               "split_k")
 
 
 def check_config_keys(cfg: dict) -> None:
@@ -38,11 +39,12 @@ def check_config(cfg: dict, m: int) -> None:
     """Raise ValueError unless the full config ``cfg`` launches and its tiles cover M tokens:
     M <= 8 * NB <= MAX_FUSED_M, TW in 1/2/4, 1 <= WARPS <= 32 (1024 threads), S >= 1, XS /
     SCALE_A / LDW / XR 0 or 1, MINB >= 1, CPA 0 or 2..8, KW >= 1 dividing WARPS, split_k >= 0 (0 /
-    None: by ``waves``); XR needs CPA and excludes XS; WG (1, or 2: with a producer warp) needs
+    None: by ``waves``), CLU 0 or 1 (1: 2..8 splits reduce in a thread block cluster, more
+    splits through global memory); XR needs CPA and excludes XS; WG (1, or 2: with a producer warp) needs
     XR, TW 1, KW 1, WARPS a multiple of 4, SCALE_A, NB in 1, 2, 4, 8 (wgmma's N = 8 * NB) and
     CPA >= 3; WG 2 adds a producer warp, so WARPS <= 28 there."""
     check_config_keys(cfg)
-    flags = all(int(cfg.get(key, 0)) in (0, 1) for key in ("XS", "SCALE_A", "LDW", "XR")) and cfg.get("WG", 0) in (0, 1, 2)
+    flags = all(int(cfg.get(key, 0)) in (0, 1) for key in ("XS", "SCALE_A", "LDW", "XR", "CLU")) and cfg.get("WG", 0) in (0, 1, 2)
     if cfg.get("XR") and (not cfg.get("CPA") or cfg.get("XS")):
         raise ValueError(f"w4 mma GEMM: config {cfg}: XR (the x ring) needs CPA >= 2 (its stages) and XS 0")
     if cfg.get("WG") and not (cfg.get("XR") and cfg["TW"] == 1 and cfg.get("KW", 1) == 1 and cfg["WARPS"] % 4 == 0
@@ -58,7 +60,7 @@ def check_config(cfg: dict, m: int) -> None:
             and (cfg.get("split_k") or 0) >= 0 and cfg.get("waves", 1) > 0):
         raise ValueError(f"w4 mma GEMM: config {cfg} does not cover M {m} or cannot launch (needs M <= 8 * NB <= "
                          f"{MAX_FUSED_M}, TW in 1/2/4, 1 <= WARPS <= 32, S >= 1, XS / SCALE_A / LDW 0 or 1, "
-                         "MINB >= 1, CPA 0 or 2..8, KW >= 1 dividing WARPS, split_k >= 0, waves > 0, XR 0 or 1, "
+                         "MINB >= 1, CPA 0 or 2..8, KW >= 1 dividing WARPS, split_k >= 0, waves > 0, XR / CLU 0 or 1, "
                          "WG 0, 1 or 2)")
 
 
@@ -103,3 +105,21 @@ def reduce_bytes(cfg: dict) -> int:
     (KW - 1) * (WARPS / KW) warps x TW * NB * 4 fragments x 32 lanes x 4 bytes (0 for KW 1)."""
     kw = cfg.get("KW", 1)
     return (kw - 1) * (cfg["WARPS"] // kw) * cfg["TW"] * cfg["NB"] * 4 * 32 * 4
+
+
+#: Most CTAs in a thread block cluster that every sm_90 GPU schedules (the portable size).
+MAX_CLUSTER = 8
+
+
+def cluster_splits(cfg: dict, splits: int) -> int:
+    """The ``CLU`` the kernel is compiled with: the split count when the config asks for the
+    cluster reduction (CLU 1) and 2 <= splits <= ``MAX_CLUSTER``, else 0 (global partials)."""
+    return splits if cfg.get("CLU") and 2 <= splits <= MAX_CLUSTER else 0
+
+
+def cluster_bytes(cfg: dict) -> int:
+    """Shared memory where a CLU split leaves its fp32 sums for the cluster's rank 0: TW * NB * 4
+    fragments x every thread of the CTA x 4 bytes (0 without CLU)."""
+    if not cfg.get("CLU"):
+        return 0
+    return cfg["TW"] * cfg["NB"] * 4 * 32 * (cfg["WARPS"] + (cfg.get("WG") == 2)) * 4
