@@ -103,7 +103,10 @@ def _env_list(var: str) -> set[str] | None:
     return {x.strip() for x in raw.split(",") if x.strip()}
 
 
-def _iter_entry_points() -> list[md.EntryPoint]:
+def enabled_entry_points() -> list[md.EntryPoint]:
+    """The installed entry points of group ``kvforge.plugins`` that ``KVFORGE_PLUGINS`` (an
+    allow list, comma-separated names) and ``KVFORGE_DISABLE_PLUGINS`` (a block list) leave:
+    the plugins the plugin manager would load. Nothing is imported."""
     eps = md.entry_points(group=ENTRY_POINT_GROUP)
     allow = _env_list("KVFORGE_PLUGINS")
     block = _env_list("KVFORGE_DISABLE_PLUGINS") or set()
@@ -147,7 +150,7 @@ def load_registry(extra_plugins: Iterable[tuple[str, Any]] = ()) -> Registry:
     registry = Registry()
 
     candidates: list[tuple[str, Any, str, str]] = []
-    for ep in _iter_entry_points():
+    for ep in enabled_entry_points():
         dist = ep.dist.name if ep.dist is not None else "unknown"
         version = ep.dist.version if ep.dist is not None else "unknown"
         try:

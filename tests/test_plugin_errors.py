@@ -80,7 +80,7 @@ def test_cli_error_for_a_raising_hook_names_the_installed_distribution(monkeypat
     def hook(register):
         raise ValueError("boom in hook")
     ep = _FakeEntryPoint("boom", _module("boom", kvforge_register_kv_allocators=hook))
-    monkeypatch.setattr(plugin_manager, "_iter_entry_points", lambda: [ep])
+    monkeypatch.setattr(plugin_manager, "enabled_entry_points", lambda: [ep])
     assert cli_main(["plugins"]) == 2
     err = capsys.readouterr().err
     assert ("kvforge: error: plugin 'boom' (distribution acme-boom 1.2) raised in its "
@@ -98,7 +98,7 @@ def test_sys_exit_in_a_hook_or_at_import_is_a_plugin_error(monkeypatch, capsys):
     class _ExitOnImport(_FakeEntryPoint):
         def load(self):
             raise SystemExit("cannot run here")
-    monkeypatch.setattr(plugin_manager, "_iter_entry_points", lambda: [_ExitOnImport("exits_early", None)])
+    monkeypatch.setattr(plugin_manager, "enabled_entry_points", lambda: [_ExitOnImport("exits_early", None)])
     assert cli_main(["plugins"]) == 2
     err = capsys.readouterr().err
     assert ("plugin 'exits_early' (distribution acme-boom) failed to import: SystemExit: cannot run here") in err, err

@@ -60,9 +60,9 @@ def _plugin_modules() -> list[str]:
     """Modules of the kvforge plugins the driver loads (imported by the forkserver up front):
     the entry points ``KVFORGE_PLUGINS`` / ``KVFORGE_DISABLE_PLUGINS`` leave, never the others
     (a disabled plugin that fails at import would kill the forkserver)."""
-    from kvforge.plugin_manager import _iter_entry_points
+    from kvforge.plugin_manager import enabled_entry_points
     try:
-        return sorted({ep.value.split(":")[0] for ep in _iter_entry_points()})
+        return sorted({ep.value.split(":")[0] for ep in enabled_entry_points()})
     except Exception:  # noqa: BLE001 - preloading is only an optimisation
         return []
 
