@@ -65,7 +65,7 @@ class ModelConfig(_Section):
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     max_model_len: int | None = Field(None, gt=0, description="Max prompt + output tokens.")
     load_format: Literal["auto", "safetensors", "dummy"] = "auto"
-    seed: int = 0
+    seed: int = Field(0, ge=-2**63, lt=2**64, description="Seed of the engine's random state (torch's range).")
     device: Literal["auto", "cpu", "cuda"] = "auto"
     enforce_eager: bool = Field(False, description="Never capture CUDA graphs (debugging, profiling).")
     cuda_graph_sizes: int | list[int] | None = Field(

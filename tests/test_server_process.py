@@ -1,5 +1,6 @@
 """``kvforge serve`` as a subprocess: no chat template -> 400, ``kvforge bench serve``
-against it, and SIGTERM draining in-flight requests before a clean exit (status 0).
+against it, SIGTERM draining in-flight requests before a clean exit (status 0), and a JSON 503
+for a request still running at --drain-timeout.
 The tests run in file order; the last one stops the server."""
 from __future__ import annotations
 
@@ -18,13 +19,12 @@ from helpers import STORIES_MODEL
 from test_server_common import free_port
 
 
-@pytest.fixture(scope="module")
-def proc_server(tmp_path_factory):
+def _spawn(log, *extra: str):
+    """``kvforge serve`` on stories260K as a subprocess, once /health answers: (process, base URL)."""
     port = free_port()
-    log = tmp_path_factory.mktemp("serve") / "server.log"
     cmd = [sys.executable, "-m", "kvforge.entrypoints.cli", "serve", "--model", STORIES_MODEL, "--port", str(port),
            "--dtype", "float32", "--max-num-seqs", "16", "--num-gpu-blocks", "256", "--max-model-len", "256",
-           "--served-model-name", "tiny", "--log-level", "warning"]
+           "--served-model-name", "tiny", "--log-level", "warning", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with open(log, "w") as f:
         p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
@@ -39,6 +39,13 @@ def proc_server(tmp_path_factory):
             pass
         assert time.monotonic() < deadline, f"server did not come up:\n{log.read_text()}"
         time.sleep(0.2)
+    return p, base
+
+
+@pytest.fixture(scope="module")
+def proc_server(tmp_path_factory):
+    log = tmp_path_factory.mktemp("serve") / "server.log"
+    p, base = _spawn(log)
     yield p, base, log
     if p.poll() is None:
         p.kill()
@@ -106,3 +113,37 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(proc_server):
     t.join(120)
     assert result["status"] == 200 and result["body"]["usage"]["completion_tokens"] == 200
     assert p.wait(60) == 0, log.read_text()
+
+
+def test_requests_past_the_drain_timeout_get_a_json_503(tmp_path):
+    """At --drain-timeout the engine aborts what still runs; uvicorn's grace lasts longer, so the
+    client gets the OpenAI-format 503, not a cancelled handler's plain-text 500."""
+    log = tmp_path / "server.log"
+    p, base = _spawn(log, "--drain-timeout", "0.05")
+    try:
+        body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 240, "ignore_eos": True, "n": 16}
+        result: dict = {}
+
+        def call():
+            r = httpx.post(f"{base}/v1/completions", json=body, timeout=120)
+            result["status"], result["body"] = r.status_code, r.json()
+
+        t = threading.Thread(target=call)
+        t.start()
+        deadline = time.monotonic() + 30
+        while True:  # until it runs in the engine
+            m = httpx.get(f"{base}/metrics", timeout=10).text
+            running = [ln for ln in m.splitlines() if ln.startswith("kvforge:num_requests_running")]
+            if running and float(running[0].split()[-1]) >= 1:
+                break
+            assert time.monotonic() < deadline and t.is_alive(), "the request never ran"
+            time.sleep(0.01)
+        p.send_signal(signal.SIGTERM)
+        t.join(120)
+        assert result["status"] == 503, result
+        assert result["body"]["error"]["type"] == "service_unavailable", result
+        assert p.wait(60) == 0, log.read_text()
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)

@@ -3,6 +3,7 @@ backends, build the model, size and allocate the KV cache."""
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -92,9 +93,21 @@ def fit_max_model_len(config: EngineConfig, max_model_len: int, num_blocks: int,
     return capacity
 
 
+def _device_memory_bytes(device: torch.device) -> int:
+    """Total memory of ``device``: the GPU's, or the host's physical memory for the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[1]
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def _num_blocks(cfg: EngineConfig, device: torch.device, block_bytes: int, max_model_len: int) -> int:
     c = cfg.cache
     if c.num_gpu_blocks is not None:
+        memory = _device_memory_bytes(device)
+        if c.num_gpu_blocks * block_bytes > memory:  # before anything is allocated for them
+            raise ValueError(f"cache.num_gpu_blocks: {c.num_gpu_blocks} blocks of {block_bytes} bytes need "
+                             f"{c.num_gpu_blocks * block_bytes} bytes, more than the {memory} bytes of memory "
+                             f"the {device.type} device has")
         return c.num_gpu_blocks
     if c.kv_cache_memory_bytes is not None:
         budget = c.kv_cache_memory_bytes

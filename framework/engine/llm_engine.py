@@ -19,7 +19,7 @@ from kvforge.engine.request_choices import validate_request_choices
 from kvforge.engine.sampler import Sampler, compute_prompt_logprobs
 from kvforge.engine.sampling_params import SamplingParams
 from kvforge.engine.schedule_check import checked_schedule
-from kvforge.engine.tokenizer import eos_token_ids, extra_eos_token_ids, load_tokenizer
+from kvforge.engine.tokenizer import check_text, eos_token_ids, extra_eos_token_ids, load_tokenizer
 from kvforge.interfaces import SchedulerOutput
 from kvforge.plugin_manager import Registry, load_registry
 
@@ -101,6 +101,7 @@ class LLMEngine:
     # -- requests -------------------------------------------------------------------------
     def _prompt_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
+            check_text(prompt, "prompt")
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict):
             unknown = sorted(map(str, set(prompt) - _PROMPT_KEYS))
@@ -149,6 +150,12 @@ class LLMEngine:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
+        # The request keeps its own copy (fresh stop / stop_token_ids / logit_bias containers;
+        # extra_args shared): a caller may change and reuse its object for later requests,
+        # and the workers that sample cache params by object (worker_sampling.ParamsTable).
+        # Copying re-runs the checks, so an object changed after construction is refused here,
+        # before the checks below read its fields.
+        params = params.clone()
         if not isinstance(request_id, str) or not request_id:
             raise ValueError("request_id: must be a non-empty string")
         if request_id in self.outputs.parents:
@@ -174,10 +181,6 @@ class LLMEngine:
         why = self.scheduler.admission_error(len(ids))
         if why:
             raise ValueError(f"prompt: {why} (scheduler {self.config.scheduler.name!r})")
-        # The request keeps its own copy (fresh stop / stop_token_ids / logit_bias containers;
-        # extra_args shared): a caller may change and reuse its object for later requests,
-        # and the workers that sample cache params by object (worker_sampling.ParamsTable).
-        params = params.clone()
         # As vLLM's engine: more max_tokens than the room left stops at max_model_len with
         # finish_reason "length" (the OpenAI server refuses such a request up front, 400).
         room = self.max_model_len - len(ids)

@@ -8,6 +8,25 @@ from typing import Any
 
 _GREEDY_EPS = 1e-5
 LOGIT_BIAS_LIMIT = 1e10  # |bias| accepted by SamplingParams
+#: Most sequences one request may ask for (``n``): each becomes a sequence the engine tracks,
+#: so an absurd count must fail here, not while the engine builds them.
+MAX_N = 4096
+
+
+def _short(v: Any, limit: int = 80) -> str:
+    """``repr(v)``, cut to ``limit`` characters (an error message must not echo a huge value)."""
+    r = repr(v)
+    return r if len(r) <= limit else r[:limit] + "..."
+
+
+def _finite_number(v: Any) -> bool:
+    """A real number (not bool) that is finite as a float (an int past float's range is not)."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:
+        return False
 
 
 @dataclass
@@ -15,7 +34,7 @@ class SamplingParams:
     """How to sample one request. Field names and meanings follow vLLM.
 
     Attributes:
-        n: number of independent completions (>= 1).
+        n: number of independent completions (1 .. ``MAX_N``).
         temperature: softmax temperature (>= 0); below 1e-5 means greedy.
         top_p: nucleus mass in (0, 1] (Holtzman et al. 2020).
         top_k: keep the k most likely tokens; 0 or -1 disables.
@@ -27,7 +46,8 @@ class SamplingParams:
             async scheduling or speculative decoding (seeded drafts are verified by a
             coupling that emits exactly what plain sampling would).
         stop: strings that end generation (not included unless include_stop_str_in_output).
-        stop_token_ids: extra token ids that end generation (included in the output).
+        stop_token_ids: extra token ids that end generation (included in the output;
+            duplicates dropped).
         ignore_eos: keep generating after EOS.
         max_tokens: generated tokens cap (None = up to max_model_len).
         min_tokens: EOS and stop_token_ids are masked until this many tokens exist.
@@ -68,7 +88,8 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        # duplicates dropped (first occurrence kept): the list is checked at every step
+        self.stop_token_ids = list(dict.fromkeys(self.stop_token_ids or []))
         if self.logit_bias:
             self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
         self._verify()
@@ -77,19 +98,20 @@ class SamplingParams:
         """Types first, so a wrong type never reaches the sampler (where it would fail the
         whole step's batch). bool is not accepted where a number is meant."""
         def bad(name: str, msg: str) -> ValueError:
-            return ValueError(f"{name}: {msg}, got {getattr(self, name)!r}")
+            return ValueError(f"{name}: {msg}, got {_short(getattr(self, name))}")
 
         def is_int(v: Any) -> bool:  # numpy integers too
             return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v):
+            if not _finite_number(getattr(self, name)):
                 raise bad(name, "must be a finite number")
         for name in ("n", "top_k", "min_tokens"):
             if not is_int(getattr(self, name)):
                 raise bad(name, "must be an integer")
+        if self.n > MAX_N:  # before any per-sequence work (the engine builds n requests)
+            raise bad("n", f"must be <= {MAX_N}")
         for name in ("max_tokens", "logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None and not is_int(getattr(self, name)):
                 raise bad(name, "must be an integer or None")
@@ -107,10 +129,10 @@ class SamplingParams:
             for k, v in self.logit_bias.items():
                 try:
                     ok = int(k) == float(k) and not isinstance(k, bool)
-                except (TypeError, ValueError):
+                except (TypeError, ValueError, OverflowError):
                     ok = False
-                if not ok or isinstance(v, bool) or not isinstance(v, numbers.Real):
-                    raise bad("logit_bias", "must map integer token ids to numbers")
+                if not ok or not _finite_number(v):
+                    raise bad("logit_bias", "must map integer token ids to finite numbers")
         if self.extra_args is None:  # vLLM's default
             self.extra_args = {}
         if not isinstance(self.extra_args, dict):
@@ -122,7 +144,7 @@ class SamplingParams:
 
     def _verify(self) -> None:
         def bad(name: str, msg: str) -> ValueError:
-            return ValueError(f"{name}: {msg}, got {getattr(self, name)!r}")
+            return ValueError(f"{name}: {msg}, got {_short(getattr(self, name))}")
 
         if self.n < 1:
             raise bad("n", "must be an integer >= 1")

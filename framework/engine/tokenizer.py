@@ -66,3 +66,29 @@ def eos_token_ids(tokenizer: Any, model_dir: str) -> frozenset[int]:
         except (OSError, ValueError, TypeError, AttributeError):
             pass
     return frozenset(ids)
+
+
+def check_text(text: str, field: str) -> None:
+    """Raise ValueError naming ``field`` unless ``text`` is valid Unicode: a lone surrogate
+    (``"\\ud800"``, which JSON's ``\\u`` escapes can produce) has no UTF-8 form, and fast
+    tokenizers refuse it with a TypeError."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{field}: not valid Unicode text ({e.reason} at character {e.start})") from None
+
+
+def max_token_chars(tokenizer: Any) -> int:
+    """The longest string of one vocabulary token, in characters (byte-level BPE: bytes, which
+    are at least as many as the characters they spell). A text many times longer than
+    ``max_model_len * max_token_chars`` characters is longer than the model takes, with no need
+    to tokenize it (the server's early refusal)."""
+    cached = getattr(tokenizer, "_kvforge_max_token_chars", None)
+    if cached is None:
+        tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+        cached = max((len(t) for t in tokens if isinstance(t, str)), default=1)
+        try:
+            tokenizer._kvforge_max_token_chars = cached
+        except AttributeError:  # (a tokenizer object that takes no new attributes: recomputed)
+            pass
+    return max(1, cached)

@@ -8,12 +8,14 @@ duplicate in-flight id is a 400) and is echoed in the response. A request's own
 ``chat_template`` is rendered only with ``--trust-request-chat-template``; ``--chat-template``
 is compiled at start-up (a syntax error stops the server before it loads the model).
 
-Shutdown (SIGTERM / SIGINT): uvicorn stops accepting connections and waits for in-flight
-responses, then the engine drains and stops; the process exits 0.
+Shutdown (SIGTERM / SIGINT): uvicorn stops accepting connections and the engine starts to drain:
+in-flight requests finish, or at ``--drain-timeout`` are aborted and answered 503; uvicorn waits
+a few seconds longer for those answers, then the engine stops; the process exits 0.
 """
 from __future__ import annotations
 
 import argparse
+import asyncio
 import hmac
 import logging
 import time
@@ -25,7 +27,7 @@ from fastapi.responses import JSONResponse, Response
 
 from kvforge.engine.async_engine import AsyncLLMEngine
 from kvforge.engine.metrics import CONTENT_TYPE, EngineMetrics
-from kvforge.engine.tokenizer import load_tokenizer
+from kvforge.engine.tokenizer import load_tokenizer, max_token_chars
 from kvforge.entrypoints.openai import serving_chat, serving_completion
 from kvforge.entrypoints.openai.chat_utils import compile_chat_template, encode_chat_prompt
 from kvforge.entrypoints.openai.errors import OpenAIError, error_response, install_handlers
@@ -35,6 +37,28 @@ from kvforge.entrypoints.openai.serving_common import ServerContext
 
 log = logging.getLogger("kvforge.server")
 _OPEN_PATHS = frozenset({"/health", "/metrics", "/ping"})
+
+
+#: Seconds uvicorn waits for connections after the engine's drain deadline (the 503s to send).
+_GRACE_MARGIN_S = 5.0
+
+
+def _draining_server(config: Any, engine: AsyncLLMEngine, drain_timeout: float | None) -> Any:
+    """A ``uvicorn.Server`` that starts the engine's drain (``AsyncLLMEngine.shutdown``) as soon as
+    its own shutdown starts, instead of after every connection closed (the lifespan's turn): the
+    requests still running at the drain deadline are aborted and answered (503) while uvicorn
+    waits for their connections."""
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        async def shutdown(self, sockets=None) -> None:
+            drain = asyncio.ensure_future(engine.shutdown(drain_timeout))
+            try:
+                await super().shutdown(sockets)
+            finally:
+                await drain
+
+    return DrainingServer(config)
 
 
 def build_app(engine: AsyncLLMEngine, served_model_names: list[str] | None = None,
@@ -66,6 +90,7 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str] | None = Non
                         api_key=api_key, max_logprobs=cfg.max_logprobs,
                         trust_request_chat_template=trust_request_chat_template)
     _check_tokenizer_template(ctx)
+    max_token_chars(ctx.tokenizer)  # computed once here, not in the first request's handler
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -133,7 +158,7 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str] | None = Non
             text = await ctx.run_render(serving_chat.render_chat, ctx, req.messages, req.add_generation_prompt)
             ids = await ctx.run_tokenizer(encode_chat_prompt, ctx.tokenizer, text, False)
         else:
-            ids = await ctx.encode(req.prompt, req.add_special_tokens)
+            ids = await ctx.encode(req.prompt, req.add_special_tokens, prompt=False)
         return {"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids}
 
     @app.post("/detokenize")
@@ -200,9 +225,12 @@ def run_server(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     engine = AsyncLLMEngine(create_engine(EngineConfig.from_sources(args.config, overrides)))
     app = build_app(engine, args.served_model_name, api_key, chat_template, args.drain_timeout,
                     trust_request_chat_template=args.trust_request_chat_template)
+    # uvicorn's own grace outlasts the drain: the requests still running at its deadline get the
+    # engine's 503 while their connections are open, not a cancelled handler's bare 500
+    grace = None if args.drain_timeout is None else args.drain_timeout + _GRACE_MARGIN_S
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=args.drain_timeout, timeout_keep_alive=5)
-    server = uvicorn.Server(config)
+                            timeout_graceful_shutdown=grace, timeout_keep_alive=5)
+    server = _draining_server(config, engine, args.drain_timeout)
     # uvicorn re-raises the signal it caught once it has shut down; these handlers make that
     # a no-op so a graceful shutdown ends with exit status 0.
     previous = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGTERM, signal.SIGINT)}

@@ -109,6 +109,12 @@ def conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return out
 
 
+def _check_list_of_dicts(value: Any, field: str) -> None:
+    """Raise ChatTemplateError naming ``field`` unless ``value`` is None or a list of dicts."""
+    if value is not None and not (isinstance(value, list) and all(isinstance(v, dict) for v in value)):
+        raise ChatTemplateError(f"{field}: must be a list of objects, got {type(value).__name__}", field)
+
+
 def render_chat(tokenizer: Any, messages: list[ChatMessage], template: str, *, add_generation_prompt: bool = True,
                 continue_final_message: bool = False, tools: list | None = None,
                 template_kwargs: dict[str, Any] | None = None, template_from_request: bool = False) -> str:
@@ -132,7 +138,18 @@ def render_chat(tokenizer: Any, messages: list[ChatMessage], template: str, *, a
             ``client_fault=False``.
     """
     import jinja2
+    if template_kwargs is not None and not isinstance(template_kwargs, dict):
+        raise ChatTemplateError(f"chat_template_kwargs: must be a dict, got {type(template_kwargs).__name__}",
+                                "chat_template_kwargs")
     kwargs = dict(template_kwargs or {})
+    _check_list_of_dicts(tools, "tools")
+    for name in ("tools", "documents"):  # what templates iterate: a wrong type would fail inside them
+        if name in kwargs:
+            _check_list_of_dicts(kwargs[name], f"chat_template_kwargs.{name}")
+    for name in ("add_generation_prompt", "continue_final_message"):
+        if name in kwargs and not isinstance(kwargs[name], bool):
+            raise ChatTemplateError(f"chat_template_kwargs.{name}: must be a bool, got {type(kwargs[name]).__name__}",
+                                    f"chat_template_kwargs.{name}")
     kwargs.pop("chat_template", None)  # the caller already chose the template (see ``template``)
     reserved = sorted(RESERVED_TEMPLATE_KWARGS & kwargs.keys())
     if reserved:

@@ -9,12 +9,18 @@ Responses are plain dicts built by the serving modules.
 """
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 #: Most completions per prompt (OpenAI's limit for ``n``).
 MAX_N = 128
+#: Most stop strings and stop token ids per request: each is checked on the engine thread at
+#: every step of every sequence, so an unbounded list would slow every other request.
+MAX_STOP = 256
+MAX_STOP_TOKEN_IDS = 1024
+_TOKEN_ID_KEY = re.compile(r"-?[0-9]{1,12}")  # ASCII digits only (str.isdigit takes "²")
 _SEED_MAX = 2**63 - 1 - MAX_N
 
 
@@ -87,14 +93,16 @@ class _SamplingFields(_Request):
         items = [v] if isinstance(v, str) else (v or [])
         if any(s == "" for s in items):
             raise ValueError("must not contain empty strings")
+        if len(items) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop strings, got {len(items)}")
         return v
 
     @field_validator("logit_bias", mode="after")
     @classmethod
     def _check_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
         for key, val in (v or {}).items():
-            if not key.lstrip("-").isdigit():
-                raise ValueError(f"keys must be token ids (integers as strings), got {key!r}")
+            if not _TOKEN_ID_KEY.fullmatch(key):
+                raise ValueError(f"keys must be token ids (integers as strings), got {key[:40]!r}")
             if not -100.0 <= val <= 100.0:
                 raise ValueError(f"values must be in [-100, 100], got {val} for token {key}")
         return v
@@ -104,6 +112,8 @@ class _SamplingFields(_Request):
     def _check_stop_ids(cls, v: list[int] | None) -> list[int] | None:
         if v and any(t < 0 for t in v):
             raise ValueError("token ids must be >= 0")
+        if v and len(v) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} token ids, got {len(v)}")
         return v
 
     @model_validator(mode="after")

@@ -103,6 +103,7 @@ async def create_chat_completion(ctx: sc.ServerContext, req: ChatCompletionReque
     prompt = await ctx.run_render(render_chat, ctx, req.messages, req.add_generation_prompt,
                                   req.continue_final_message, request_template(ctx, req),
                                   req.tools if req.tool_choice != "none" else None, req.chat_template_kwargs)
+    ctx.check_text(prompt, "messages")
     ids = await ctx.run_tokenizer(chat_utils.encode_chat_prompt, ctx.tokenizer, prompt, req.add_special_tokens)
     if not ids:
         raise OpenAIError("messages: the rendered prompt is empty", 400, param="messages")

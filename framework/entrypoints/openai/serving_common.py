@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -18,6 +19,7 @@ from kvforge.engine.async_engine import AsyncLLMEngine, EngineClosedError, Engin
 from kvforge.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from kvforge.engine.request_choices import EXTRA_ARGS_KEY
 from kvforge.engine.sampling_params import SamplingParams
+from kvforge.engine.tokenizer import check_text, max_token_chars
 from kvforge.entrypoints.openai.errors import OpenAIError
 from kvforge.entrypoints.openai.logprob_utils import (LOGPROB_FLOOR, clamp, prompt_logprobs_json,  # noqa: F401
                                                       sorted_top, token_bytes, token_text)
@@ -81,7 +83,25 @@ class ServerContext:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self.render_executor, lambda: fn(*args, **kwargs))
 
-    async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+    def check_text(self, text: str, field: str, prompt: bool = True) -> None:
+        """Raise OpenAIError (400) naming ``field`` for text that is not valid Unicode and, for a
+        ``prompt``, for one too long for the model by its character count alone."""
+        try:
+            check_text(text, field)
+        except ValueError as e:
+            raise OpenAIError(str(e), 400, param=field) from None
+        # x 4: a normalizer may compose a few characters into one (NFC / NFKC) before the tokens
+        if prompt and len(text) > 4 * self.max_model_len * max_token_chars(self.tokenizer):
+            raise OpenAIError(f"{field}: this model's maximum context length is {self.max_model_len} tokens, and "
+                              f"{len(text)} characters are more than that many tokens spell", 400, param=field,
+                              code="context_length_exceeded")
+
+    async def encode(self, text: str, add_special_tokens: bool, field: str = "prompt",
+                     prompt: bool = True) -> list[int]:
+        """Token ids of ``text`` (on the tokenizer thread). Raises OpenAIError (400) naming ``field``
+        for text that is not valid Unicode and, for a ``prompt``, for one too long for the model
+        by its character count alone (so a huge body does not hold the tokenizer thread)."""
+        self.check_text(text, field, prompt)
         return await self.run_tokenizer(self.tokenizer.encode, text, add_special_tokens=add_special_tokens)
 
     def shutdown(self) -> None:
@@ -90,12 +110,23 @@ class ServerContext:
         self.render_executor.shutdown(wait=False, cancel_futures=True)
 
 
+#: What the response's ``X-Request-Id`` header can carry (RFC 9110 field values): visible ASCII,
+#: spaces inside only. A body ``request_id`` outside it would fail only when the answer is sent.
+_HEADER_VALUE = re.compile(r"[\x21-\x7e](?:[\x20-\x7e]*[\x21-\x7e])?")
+
+
 def request_id(raw: Request, body_id: str | None, prefix: str) -> str:
-    """The request id: the ``X-Request-Id`` header, else the body's ``request_id``, else a fresh one."""
-    rid = raw.headers.get(REQUEST_ID_HEADER) or body_id
+    """The request id: the ``X-Request-Id`` header, else the body's ``request_id``, else a fresh one.
+    Raises OpenAIError (400) for an id of more than 256 characters or, from the body, one that
+    is not a legal header value (it is echoed in ``X-Request-Id``)."""
+    header = raw.headers.get(REQUEST_ID_HEADER)
+    rid, field = (header, REQUEST_ID_HEADER) if header else (body_id, "request_id")
     if rid is not None:
         if not 0 < len(rid) <= 256:
-            raise OpenAIError(f"{REQUEST_ID_HEADER}: must be 1..256 characters", 400, param=REQUEST_ID_HEADER)
+            raise OpenAIError(f"{field}: must be 1..256 characters", 400, param=field)
+        if not _HEADER_VALUE.fullmatch(rid):
+            raise OpenAIError(f"{field}: must be visible ASCII characters (spaces only inside), as it is echoed "
+                              f"in the {REQUEST_ID_HEADER} response header", 400, param=field)
         return rid
     return f"{prefix}-{uuid.uuid4().hex}"
 

@@ -35,7 +35,7 @@ async def _prompts(ctx: sc.ServerContext, req: CompletionRequest) -> list[tuple[
             where = "prompt" if len(texts) == 1 else f"prompt[{i}]"
             raise OpenAIError(f"{where}: must not be empty", 400, param="prompt")
         if isinstance(item, str):
-            ids = await ctx.encode(item, req.add_special_tokens)
+            ids = await ctx.encode(item, req.add_special_tokens, "prompt" if len(texts) == 1 else f"prompt[{i}]")
             out.append((item, ids))
         else:
             bad = [t for t in item if not 0 <= t < ctx.vocab_size]

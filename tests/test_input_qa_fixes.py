@@ -1,0 +1,55 @@
+"""Offline fixes from an adversarial QA pass (session 19): numbers past float's range, an
+absurd ``n``, duplicate stop ids, parameters changed after construction, an out-of-range seed
+and a KV block count larger than the device. Each is a ValueError naming the field, raised
+before any engine state changes."""
+from __future__ import annotations
+
+import pytest
+
+from kvforge import SamplingParams
+from kvforge.engine.sampling_params import MAX_N
+from helpers import STORIES_MODEL
+from test_server_common import reference_llm
+
+
+@pytest.mark.parametrize("kw,field", [(dict(temperature=10**400), "temperature"), (dict(top_p=-10**400), "top_p"),
+                                      (dict(repetition_penalty=10**400), "repetition_penalty"),
+                                      (dict(logit_bias={1: 10**400}), "logit_bias"),
+                                      (dict(logit_bias={float("inf"): 1.0}), "logit_bias"),
+                                      (dict(n=MAX_N + 1), "n")])
+def test_out_of_range_numbers_name_the_field(kw, field):
+    with pytest.raises(ValueError, match=f"^{field}: ") as exc:
+        SamplingParams(**kw)
+    assert len(str(exc.value)) < 300  # a 400-digit value is not echoed whole
+
+
+def test_n_up_to_the_limit_and_stop_ids_deduplicated():
+    assert SamplingParams(n=MAX_N).n == MAX_N
+    assert SamplingParams(stop_token_ids=[5, 3, 5] * 10_000 + [7]).stop_token_ids == [5, 3, 7]
+
+
+def test_params_changed_after_construction_are_checked_again():
+    llm = reference_llm()
+    sp = SamplingParams(max_tokens=3)
+    sp.logit_bias = {"x": 1}
+    with pytest.raises(ValueError, match="logit_bias"):
+        llm.generate(["Once"], sp, use_tqdm=False)
+    sp = SamplingParams(max_tokens=3)
+    sp.n = 10**8  # refused before the engine builds a sequence per sample
+    with pytest.raises(ValueError, match="n: must be <= "):
+        llm.generate(["Once"], sp, use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()  # nothing was queued
+    out = llm.generate(["Once"], SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3
+
+
+def test_seed_out_of_range_names_the_field(capsys):
+    from kvforge.entrypoints.cli import main
+    rc = main(["generate", "--model", STORIES_MODEL, "--seed", str(2**64), "Once"])
+    assert rc == 2 and "model.seed" in capsys.readouterr().err
+
+
+def test_num_gpu_blocks_beyond_the_device_is_refused():
+    from kvforge import LLM
+    with pytest.raises(ValueError, match="^cache.num_gpu_blocks: 1000000000000 blocks"):
+        LLM(STORIES_MODEL, dtype="float32", num_gpu_blocks=10**12)

@@ -1,0 +1,98 @@
+"""Fixes from an adversarial QA pass (session 19): request ids that cannot be echoed in a header,
+logit_bias keys that look like digits, unbounded stop lists, text that is not valid Unicode, a
+huge text prompt refused by its length before it is tokenized, and wrong types in
+chat_template_kwargs. Each is a 400 naming the field, and the server stays healthy."""
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from test_server_common import CHAT_TEMPLATE, server  # noqa: F401
+
+C, H = "/v1/completions", "/v1/chat/completions"
+U = [{"role": "user", "content": "Once upon a time"}]
+
+
+def _err(r, param: str) -> dict:
+    assert r.status_code == 400, (r.status_code, r.text)
+    err = r.json()["error"]
+    assert err["param"] == param, err
+    return err
+
+
+@pytest.mark.parametrize("rid", ["abc ", " abc", "a\nb", "a\u0000b", "\U0001F600", " "])
+def test_body_request_id_must_fit_a_header(server, rid):
+    with server.client() as c:
+        err = _err(c.post(C, json={"prompt": "Once", "max_tokens": 2, "request_id": rid}), "request_id")
+        assert "X-Request-Id" in err["message"]
+        ok = c.post(C, json={"prompt": "Once", "max_tokens": 2, "request_id": "my id-7"})  # inner space: fine
+        assert ok.status_code == 200 and ok.headers["X-Request-Id"] == "my id-7"
+    server.wait_idle()
+
+
+@pytest.mark.parametrize("key", ["--5", "\u00b2", "1" * 5000, "5 ", "0x5"])
+def test_logit_bias_keys_must_be_ascii_integers(server, key):
+    with server.client() as c:
+        err = _err(c.post(C, json={"prompt": "x", "max_tokens": 2, "logit_bias": {key: 1}}), "logit_bias")
+        assert "token ids" in err["message"]
+        assert c.post(C, json={"prompt": "x", "max_tokens": 2, "logit_bias": {"-0": 1, "5": -1}}).status_code == 200
+
+
+def test_stop_lists_are_bounded(server):
+    from kvforge.entrypoints.openai.protocol import MAX_STOP, MAX_STOP_TOKEN_IDS
+    with server.client() as c:
+        stops = [f"s{i}" for i in range(MAX_STOP + 1)]
+        assert f"at most {MAX_STOP}" in _err(c.post(C, json={"prompt": "x", "stop": stops}), "stop")["message"]
+        ids = [3] * (MAX_STOP_TOKEN_IDS + 1)
+        _err(c.post(C, json={"prompt": "x", "stop_token_ids": ids}), "stop_token_ids")
+        ok = c.post(C, json={"prompt": "x", "max_tokens": 2, "stop": stops[:MAX_STOP],
+                             "stop_token_ids": ids[:MAX_STOP_TOKEN_IDS]})
+        assert ok.status_code == 200, ok.text
+
+
+def test_text_that_is_not_unicode_is_refused(server):
+    # the server's JSON parser already refuses a lone surrogate escape (400, body); offline, the
+    # engine names the prompt instead of the fast tokenizer's TypeError
+    with server.client() as c:
+        r = c.post(C, content='{"prompt": "abc\\ud800", "max_tokens": 2}', headers={"Content-Type": "application/json"})
+        assert _err(r, "body")["code"] == "invalid_json"
+    from test_server_common import reference_llm
+    with pytest.raises(ValueError, match=r"prompts\[1\]: prompt: not valid Unicode text"):
+        reference_llm().generate(["fine", "abc\ud800"], use_tqdm=False)
+
+
+def test_huge_text_prompt_is_refused_before_tokenizing(server, monkeypatch):
+    calls = []
+    ctx = server.app.state.ctx
+    real = ctx.tokenizer.encode
+    monkeypatch.setattr(ctx.tokenizer, "encode", lambda *a, **k: calls.append(len(a[0])) or real(*a, **k))
+    text = "hello world " * 200_000  # 2.4 M characters: more than 4 x max_model_len x the longest token
+    with server.client() as c:
+        err = _err(c.post(C, json={"prompt": text, "max_tokens": 1}), "prompt")
+        assert err["code"] == "context_length_exceeded" and "characters" in err["message"]
+        err = _err(c.post(H, json={"messages": [{"role": "user", "content": text}], "max_tokens": 1}),
+                   "messages")
+        assert err["code"] == "context_length_exceeded"
+    assert not any(n > 100_000 for n in calls), calls   # never handed to the tokenizer
+
+
+def test_chat_template_kwargs_types(server):
+    with server.client() as c:
+        for kwargs, param in (({"tools": 5}, "chat_template_kwargs.tools"),
+                              ({"documents": "abc"}, "chat_template_kwargs.documents"),
+                              ({"add_generation_prompt": "yes"}, "chat_template_kwargs.add_generation_prompt")):
+            _err(c.post(H, json={"messages": U, "max_tokens": 2, "chat_template_kwargs": kwargs}), param)
+        assert c.post(H, json={"messages": U, "max_tokens": 2,
+                               "chat_template_kwargs": {"documents": [{"text": "d"}]}}).status_code == 200
+    server.wait_idle()
+
+
+def test_offline_chat_template_kwargs_types():
+    from test_server_common import reference_llm
+    llm = reference_llm()
+    with pytest.raises(ValueError, match="tools: must be a list"):
+        llm.chat(U, chat_template=CHAT_TEMPLATE, tools=5)
+    with pytest.raises(ValueError, match="chat_template_kwargs: must be a dict"):
+        llm.chat(U, chat_template=CHAT_TEMPLATE, chat_template_kwargs=5)
