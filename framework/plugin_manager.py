@@ -158,7 +158,8 @@ def load_registry(extra_plugins: Iterable[tuple[str, Any]] = ()) -> Registry:
         except (Exception, SystemExit) as e:  # surface the plugin name, keep the cause
             # (SystemExit too: a module that calls sys.exit() would end every kvforge command)
             raise PluginError(f"plugin {ep.name!r} (distribution {dist}) failed to import: "
-                              f"{type(e).__name__}: {e}") from e
+                              f"{type(e).__name__}: {e} (KVFORGE_DISABLE_PLUGINS={ep.name} skips it; "
+                              f"or uninstall {dist})") from e
         candidates.append((ep.name, obj, dist, version))
     for name, obj in extra_plugins:
         candidates.append((name, obj, "<in-process>", "0"))

@@ -102,6 +102,7 @@ def test_sys_exit_in_a_hook_or_at_import_is_a_plugin_error(monkeypatch, capsys):
     assert cli_main(["plugins"]) == 2
     err = capsys.readouterr().err
     assert ("plugin 'exits_early' (distribution acme-boom) failed to import: SystemExit: cannot run here") in err, err
+    assert "KVFORGE_DISABLE_PLUGINS=exits_early skips it" in err, err
 
 
 def test_duplicate_name_error_is_not_rewrapped():

@@ -96,3 +96,26 @@ def test_offline_chat_template_kwargs_types():
         llm.chat(U, chat_template=CHAT_TEMPLATE, tools=5)
     with pytest.raises(ValueError, match="chat_template_kwargs: must be a dict"):
         llm.chat(U, chat_template=CHAT_TEMPLATE, chat_template_kwargs=5)
+
+
+def test_response_names_the_requested_served_model(server, monkeypatch):
+    ctx = server.app.state.ctx
+    first = ctx.served_model_names[0]
+    monkeypatch.setattr(ctx, "served_model_names", [first, "alias"])
+    with server.client() as c:
+        for asked, named in (("alias", "alias"), (first, first), (None, first)):
+            body = {"prompt": "Once", "max_tokens": 2, **({"model": asked} if asked else {})}
+            assert c.post(C, json=body).json()["model"] == named
+            events = [json.loads(line[6:]) for line in c.post(C, json={**body, "stream": True}).text.splitlines()
+                      if line.startswith("data: {")]
+            assert events and all(e["model"] == named for e in events)
+            assert c.post(H, json={"messages": U, "max_tokens": 2,
+                                   **({"model": asked} if asked else {})}).json()["model"] == named
+    server.wait_idle()
+
+
+def test_beam_search_is_refused_not_ignored(server):
+    with server.client() as c:
+        _err(c.post(C, json={"prompt": "Once", "max_tokens": 2, "use_beam_search": True}), "use_beam_search")
+        _err(c.post(H, json={"messages": U, "max_tokens": 2, "use_beam_search": True}), "use_beam_search")
+        assert c.post(C, json={"prompt": "Once", "max_tokens": 2, "use_beam_search": False}).status_code == 200

@@ -19,7 +19,7 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
         if name == "model":
             continue
         p.add_argument(f"--{name.replace('_', '-')}", dest=f"cfg_{name}", default=None, metavar=name.upper(),
-                       help=f"sets {FLAT_FIELDS[name]}")
+                       help=f"sets {FLAT_FIELDS[name]} (value parsed as JSON if it can be: a list is '[1,2,4]')")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="any config path, e.g. scheduler.settings.foo=1 (value parsed as JSON if it can be)")
 

@@ -77,6 +77,7 @@ class _SamplingFields(_Request):
     # offline (e.g. {"drafter": "none"} opts out of speculative decoding); validated by the engine.
     kvforge: dict[str, Any] | None = None
     request_id: str | None = Field(None, min_length=1, max_length=256)
+    use_beam_search: bool = False  # vLLM's field: refused when true (no beam search here), not ignored
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -118,6 +119,8 @@ class _SamplingFields(_Request):
 
     @model_validator(mode="after")
     def _check_stream_options(self) -> "_SamplingFields":
+        if self.use_beam_search:
+            raise ValueError("use_beam_search: beam search is not supported by this server")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only allowed when stream is true")
         if self.prompt_logprobs is not None and self.stream:  # as vLLM: returned with the full response only

@@ -133,7 +133,7 @@ async def create_chat_completion(ctx: sc.ServerContext, req: ChatCompletionReque
             logprobs = {"content": _logprobs_content(ctx, c.token_ids, c.logprobs or [], req.top_logprobs or 0)}
         choices.append({"index": c.index, "message": {"role": "assistant", "content": echo + c.text},
                         "logprobs": logprobs, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
-    body = {"id": rid, "object": "chat.completion", "created": sc.now(), "model": ctx.model_name,
+    body = {"id": rid, "object": "chat.completion", "created": sc.now(), "model": ctx.response_model(req.model),
             "system_fingerprint": None, "choices": choices,
             "usage": sc.usage(len(ids), sum(len(c.token_ids) for c in out.outputs))}
     if req.prompt_logprobs is not None:  # vLLM: on the response, for the rendered prompt
@@ -152,7 +152,8 @@ async def _stream(ctx: sc.ServerContext, req: ChatCompletionRequest, rid: str, n
     completion_tokens = 0
 
     def chunk(choices: list[dict], usage: dict | None = None) -> str:
-        return sc.stream_chunk(rid, "chat.completion.chunk", created, ctx.model_name, choices, include_usage, usage)
+        return sc.stream_chunk(rid, "chat.completion.chunk", created, ctx.response_model(req.model),
+                               choices, include_usage, usage)
 
     try:
         first = {"role": "assistant", "content": echo}
@@ -183,7 +184,7 @@ async def _stream(ctx: sc.ServerContext, req: ChatCompletionRequest, rid: str, n
                 yield chunk(choices, sc.usage(num_prompt, completion_tokens) if continuous else None)
         if include_usage:
             yield sc.sse({"id": rid, "object": "chat.completion.chunk", "created": created,
-                          "model": ctx.model_name, "system_fingerprint": None, "choices": [],
+                          "model": ctx.response_model(req.model), "system_fingerprint": None, "choices": [],
                           "usage": sc.usage(num_prompt, completion_tokens)})
         yield sc.SSE_DONE
     except Exception as e:  # noqa: BLE001 - headers are out: report in-band

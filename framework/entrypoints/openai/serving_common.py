@@ -65,6 +65,11 @@ class ServerContext:
     def model_name(self) -> str:
         return self.served_model_names[0]
 
+    def response_model(self, requested: str | None) -> str:
+        """The ``model`` a response names: the served name the request asked for (as vLLM echoes
+        it), else the first served name."""
+        return requested if requested in self.served_model_names else self.model_name
+
     def check_model(self, model: str | None) -> None:
         """Raise 404 ``model_not_found`` (OpenAI's and vLLM's status) for a model this server does not
         serve; no ``model`` at all means the served one, as in vLLM."""

@@ -182,7 +182,7 @@ def _full_response(ctx: sc.ServerContext, req: CompletionRequest, rid: str, outs
                 choice["prompt_logprobs"] = sc.prompt_logprobs_json(ctx.tokenizer, out.prompt_logprobs,
                                                                     out.prompt_token_ids, req.prompt_logprobs)
             choices.append(choice)
-    return {"id": rid, "object": "text_completion", "created": sc.now(), "model": ctx.model_name,
+    return {"id": rid, "object": "text_completion", "created": sc.now(), "model": ctx.response_model(req.model),
             "system_fingerprint": None, "choices": choices,
             "usage": sc.usage(prompt_tokens, completion_tokens)}
 
@@ -201,7 +201,8 @@ async def _stream(ctx: sc.ServerContext, req: CompletionRequest, rid: str, promp
     prompt_tokens = sum(len(ids) for _, ids in prompts)
 
     def chunk(choices: list[dict], usage: dict | None = None) -> str:
-        return sc.stream_chunk(rid, "text_completion", created, ctx.model_name, choices, include_usage, usage)
+        return sc.stream_chunk(rid, "text_completion", created, ctx.response_model(req.model),
+                               choices, include_usage, usage)
 
     try:
         async for pi, out in sc.merge_streams(streams):
@@ -242,7 +243,7 @@ async def _stream(ctx: sc.ServerContext, req: CompletionRequest, rid: str, promp
                 usage = sc.usage(prompt_tokens, sum(completion_tokens)) if continuous else None
                 yield chunk(choices, usage)
         if include_usage:
-            body = {"id": rid, "object": "text_completion", "created": created, "model": ctx.model_name,
+            body = {"id": rid, "object": "text_completion", "created": created, "model": ctx.response_model(req.model),
                     "system_fingerprint": None, "choices": [],
                     "usage": sc.usage(prompt_tokens, sum(completion_tokens))}
             yield sc.sse(body)
