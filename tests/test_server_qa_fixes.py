@@ -119,3 +119,24 @@ def test_beam_search_is_refused_not_ignored(server):
         _err(c.post(C, json={"prompt": "Once", "max_tokens": 2, "use_beam_search": True}), "use_beam_search")
         _err(c.post(H, json={"messages": U, "max_tokens": 2, "use_beam_search": True}), "use_beam_search")
         assert c.post(C, json={"prompt": "Once", "max_tokens": 2, "use_beam_search": False}).status_code == 200
+
+
+def test_full_responses_are_built_off_the_event_loop(server, monkeypatch):
+    """A large body (n = 128, echo, logprobs) is built and serialized in a worker thread, so the
+    loop keeps answering other requests meanwhile; the body is what the client receives."""
+    import threading
+    from kvforge.entrypoints.openai import serving_chat, serving_completion
+    seen = []
+    for mod in (serving_completion, serving_chat):
+        real = mod._full_response
+        monkeypatch.setattr(mod, "_full_response",
+                            lambda *a, _real=real, **k: seen.append(threading.current_thread().name) or _real(*a, **k))
+    with server.client() as c:
+        r = c.post(C, json={"prompt": "Once", "max_tokens": 3, "n": 2, "echo": True, "logprobs": 2})
+        assert r.status_code == 200 and len(r.json()["choices"]) == 2
+        assert r.headers["content-type"] == "application/json"
+        r = c.post(H, json={"messages": U, "max_tokens": 3, "logprobs": True, "top_logprobs": 2})
+        assert r.status_code == 200 and r.json()["choices"][0]["logprobs"]["content"]
+    loop_thread = server.thread.name
+    assert len(seen) == 2 and all(name != loop_thread for name in seen), (seen, loop_thread)
+    server.wait_idle()

@@ -16,9 +16,8 @@ import logging
 from typing import Any, AsyncIterator
 
 from fastapi import Request
-from fastapi.responses import JSONResponse
 
-from kvforge.engine.outputs import Logprob
+from kvforge.engine.outputs import Logprob, RequestOutput
 from kvforge.entrypoints.openai import chat_utils
 from kvforge.entrypoints.openai import serving_common as sc
 from kvforge.entrypoints.openai.errors import OpenAIError
@@ -126,6 +125,12 @@ async def create_chat_completion(ctx: sc.ServerContext, req: ChatCompletionReque
         (out,) = await sc.race_disconnect(raw, sc.final_outputs(streams))
     finally:
         streams[0].abort()
+    return await ctx.json_response(lambda: _full_response(ctx, req, rid, out, ids, echo), headers)
+
+
+def _full_response(ctx: sc.ServerContext, req: ChatCompletionRequest, rid: str, out: RequestOutput,
+                   ids: list[int], echo: str) -> dict[str, Any]:
+    """The non-streamed chat.completion body (built off the event loop: ``ctx.json_response``)."""
     choices = []
     for c in out.outputs:
         logprobs = None
@@ -139,7 +144,7 @@ async def create_chat_completion(ctx: sc.ServerContext, req: ChatCompletionReque
     if req.prompt_logprobs is not None:  # vLLM: on the response, for the rendered prompt
         body["prompt_logprobs"] = sc.prompt_logprobs_json(ctx.tokenizer, out.prompt_logprobs, out.prompt_token_ids,
                                                           req.prompt_logprobs)
-    return JSONResponse(body, headers=headers)
+    return body
 
 
 async def _stream(ctx: sc.ServerContext, req: ChatCompletionRequest, rid: str, num_prompt: int, params,

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable
 
-from fastapi import Request
+from fastapi import Request, Response
 from starlette.responses import StreamingResponse
 
 from kvforge.engine.async_engine import AsyncLLMEngine, EngineClosedError, EngineError, RequestStream
@@ -82,6 +82,16 @@ class ServerContext:
         """Run a (possibly slow) tokenizer call off the event loop, one at a time."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self.executor, lambda: fn(*args, **kwargs))
+
+    async def json_response(self, build: Callable[[], dict[str, Any]], headers: dict[str, str]) -> Response:
+        """A JSON response whose body ``build()`` makes, built and serialized off the event loop:
+        a large one (n = 128 with echo and logprobs is ~100 MB) would otherwise hold every other
+        request, /health included, for seconds. Serialized as Starlette's JSONResponse does."""
+        def make() -> bytes:
+            return json.dumps(build(), ensure_ascii=False, allow_nan=False, indent=None,
+                              separators=(",", ":")).encode("utf-8")
+        body = await asyncio.get_running_loop().run_in_executor(None, make)
+        return Response(body, media_type="application/json", headers=headers)
 
     async def run_render(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run a chat-template render off the event loop, beside (not behind) tokenizer calls."""

@@ -13,7 +13,6 @@ import dataclasses
 from typing import Any, AsyncIterator
 
 from fastapi import Request
-from fastapi.responses import JSONResponse
 
 from kvforge.engine.outputs import Logprob, RequestOutput
 from kvforge.entrypoints.openai import serving_common as sc
@@ -148,7 +147,7 @@ async def create_completion(ctx: sc.ServerContext, req: CompletionRequest, raw: 
             s.abort()
     if scoring:
         outs = [_prompt_only(o) for o in outs]
-    return JSONResponse(_full_response(ctx, req, rid, outs, echoes), headers=headers)
+    return await ctx.json_response(lambda: _full_response(ctx, req, rid, outs, echoes), headers)
 
 
 def _echo_logprobs(ctx: sc.ServerContext, out: RequestOutput, top: int) -> tuple[list[int], list]:
