@@ -140,3 +140,36 @@ def test_full_responses_are_built_off_the_event_loop(server, monkeypatch):
     loop_thread = server.thread.name
     assert len(seen) == 2 and all(name != loop_thread for name in seen), (seen, loop_thread)
     server.wait_idle()
+
+
+def test_bench_serve_reads_the_api_key_env_and_reports_errors_in_one_line(server, monkeypatch, capsys):
+    from kvforge.entrypoints.cli import main
+    from test_server_common import KEY, free_port
+    flags = ["--num-prompts", "2", "--input-len", "4", "--output-len", "2", "--disable-tqdm"]
+    monkeypatch.delenv("KVFORGE_API_KEY", raising=False)
+    assert main(["bench", "serve", "--base-url", server.base_url, *flags]) == 1
+    err = capsys.readouterr().err
+    assert "answered 401" in err and "KVFORGE_API_KEY" in err and "Traceback" not in err, err
+    assert main(["bench", "serve", "--base-url", f"http://127.0.0.1:{free_port()}", *flags]) == 1
+    err = capsys.readouterr().err
+    assert "cannot reach the server" in err and "Traceback" not in err, err
+    monkeypatch.setenv("KVFORGE_API_KEY", KEY)
+    assert main(["bench", "serve", "--base-url", server.base_url, *flags]) == 0, capsys.readouterr()
+    server.wait_idle()
+
+
+def test_too_many_logprobs_names_the_field_the_client_sent(server):
+    over = server.app.state.ctx.max_logprobs + 1
+    with server.client() as c:
+        for body in ({"prompt": "Once", "max_tokens": 2, "logprobs": over},
+                     {"prompt": "Once", "max_tokens": 0, "echo": True, "logprobs": over}):
+            assert "exceeds max_logprobs" in _err(c.post(C, json=body), "logprobs")["message"]
+
+
+def test_unknown_fields_are_logged_briefly(server, caplog):
+    import logging
+    extra = {f"field_{i:05d}_" + "x" * 100: 1 for i in range(5000)}
+    with caplog.at_level(logging.WARNING, logger="kvforge.server"), server.client() as c:
+        assert c.post(C, json={"prompt": "Once", "max_tokens": 2, **extra}).status_code == 200
+    lines = [r.getMessage() for r in caplog.records if "not part of the API" in r.getMessage()]
+    assert len(lines) == 1 and "and 4990 more" in lines[0] and len(lines[0]) < 1000, lines

@@ -179,6 +179,7 @@ def test_duplicate_in_flight_request_id_rejected(server, monkeypatch):
             next(lines)
             dup = c.post(C, json={**body, "stream": False, "max_tokens": 2}, headers={"X-Request-Id": "dup-1"})
             assert dup.status_code == 400 and "already in flight" in dup.json()["error"]["message"]
+            assert dup.json()["error"]["param"] == "request_id"
             dup = c.post(H, json={"messages": U, "max_tokens": 2, "request_id": "dup-1"})
             assert dup.status_code == 400
         server.wait_idle(10)

@@ -26,7 +26,9 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import random
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,7 +56,7 @@ def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server URL")
     p.add_argument("--endpoint", default="/v1/completions", help="completions endpoint path")
     p.add_argument("--model", default=None, help="model name (default: the server's first model)")
-    p.add_argument("--api-key", default=None, help="bearer token")
+    p.add_argument("--api-key", default=None, help="bearer token (default: $KVFORGE_API_KEY, as kvforge serve)")
     p.add_argument("--dataset", default="random", choices=["random"], help="prompt source")
     p.add_argument("--num-prompts", type=int, default=100, help="requests to send")
     p.add_argument("--input-len", type=int, default=32, help="prompt length (tokens)")
@@ -80,7 +82,8 @@ def _lengths(rng: random.Random, base: int, ratio: float, n: int) -> list[int]:
 
 
 async def _headers(args) -> dict[str, str]:
-    return {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    key = args.api_key or os.environ.get("KVFORGE_API_KEY")
+    return {"Authorization": f"Bearer {key}"} if key else {}
 
 
 async def build_prompts(client, args, rng: random.Random) -> list[tuple[Any, int, int]]:
@@ -231,7 +234,18 @@ def print_report(report: dict[str, Any]) -> None:
 
 def run_bench_serve(args: argparse.Namespace) -> int:
     """Entry point of ``kvforge bench serve``; returns 0 if every request succeeded."""
-    report = asyncio.run(benchmark(args))
+    import httpx
+    try:
+        report = asyncio.run(benchmark(args))
+    except httpx.HTTPStatusError as e:  # (the set-up calls: /v1/models, /tokenize)
+        hint = "; pass --api-key or set KVFORGE_API_KEY" if e.response.status_code == 401 else ""
+        print(f"kvforge bench serve: error: {e.request.method} {e.request.url} answered "
+              f"{e.response.status_code}{hint}", file=sys.stderr)
+        return 1
+    except httpx.TransportError as e:
+        print(f"kvforge bench serve: error: cannot reach the server at {args.base_url}: {type(e).__name__}: {e}",
+              file=sys.stderr)
+        return 1
     print_report(report)
     if args.result_file:
         with open(args.result_file, "w", encoding="utf-8") as f:

@@ -105,7 +105,7 @@ class DataParallelEngine:
             ValueError: as ``LLMEngine.add_request``.
         """
         if request_id in self._owner:
-            raise ValueError(f"request_id {request_id!r} is already in flight")
+            raise ValueError(f"request_id: {request_id!r} is already in flight")
         self._call(self.choose_replica(), "validate", request_id, prompt, params, priority)
         return PreparedDPRequest(request_id, prompt, params, priority)
 
@@ -116,7 +116,7 @@ class DataParallelEngine:
                     arrival_time: float | None = None) -> None:
         """Route a request to the least-loaded replica (raises ``ValueError`` like ``LLMEngine``)."""
         if request_id in self._owner:
-            raise ValueError(f"request_id {request_id!r} is already in flight")
+            raise ValueError(f"request_id: {request_id!r} is already in flight")
         i = self.choose_replica()
         self._call(i, "add", request_id, prompt, params, priority)
         self._owner[request_id] = i

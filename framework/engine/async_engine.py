@@ -197,7 +197,7 @@ class AsyncLLMEngine:
             raise EngineClosedError("server is shutting down")
         with self._lock:
             if request_id in self._inflight:
-                raise ValueError(f"request_id {request_id!r} is already in flight")
+                raise ValueError(f"request_id: {request_id!r} is already in flight")
             self._inflight.add(request_id)
         stream = RequestStream(request_id, self, asyncio.get_running_loop())
         self._submit(("add", stream, prompt, params, priority, time.monotonic()))
@@ -297,7 +297,7 @@ class AsyncLLMEngine:
         rid = stream.request_id
         try:
             if rid in self._streams:
-                raise ValueError(f"request_id {rid!r} is already in flight")
+                raise ValueError(f"request_id: {rid!r} is already in flight")
             self.engine.add_request(rid, prompt, params, priority=priority, arrival_time=arrival)
         except Exception as e:  # noqa: BLE001 - validation errors go back to the caller
             self._release(rid)

@@ -159,7 +159,7 @@ class LLMEngine:
         if not isinstance(request_id, str) or not request_id:
             raise ValueError("request_id: must be a non-empty string")
         if request_id in self.outputs.parents:
-            raise ValueError(f"request_id {request_id!r} is already in flight")
+            raise ValueError(f"request_id: {request_id!r} is already in flight")
         if isinstance(prompt, str) and not prompt:
             raise ValueError("prompt: must not be empty")
         text, ids = self._prompt_ids(prompt)
@@ -193,7 +193,7 @@ class LLMEngine:
         for i in range(params.n):
             cid = request_id if params.n == 1 else f"{request_id}#{i}"
             if cid in self._live:
-                raise ValueError(f"request_id {request_id!r} collides with an in-flight request")
+                raise ValueError(f"request_id: {request_id!r} collides with an in-flight request")
             gen = None
             if params.seed is not None:
                 gen = torch.Generator(device=self.parts.device).manual_seed(params.seed + i)
@@ -205,7 +205,7 @@ class LLMEngine:
     def enqueue(self, prepared: "PreparedRequest") -> None:
         """Queue a request built by :meth:`prepare_request`."""
         if prepared.request_id in self.outputs.parents:
-            raise ValueError(f"request_id {prepared.request_id!r} is already in flight")
+            raise ValueError(f"request_id: {prepared.request_id!r} is already in flight")
         self.outputs.add(prepared.request_id, prepared.prompt, prepared.children)
         for c in prepared.children:
             self._live[c.request_id] = c

@@ -122,7 +122,9 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str] | None = Non
         req = model_cls.model_validate_json(data or b"")
         extra = ignored_fields(req)
         if extra:  # (as vLLM does: OpenAI clients send fields this server has no use for)
-            log.warning("%s: the request's fields %s are not part of the API and were ignored", raw.url.path, extra)
+            shown = ", ".join(name[:40] for name in extra[:10]) + (f" and {len(extra) - 10} more" if len(extra) > 10
+                                                                    else "")
+            log.warning("%s: the request's fields %s are not part of the API and were ignored", raw.url.path, shown)
         return req
 
     @app.post("/v1/completions")

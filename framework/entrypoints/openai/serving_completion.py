@@ -122,6 +122,9 @@ async def create_completion(ctx: sc.ServerContext, req: CompletionRequest, raw: 
     scoring = req.echo and req.max_tokens == 0  # the engine runs one token, dropped from the response
     if scoring and req.min_tokens:
         raise OpenAIError(f"min_tokens: must be 0 when max_tokens is 0, got {req.min_tokens}", 400)
+    if req.logprobs is not None and req.logprobs > ctx.max_logprobs:  # (with echo it also asks prompt_logprobs)
+        raise OpenAIError(f"logprobs: {req.logprobs} exceeds max_logprobs ({ctx.max_logprobs}); start the server "
+                          "with a larger --max-logprobs", 400, param="logprobs")
     prompts = await _prompts(ctx, req)
     explicit = "max_tokens" in req.model_fields_set and req.max_tokens is not None
     items = []
