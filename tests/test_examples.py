@@ -55,11 +55,19 @@ def _env(site: Path) -> dict[str, str]:
     return env
 
 
-def test_examples_are_not_built_in_place():
-    for folder in EXAMPLES:
-        leftovers = [p.name for p in (REPO / "examples" / folder).iterdir() if p.name.endswith(".egg-info")
-                     or p.name in ("build", "dist")]
-        assert not leftovers, f"build artifacts in examples/{folder}: {leftovers}"
+def _artifacts() -> dict[str, list[str]]:
+    return {folder: sorted(p.name for p in (REPO / "examples" / folder).iterdir()
+                           if p.name.endswith(".egg-info") or p.name in ("build", "dist")) for folder in EXAMPLES}
+
+
+#: Taken at import: a user's own ``pip install ./examples/...`` builds in place (pip does), which
+#: is theirs, not the suite's.
+_BEFORE = _artifacts()
+
+
+def test_examples_are_not_built_in_place(installed):
+    """The suite installs copies, so it leaves no build artifacts in the checkout's examples."""
+    assert _artifacts() == _BEFORE, f"the suite built in place: {_BEFORE} -> {_artifacts()}"
 
 
 def test_examples_conformance_and_own_tests(installed, tmp_path):

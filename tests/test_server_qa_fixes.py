@@ -173,3 +173,13 @@ def test_unknown_fields_are_logged_briefly(server, caplog):
         assert c.post(C, json={"prompt": "Once", "max_tokens": 2, **extra}).status_code == 200
     lines = [r.getMessage() for r in caplog.records if "not part of the API" in r.getMessage()]
     assert len(lines) == 1 and "and 4990 more" in lines[0] and len(lines[0]) < 1000, lines
+
+
+@pytest.mark.parametrize("name", ["", " tiny", "tiny "])
+def test_served_model_name_must_be_a_name(name, capsys):
+    from kvforge.entrypoints.cli import build_parser
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["serve", "--served-model-name", name])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "--served-model-name" in err and "Traceback" not in err, err
+    assert build_parser().parse_args(["serve", "--served-model-name", "a b"]).served_model_name == ["a b"]

@@ -44,13 +44,15 @@ e.g. poisson:rate=4,n=200,prompt=uniform(32,512),output=uniform(16,128),prefix_g
 """
 
 
-def add_engine_flags(p: argparse.ArgumentParser, skip: tuple[str, ...] = ("scheduler",)) -> None:
+def add_engine_flags(p: argparse.ArgumentParser, skip: tuple[str, ...] = ("scheduler",),
+                     model_help: str = "checkpoint directory, or model.model in --config (sim mode reads only "
+                                       "its config.json)",
+                     config_help: str = "YAML or JSON engine config shared by every arm; flags override it") -> None:
     """The engine's flat-config flags (as ``kvforge generate``), minus ``skip``; values land in
     ``cfg_<name>`` for :func:`kvforge.entrypoints.cli.engine_overrides`."""
     from kvforge.config import FLAT_FIELDS
-    p.add_argument("--model", help="checkpoint directory, or model.model in --config "
-                   "(sim mode reads only its config.json)")
-    p.add_argument("--config", help="YAML or JSON engine config shared by every arm; flags override it")
+    p.add_argument("--model", help=model_help)
+    p.add_argument("--config", help=config_help)
     for name in sorted(FLAT_FIELDS):
         if name == "model" or name in skip:
             continue

@@ -59,7 +59,9 @@ def add_calibrate_parser(bench_sub) -> None:
                         "(the uncontended cost, for a machine shared with other work)")
     p.add_argument("--swap-blocks", default="1,4,16,64", help="block counts for the swap timing ('0' skips)")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None)
-    add_engine_flags(p, skip=())
+    add_engine_flags(p, skip=(), model_help="checkpoint directory, or model.model in --config (the engine "
+                                            "that is timed)",
+                     config_help="YAML or JSON engine config of the timed engine; flags override it")
     p.set_defaults(func=cmd_calibrate)
 
 

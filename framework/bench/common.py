@@ -171,7 +171,9 @@ def check_trace_fits(trace: Trace, limit: int) -> None:
     for i, r in enumerate(trace.requests):
         if r.prompt_len + r.output_len > limit:
             raise ValueError(f"trace request {i}: prompt_len {r.prompt_len} + output_len {r.output_len} exceeds "
-                             f"max_model_len {limit}; shorten the workload or raise --max-model-len")
+                             f"max_model_len {limit}; shorten the workload (its prompt= / output= lengths, e.g. "
+                             f"prompt=uniform(8,{max(8, limit // 2)}),output=uniform(8,{max(8, limit // 4)})) or "
+                             "raise --max-model-len where the model's positions allow")
 
 
 def replay_order(trace: Trace) -> list[int]:

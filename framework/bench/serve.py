@@ -58,9 +58,9 @@ def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="model name (default: the server's first model)")
     p.add_argument("--api-key", default=None, help="bearer token (default: $KVFORGE_API_KEY, as kvforge serve)")
     p.add_argument("--dataset", default="random", choices=["random"], help="prompt source")
-    p.add_argument("--num-prompts", type=int, default=100, help="requests to send")
-    p.add_argument("--input-len", type=int, default=32, help="prompt length (tokens)")
-    p.add_argument("--output-len", type=int, default=64, help="max_tokens per request")
+    p.add_argument("--num-prompts", type=int, default=100, help="requests to send (default 100)")
+    p.add_argument("--input-len", type=int, default=32, help="prompt length in tokens (default 32)")
+    p.add_argument("--output-len", type=int, default=64, help="max_tokens per request (default 64)")
     p.add_argument("--range-ratio", type=float, default=0.0,
                    help="lengths are uniform in [len*(1-r), len*(1+r)] (default 0: fixed)")
     p.add_argument("--request-rate", type=float, default=float("inf"),

@@ -181,7 +181,8 @@ def cmd_throughput(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
     if too_long:
         r = reqs[too_long[0]]
         raise ValueError(f"request {too_long[0]}: {r.prompt_len} + {r.output_len} tokens exceed max_model_len "
-                         f"{engine.max_model_len}; shorten the workload or raise --max-model-len")
+                         f"{engine.max_model_len}; lower --input-len / --output-len, or raise --max-model-len "
+                         "where the model's positions allow")
     detok = detokenize_ok(llm, not args.disable_detokenize)
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in reqs]
     params = [SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=r.output_len,

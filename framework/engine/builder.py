@@ -121,8 +121,9 @@ def _num_blocks(cfg: EngineConfig, device: torch.device, block_bytes: int, max_m
     cap = cfg.scheduler.max_num_seqs * (-(-max_model_len // c.block_size)) + 1
     n = min(n, cap)
     if n < 1:
-        raise ValueError(f"cache: KV budget of {budget} bytes holds no block of {block_bytes} bytes; "
-                         "raise gpu_memory_utilization or kv_cache_memory_bytes")
+        knobs = ("cache.kv_cache_memory_bytes" if c.kv_cache_memory_bytes is not None or device.type != "cuda"
+                 else "cache.gpu_memory_utilization or set cache.kv_cache_memory_bytes")
+        raise ValueError(f"cache: KV budget of {budget} bytes holds no block of {block_bytes} bytes; raise {knobs}")
     return int(n)
 
 

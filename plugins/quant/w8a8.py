@@ -43,8 +43,8 @@ class W8A8Settings(QuantSettings):
     #: takes 1-17% longer at M >= 512, measured in BENCHMARKS.md; relative error ~1e-2 at K = 14336
     #: vs ~2.5e-3). On by default, as in vLLM, whose CUTLASS FP8 kernels for sm90 use the
     #: ``FP8FastAccum`` schedules; ``false`` for fp32 accumulation.
-    fast_accum: bool = Field(True, description="FP8 on cuBLAS: Hopper's fast accumulation (as vLLM); false = "
-                                              "fp32 accumulation, 1-17% slower at prefill sizes")
+    fast_accum: bool = Field(True, description="FP8 only (int8 ignores it): on cuBLAS, Hopper's fast accumulation "
+                                              "(as vLLM); false = fp32 accumulation, 1-17% slower at prefill sizes")
 
 
 def _load_weight_scale(param: torch.nn.Parameter, t: torch.Tensor, shard: int | None) -> None:

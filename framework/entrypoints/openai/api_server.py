@@ -118,7 +118,11 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str] | None = Non
         return await call_next(request)
 
     async def body(raw: Request, model_cls):
-        data = await raw.body()
+        from starlette.requests import ClientDisconnect
+        try:
+            data = await raw.body()
+        except ClientDisconnect:  # (not the server's error: no traceback at ERROR level for it)
+            raise OpenAIError("body: the client disconnected while sending it", 400, param="body") from None
         req = model_cls.model_validate_json(data or b"")
         extra = ignored_fields(req)
         if extra:  # (as vLLM does: OpenAI clients send fields this server has no use for)

@@ -34,12 +34,24 @@ def seconds(text: str) -> float:
     return value
 
 
+def model_name(text: str) -> str:
+    """A ``--served-model-name``: a non-empty name without surrounding whitespace (clients match
+    it exactly).
+
+    Raises:
+        argparse.ArgumentTypeError: otherwise.
+    """
+    if not text or text != text.strip():
+        raise argparse.ArgumentTypeError(f"must be a non-empty name without surrounding spaces, got {text!r}")
+    return text
+
+
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     """Server flags (the engine flags are added by the CLI's ``_add_engine_flags``)."""
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=port_number, default=8000, help="TCP port, 0..65535 (default 8000)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (env KVFORGE_API_KEY)")
-    p.add_argument("--served-model-name", action="append", default=None, metavar="NAME",
+    p.add_argument("--served-model-name", action="append", default=None, metavar="NAME", type=model_name,
                    help="model name clients use (repeatable; default: the --model path)")
     p.add_argument("--chat-template", default=None, metavar="FILE",
                    help="Jinja chat template file (checked at start-up)")
