@@ -42,6 +42,31 @@ def _spawn(log, *extra: str):
     return p, base
 
 
+def _post_in_thread(base: str, body: dict) -> tuple[threading.Thread, dict]:
+    """POST ``body`` to /v1/completions from a started thread; its status and JSON land in the dict."""
+    result: dict = {}
+
+    def call():
+        r = httpx.post(f"{base}/v1/completions", json=body, timeout=120)
+        result["status"], result["body"] = r.status_code, r.json()
+
+    t = threading.Thread(target=call)
+    t.start()
+    return t, result
+
+
+def _wait_running(base: str, t: threading.Thread, at_least: int) -> None:
+    """Until /metrics counts ``at_least`` running requests (``t``'s request still in flight)."""
+    deadline = time.monotonic() + 30
+    while True:
+        m = httpx.get(f"{base}/metrics", timeout=10).text
+        running = [ln for ln in m.splitlines() if ln.startswith("kvforge:num_requests_running")]
+        if running and float(running[0].split()[-1]) >= at_least:
+            return
+        assert time.monotonic() < deadline and t.is_alive(), "the request never ran"
+        time.sleep(0.01)
+
+
 @pytest.fixture(scope="module")
 def proc_server(tmp_path_factory):
     log = tmp_path_factory.mktemp("serve") / "server.log"
@@ -83,28 +108,14 @@ def test_bench_serve(proc_server, tmp_path, capsys):
 def test_sigterm_drains_in_flight_requests_and_exits_0(proc_server):
     p, base, log = proc_server
     body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True}
-    result: dict = {}
-
-    def non_streaming():
-        r = httpx.post(f"{base}/v1/completions", json=body, timeout=120)
-        result["status"], result["body"] = r.status_code, r.json()
-
-    t = threading.Thread(target=non_streaming)
-    t.start()
+    t, result = _post_in_thread(base, body)
     with httpx.Client(base_url=base, timeout=120) as c:
         with c.stream("POST", "/v1/completions", json={**body, "stream": True,
                                                        "stream_options": {"include_usage": True}}) as r:
             assert r.status_code == 200
             lines = r.iter_lines()
             first = next(ln for ln in lines if ln.startswith("data: "))
-            deadline = time.monotonic() + 30
-            while "running" not in result:  # wait until the non-streaming request is in the engine too
-                m = httpx.get(f"{base}/metrics", timeout=10).text
-                running = [ln for ln in m.splitlines() if ln.startswith("kvforge:num_requests_running")]
-                if running and float(running[0].split()[-1]) >= 2:
-                    result["running"] = True
-                assert time.monotonic() < deadline and t.is_alive(), "second request never ran"
-                time.sleep(0.01)
+            _wait_running(base, t, 2)  # the non-streaming request is in the engine too
             p.send_signal(signal.SIGTERM)
             rest = [first] + [ln for ln in lines if ln.startswith("data: ")]
     assert rest[-1] == "data: [DONE]"
@@ -122,22 +133,8 @@ def test_requests_past_the_drain_timeout_get_a_json_503(tmp_path):
     p, base = _spawn(log, "--drain-timeout", "0.05")
     try:
         body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 240, "ignore_eos": True, "n": 16}
-        result: dict = {}
-
-        def call():
-            r = httpx.post(f"{base}/v1/completions", json=body, timeout=120)
-            result["status"], result["body"] = r.status_code, r.json()
-
-        t = threading.Thread(target=call)
-        t.start()
-        deadline = time.monotonic() + 30
-        while True:  # until it runs in the engine
-            m = httpx.get(f"{base}/metrics", timeout=10).text
-            running = [ln for ln in m.splitlines() if ln.startswith("kvforge:num_requests_running")]
-            if running and float(running[0].split()[-1]) >= 1:
-                break
-            assert time.monotonic() < deadline and t.is_alive(), "the request never ran"
-            time.sleep(0.01)
+        t, result = _post_in_thread(base, body)
+        _wait_running(base, t, 1)
         p.send_signal(signal.SIGTERM)
         t.join(120)
         assert result["status"] == 503, result
