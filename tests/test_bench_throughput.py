@@ -55,9 +55,10 @@ def _check_header(d: dict, bench: str) -> None:
         assert d["cuda_graph_sizes"] == []
 
 
-def test_throughput_stories_with_hf_baseline(tmp_path):
+def test_throughput_stories_with_hf_baseline(tmp_path, capfd):
     d = _run(["bench", "throughput", "--model", STORIES, "--num-prompts", "4", "--input-len", "16",
               "--output-len", "8", "--baseline", "hf"], tmp_path / "t.json")
+    assert "Loading weights" not in capfd.readouterr().err  # --disable-tqdm hides transformers' bar too
     _check_header(d, "throughput")
     assert d["num_requests"] == 4 and d["input_tokens"] == 64 and d["output_tokens"] == 32
     assert d["total_num_tokens"] == 96

@@ -331,6 +331,7 @@ def test_cli_plugins_settings_lists_fields_and_config_path(capsys):
     assert "quantizer awq: quantization.settings" in out
     assert "int4_layout: 'auto' | 'mma' | 'pairs' | 'checkpoint' (default 'auto')" in out
     assert "quantizer gptq" not in out  # filtered to one plugin
+    assert not out.startswith("KIND")  # the section alone, not the whole table first
     assert cli_main(["plugins", "--settings", "drafter"]) == 0
     out = capsys.readouterr().out
     assert "drafter ngram: speculative.settings" in out and "prompt_lookup_max: int (default 4)" in out
@@ -341,3 +342,13 @@ def test_cli_plugins_settings_lists_fields_and_config_path(capsys):
     assert cli_main(["plugins", "--settings", "scheduler:nope"]) == 2
     cap = capsys.readouterr()
     assert "scheduler names: " in cap.err and "fcfs" in cap.err and not cap.out
+
+
+def test_cli_plugins_explain_names_each_backends_verdict(capsys, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert cli_main(["plugins", "--explain", "--model", STORIES_MODEL]) == 0
+    out = capsys.readouterr().out
+    assert not out.lstrip().startswith("KIND")  # the section alone, not the whole table first
+    assert f"attention backends for {STORIES_MODEL} on cpu" in out
+    assert "torch_ref (priority 0): ok" in out
+    assert re.search(r"triton_paged \(priority \d+\): rejected: needs a CUDA device", out), out

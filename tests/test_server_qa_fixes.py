@@ -183,3 +183,16 @@ def test_served_model_name_must_be_a_name(name, capsys):
     err = capsys.readouterr().err
     assert exc.value.code == 2 and "--served-model-name" in err and "Traceback" not in err, err
     assert build_parser().parse_args(["serve", "--served-model-name", "a b"]).served_model_name == ["a b"]
+
+
+def test_bench_serve_with_every_request_refused_prints_no_table(server, monkeypatch, capsys):
+    from kvforge.entrypoints.cli import main
+    from test_server_common import KEY
+    monkeypatch.setenv("KVFORGE_API_KEY", KEY)
+    over = server.app.state.ctx.max_model_len + 10
+    assert main(["bench", "serve", "--base-url", server.base_url, "--num-prompts", "2", "--input-len", str(over),
+                 "--output-len", "2", "--disable-tqdm"]) == 1
+    out = capsys.readouterr().out
+    assert "no request completed (2 failed)" in out and "Serving Benchmark Result" not in out, out
+    assert "error: " in out and "context length" in out, out
+    server.wait_idle()

@@ -19,8 +19,10 @@ from typing import Any, Sequence
 from kvforge.bench.datasets import BenchRequest
 
 
-def load_hf_model(model_dir: str, load_format: str, dtype: Any, device: Any, seed: int = 0) -> Any:
-    """``AutoModelForCausalLM`` for ``model_dir`` in ``dtype`` on ``device``, in eval mode.
+def load_hf_model(model_dir: str, load_format: str, dtype: Any, device: Any, seed: int = 0,
+                  progress: bool = True) -> Any:
+    """``AutoModelForCausalLM`` for ``model_dir`` in ``dtype`` on ``device``, in eval mode;
+    ``progress`` False hides transformers' weight-loading bar (``--disable-tqdm``).
 
     Raises:
         ValueError: the directory has no config transformers can read, or no weights when
@@ -28,6 +30,10 @@ def load_hf_model(model_dir: str, load_format: str, dtype: Any, device: Any, see
     """
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    if not progress:
+        hf_logging.disable_progress_bar()
     try:
         if load_format == "dummy":
             cfg = AutoConfig.from_pretrained(model_dir, local_files_only=True)
@@ -38,6 +44,9 @@ def load_hf_model(model_dir: str, load_format: str, dtype: Any, device: Any, see
             model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, local_files_only=True).to(device)
     except (OSError, ValueError) as e:
         raise ValueError(f"--baseline hf: transformers cannot load {model_dir!r}: {e}") from None
+    finally:
+        if was_enabled and not progress:
+            hf_logging.enable_progress_bar()
     return model.eval()
 
 

@@ -223,6 +223,11 @@ async def benchmark(args) -> dict[str, Any]:
 
 
 def print_report(report: dict[str, Any]) -> None:
+    if report["completed"] == 0:  # (a table of zero latencies would read as a result)
+        print(f"no request completed ({report['failed']} failed)")
+        for err in report.get("errors", []):
+            print(f"error: {err}")
+        return
     print("=" * 20 + " Serving Benchmark Result " + "=" * 20)
     for key, value in report.items():
         if key == "errors":

@@ -243,7 +243,8 @@ def cmd_throughput(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
             import torch
             torch.cuda.empty_cache()
             left = torch.cuda.memory_allocated(device)  # what kvforge did not give back
-        hf = run_hf_generate(load_hf_model(model_dir, load_format, dtype, device, seed), reqs, args.hf_batch_size,
+        hf = run_hf_generate(load_hf_model(model_dir, load_format, dtype, device, seed, not args.disable_tqdm),
+                             reqs, args.hf_batch_size,
                              args.temperature, device, use_tqdm=not args.disable_tqdm)
         hf["device_memory_allocated_before_hf_bytes"] = left
         hf["kvforge_over_hf"] = res["output_tokens_per_second"] / hf["useful_output_tokens_per_second"]

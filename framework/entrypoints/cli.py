@@ -77,12 +77,13 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     specs = _settings_specs(reg, args.settings) if args.settings is not None else None
     if specs == []:  # refused before any output
         return 2
-    rows = [(s.kind, s.name, s.plugin, s.distribution, s.version, s.hook_api) for s in reg.all()]
-    rows.sort()
-    head = ("KIND", "NAME", "PLUGIN", "DISTRIBUTION", "VERSION", "HOOK API")
-    widths = [max(len(str(r[i])) for r in rows + [head]) for i in range(len(head))]
-    for r in [head] + rows:
-        print("  ".join(str(x).ljust(w) for x, w in zip(r, widths)).rstrip())
+    if not specs and not args.explain:  # the table unless a section was asked for
+        rows = [(s.kind, s.name, s.plugin, s.distribution, s.version, s.hook_api) for s in reg.all()]
+        rows.sort()
+        head = ("KIND", "NAME", "PLUGIN", "DISTRIBUTION", "VERSION", "HOOK API")
+        widths = [max(len(str(r[i])) for r in rows + [head]) for i in range(len(head))]
+        for r in [head] + rows:
+            print("  ".join(str(x).ljust(w) for x, w in zip(r, widths)).rstrip())
     if specs:
         _print_settings(specs)
     if args.explain:
