@@ -25,6 +25,7 @@ import weakref
 from typing import Any
 
 from kvforge.engine.sampling_params import SamplingParams
+from kvforge.engine.stop_matcher import stop_matcher
 
 #: Number of prompt tokens decoded as context for the first generated token.
 PREFIX_WINDOW = 5
@@ -113,7 +114,8 @@ class IncrementalDetokenizer:
         self._prefix_text: str | None = None  # decode(ids[prefix_offset:read_offset]), lazily
 
         self._stops: list[str] = list(params.stop or [])
-        self._max_stop_len = max((len(s) for s in self._stops), default=0)
+        self._matcher = stop_matcher(tuple(self._stops))
+        self._max_stop_len = self._matcher.max_len
         # Without include_stop_str_in_output a stop match removes text that began in
         # earlier tokens, so get_delta() must hold back a possible stop-string prefix.
         self._hold_back_stops = bool(self._stops) and not params.include_stop_str_in_output
@@ -217,13 +219,7 @@ class IncrementalDetokenizer:
         self._num_chars += len(piece)
 
     def _find_stop(self, window: str) -> tuple[str, int] | None:
-        best: tuple[str, int] | None = None
-        for stop in self._stops:
-            pos = window.find(stop)
-            if pos >= 0 and (best is None or pos < best[1]
-                             or (pos == best[1] and len(stop) < len(best[0]))):
-                best = (stop, pos)
-        return best
+        return self._matcher.find(window)
 
     def _truncate(self, num_chars: int) -> None:
         text = self.output_text[:num_chars]
@@ -279,14 +275,7 @@ class IncrementalDetokenizer:
 
     def _held_back_len(self) -> int:
         """Length of the longest suffix of the text that is a proper prefix of a stop string."""
-        tail = self._tail
-        best = 0
-        for stop in self._stops:
-            for k in range(min(len(stop) - 1, len(tail)), best, -1):
-                if tail.endswith(stop[:k]):
-                    best = k
-                    break
-        return best
+        return self._matcher.held_back_len(self._tail)
 
     def decoded_token(self, token_id: int) -> str:
         """Text of one token, for ``Logprob.decoded_token`` (see :func:`decode_single_token`)."""
