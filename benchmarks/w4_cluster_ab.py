@@ -20,8 +20,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=3)
     a = p.parse_args()
-    from kvforge_plugins.quant.kernels.choices import _table, table_path
-    table = _table(table_path()).get(torch.cuda.get_device_name(), {}).get("w4_mma", {})
+    from kvforge_plugins.quant.kernels.choices import table_entries
+    table = table_entries("w4_mma", torch.cuda.get_device_name())
     entries = sorted(((k, v) for k, v in table.items() if v.get("CLU")), key=lambda kv: kv[0])
     print(f"{len(entries)} table entries with CLU on {torch.cuda.get_device_name()}", flush=True)
     for key, entry in entries:

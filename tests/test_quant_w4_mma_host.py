@@ -122,3 +122,12 @@ def test_gemm_refuses_stages_past_shared_memory(gen, monkeypatch):
     assert fake.calls[-1]["cfg"]["XS"] == 0 and fake.calls[-1]["smem"] == 2 * 7 * 128 * 16
     ref = x.double() @ w_ref.double()
     assert ((y.double() - ref).abs().max() / ref.abs().max()).item() <= BOUND[torch.bfloat16]
+
+
+def test_table_entries_lists_a_gpus_entries():
+    import json
+    from kvforge_plugins.quant.kernels.choices import TABLE_PATH, table_entries
+    shipped = json.loads(TABLE_PATH.read_text())["NVIDIA H200"]["w4_mma"]
+    got = table_entries("w4_mma", "NVIDIA H200")
+    assert got == shipped and any(e.get("CLU") for e in got.values())
+    assert table_entries("w4_mma", "no such GPU") == {}

@@ -82,13 +82,6 @@ def max_token_chars(tokenizer: Any) -> int:
     """The longest string of one vocabulary token, in characters (byte-level BPE: bytes, which
     are at least as many as the characters they spell). A text many times longer than
     ``max_model_len * max_token_chars`` characters is longer than the model takes, with no need
-    to tokenize it (the server's early refusal)."""
-    cached = getattr(tokenizer, "_kvforge_max_token_chars", None)
-    if cached is None:
-        tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
-        cached = max((len(t) for t in tokens if isinstance(t, str)), default=1)
-        try:
-            tokenizer._kvforge_max_token_chars = cached
-        except AttributeError:  # (a tokenizer object that takes no new attributes: recomputed)
-            pass
-    return max(1, cached)
+    to tokenize it (the server's early refusal). One pass over the vocabulary: call it once."""
+    tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    return max(1, max((len(t) for t in tokens if isinstance(t, str)), default=1))

@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse, Response
 
 from kvforge.engine.async_engine import AsyncLLMEngine
 from kvforge.engine.metrics import CONTENT_TYPE, EngineMetrics
-from kvforge.engine.tokenizer import load_tokenizer, max_token_chars
+from kvforge.engine.tokenizer import load_tokenizer
 from kvforge.entrypoints.openai import serving_chat, serving_completion
 from kvforge.entrypoints.openai.chat_utils import compile_chat_template, encode_chat_prompt
 from kvforge.entrypoints.openai.errors import OpenAIError, error_response, install_handlers
@@ -90,7 +90,6 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str] | None = Non
                         api_key=api_key, max_logprobs=cfg.max_logprobs,
                         trust_request_chat_template=trust_request_chat_template)
     _check_tokenizer_template(ctx)
-    max_token_chars(ctx.tokenizer)  # computed once here, not in the first request's handler
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):

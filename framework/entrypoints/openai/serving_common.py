@@ -41,6 +41,7 @@ class ServerContext:
         trust_request_chat_template: ``--trust-request-chat-template``: render a request's own
             ``chat_template`` (refused with a 400 otherwise, as in vLLM).
         executor: the one thread that uses ``tokenizer`` (a fast tokenizer is not shared across threads).
+        max_prompt_chars: text prompts longer than this are refused before they are tokenized.
         render_executor: threads for chat-template rendering (pure Python Jinja, no tokenizer
             state), so a slow template holds up neither the event loop nor other requests' tokenizing.
     """
@@ -58,6 +59,12 @@ class ServerContext:
     executor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, "kvforge-tokenize"))
     render_executor: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(4, "kvforge-chat-template"))
+    #: More characters than this cannot fit ``max_model_len`` tokens: x 4 over max_model_len x the
+    #: longest token, for a normalizer that composes a few characters into one (NFC / NFKC).
+    max_prompt_chars: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.max_prompt_chars = 4 * self.max_model_len * max_token_chars(self.tokenizer)
 
     @property
     def model_name(self) -> str:
@@ -82,13 +89,14 @@ class ServerContext:
         return await loop.run_in_executor(self.executor, lambda: fn(*args, **kwargs))
 
     async def json_response(self, build: Callable[[], dict[str, Any]], headers: dict[str, str]) -> Response:
-        """A JSON response whose body ``build()`` makes, built and serialized off the event loop:
-        a large one (n = 128 with echo and logprobs is ~100 MB) would otherwise hold every other
-        request, /health included, for seconds. Serialized as Starlette's JSONResponse does."""
-        def make() -> bytes:
-            return json.dumps(build(), ensure_ascii=False, allow_nan=False, indent=None,
-                              separators=(",", ":")).encode("utf-8")
-        body = await asyncio.get_running_loop().run_in_executor(None, make)
+        """A JSON response whose body ``build()`` makes, off the event loop: a large one (n = 128
+        with echo and logprobs is ~100 MB) would otherwise hold every other request, /health
+        included, for seconds. ``build`` decodes tokens, so it runs on the tokenizer's thread;
+        the serialization (as Starlette's JSONResponse does it) runs on another."""
+        obj = await self.run_tokenizer(build)
+        body = await asyncio.get_running_loop().run_in_executor(
+            None, lambda: json.dumps(obj, ensure_ascii=False, allow_nan=False, indent=None,
+                                     separators=(",", ":")).encode("utf-8"))
         return Response(body, media_type="application/json", headers=headers)
 
     async def run_render(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -103,8 +111,7 @@ class ServerContext:
             check_text(text, field)
         except ValueError as e:
             raise OpenAIError(str(e), 400, param=field) from None
-        # x 4: a normalizer may compose a few characters into one (NFC / NFKC) before the tokens
-        if prompt and len(text) > 4 * self.max_model_len * max_token_chars(self.tokenizer):
+        if prompt and len(text) > self.max_prompt_chars:
             raise OpenAIError(f"{field}: this model's maximum context length is {self.max_model_len} tokens, and "
                               f"{len(text)} characters are more than that many tokens spell", 400, param=field,
                               code="context_length_exceeded")

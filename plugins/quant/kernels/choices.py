@@ -71,6 +71,11 @@ def lookup(kind: str, m: int, n: int, k: int, device: torch.device):
     return _table(table_path()).get(gpu, {}).get(kind, {}).get(key(m, n, k))
 
 
+def table_entries(kind: str, gpu: str) -> dict:
+    """Every entry of ``kind`` the table holds for the GPU named ``gpu``: ``{"M|N|K": entry}``."""
+    return dict(_table(table_path()).get(gpu, {}).get(kind, {}))
+
+
 def write_table(entries: dict, path: str | None = None) -> Path:
     """Merge ``{gpu: {kind: {"M|N|K": entry}}}`` into the table file; returns its path."""
     p = Path(path or table_path())
