@@ -25,7 +25,7 @@ def rep(a, b, src=BASE):
     return src.replace(a, b)
 
 
-NOMMA = ("    for (int i = 0; i < 4; ++i) wgmma_step(d, fc[i], wg_desc(xs + 32 * i));", "")
+NOMMA = ("    for (int i = 0; i < 4; ++i) wgmma_step(d, fc[i], d0 + 2 * i);", "")
 NODEQ = ("    for (int i = 0; i < 4; ++i) dequant_frag(fc[i], A, word_of(cur.w[0], i), 0);",
          "    for (int i = 0; i < 4; ++i) for (int j = 0; j < 4; ++j) fc[i][j] = word_of(cur.w[0], i) >> j;")
 NOLOAD = rep("        if (lane != 0) return;\n        for (int j = 0; j < nloc; ++j) {",

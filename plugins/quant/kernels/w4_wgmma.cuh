@@ -93,8 +93,11 @@ __device__ __forceinline__ void compute_chunk_wg(Acc& A, const Stage& cur, bool 
 #pragma unroll
     for (int k = 0; k < 4 * NB; ++k) wg_pin(d[k]);
     asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+    // K step i starts 32 * i bytes in: 2 * i more 16-byte units in the start field, which cannot
+    // carry out of it (shared addresses < 228 KB), so one descriptor per chunk serves all four
+    const unsigned long long d0 = wg_desc(xs);
 #pragma unroll
-    for (int i = 0; i < 4; ++i) wgmma_step(d, fc[i], wg_desc(xs + 32 * i));
+    for (int i = 0; i < 4; ++i) wgmma_step(d, fc[i], d0 + 2 * i);
     asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
     asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
 #pragma unroll
