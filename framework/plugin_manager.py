@@ -67,6 +67,8 @@ class Registry:
     def __init__(self) -> None:
         self._specs: dict[str, dict[str, PluginSpec]] = {k: {} for k in HOOK_KINDS.values()}
         self.loaded_plugins: list[tuple[str, str, str, str]] = []  # (plugin, dist, version, api)
+        #: (plugin, distribution, error) of each plugin left out by ``load_registry(keep_going=True)``
+        self.broken: list[tuple[str, str, str]] = []
 
     def add(self, spec: PluginSpec) -> None:
         table = self._specs[spec.kind]
@@ -94,6 +96,13 @@ class Registry:
     def all(self) -> Iterable[PluginSpec]:
         for table in self._specs.values():
             yield from table.values()
+
+    def drop_plugin(self, plugin: str) -> None:
+        """Forget everything the plugin (entry-point name) registered."""
+        for table in self._specs.values():
+            for name in [n for n, spec in table.items() if spec.plugin == plugin]:
+                del table[name]
+        self.loaded_plugins = [p for p in self.loaded_plugins if p[0] != plugin]
 
 
 def _env_list(var: str) -> set[str] | None:
@@ -128,7 +137,7 @@ def _check_api(name: str, dist: str, obj: Any) -> str:
     return str(api)
 
 
-def load_registry(extra_plugins: Iterable[tuple[str, Any]] = ()) -> Registry:
+def load_registry(extra_plugins: Iterable[tuple[str, Any]] = (), *, keep_going: bool = False) -> Registry:
     """Discover plugins, validate them, run every ``kvforge_register_*`` hook once.
 
     A plugin that implements no hook at all (a hook function without ``@kvforge.hookimpl``)
@@ -137,17 +146,25 @@ def load_registry(extra_plugins: Iterable[tuple[str, Any]] = ()) -> Registry:
     Args:
         extra_plugins: ``(name, module_or_object)`` pairs registered in addition to
             the entry points (for tests and embedding); they obey the same checks.
+        keep_going: leave a broken plugin out (with everything it registered) and record
+            it in ``Registry.broken`` instead of raising: ``kvforge plugins`` uses this, so
+            the command that diagnoses an installation works while one plugin is broken.
 
     Raises:
-        PluginError: API mismatch, a hook implementation with no matching spec, a name
-            registered twice, a ``settings_model`` that is not a pydantic model class, or an
-            exception raised inside a plugin's hook (naming the plugin, its distribution and
-            the hook; the original exception is chained as ``__cause__``).
+        PluginError: (unless ``keep_going``) API mismatch, a hook implementation with no
+            matching spec, a name registered twice, a ``settings_model`` that is not a pydantic
+            model class, or an exception raised inside a plugin's hook (naming the plugin, its
+            distribution and the hook; the original exception is chained as ``__cause__``).
     """
     pm = pluggy.PluginManager(PROJECT_NAME)
     pm.add_hookspecs(hookspecs)
     meta: dict[str, tuple[str, str, str]] = {}
     registry = Registry()
+
+    def fail(name: str, dist: str, err: PluginError) -> None:
+        if not keep_going:
+            raise err
+        registry.broken.append((name, dist, str(err)))
 
     candidates: list[tuple[str, Any, str, str]] = []
     for ep in enabled_entry_points():
@@ -157,33 +174,32 @@ def load_registry(extra_plugins: Iterable[tuple[str, Any]] = ()) -> Registry:
             obj = ep.load()
         except (Exception, SystemExit) as e:  # surface the plugin name, keep the cause
             # (SystemExit too: a module that calls sys.exit() would end every kvforge command)
-            raise PluginError(f"plugin {ep.name!r} (distribution {dist}) failed to import: "
+            err = PluginError(f"plugin {ep.name!r} (distribution {dist}) failed to import: "
                               f"{type(e).__name__}: {e} (KVFORGE_DISABLE_PLUGINS={ep.name} skips it; "
-                              f"or uninstall {dist})") from e
+                              f"or uninstall {dist})")
+            err.__cause__ = e
+            fail(ep.name, dist, err)
+            continue
         candidates.append((ep.name, obj, dist, version))
     for name, obj in extra_plugins:
         candidates.append((name, obj, "<in-process>", "0"))
 
     for name, obj, dist, version in candidates:
-        api = _check_api(name, dist, obj)
-        if pm.get_plugin(name) is not None:
-            raise PluginError(f"two plugins share the entry-point name {name!r} (one is from {dist})")
         try:
-            pm.register(obj, name=name)
-        except pluggy.PluginValidationError as e:
-            raise PluginError(f"plugin {name!r} (distribution {dist}) has an invalid hook implementation: {e}") from e
+            api = _register(pm, name, obj, dist)
+        except PluginError as e:
+            fail(name, dist, e)
+            continue
         if not pm.get_hookcallers(obj):
             _warn_registers_nothing(name, dist, version, obj)
         meta[name] = (dist, version, api)
         registry.loaded_plugins.append((name, dist, version, api))
-    try:
-        pm.check_pending()
-    except pluggy.PluginValidationError as e:
-        raise PluginError(f"a plugin implements a hook kvforge does not define: {e}") from e
 
     for hook_name, kind in HOOK_KINDS.items():
         caller = getattr(pm.hook, hook_name)
         for impl in caller.get_hookimpls():
+            if impl.plugin_name not in meta:
+                continue  # left out (keep_going) after an earlier hook of it failed
             dist, version, api = meta[impl.plugin_name]
 
             def register(name: str, factory: Callable[..., Any], settings_model: type | None = None,
@@ -196,15 +212,41 @@ def load_registry(extra_plugins: Iterable[tuple[str, Any]] = ()) -> Registry:
 
             try:
                 impl.function(register=register)
-            except PluginError:
-                raise  # raised by ``register`` itself: already names the plugin (and the other one)
             except (Exception, SystemExit) as e:
-                # Without this the CLI prints only the plugin's own message ("boom"), and the
-                # user cannot tell which installed package is broken; a SystemExit would end
-                # every command with no message at all.
-                raise PluginError(f"plugin {impl.plugin_name!r} (distribution {dist} {version}) raised in its "
-                                  f"{hook_name} hook: {type(e).__name__}: {e}") from e
+                if isinstance(e, PluginError):
+                    err = e  # raised by ``register`` itself: already names the plugin (and the other one)
+                else:
+                    # Without this the CLI prints only the plugin's own message ("boom"), and the
+                    # user cannot tell which installed package is broken; a SystemExit would end
+                    # every command with no message at all.
+                    err = PluginError(f"plugin {impl.plugin_name!r} (distribution {dist} {version}) raised in its "
+                                      f"{hook_name} hook: {type(e).__name__}: {e}")
+                    err.__cause__ = e
+                if not keep_going:
+                    raise err
+                registry.drop_plugin(impl.plugin_name)
+                del meta[impl.plugin_name]
+                fail(impl.plugin_name, dist, err)
     return registry
+
+
+def _register(pm: pluggy.PluginManager, name: str, obj: Any, dist: str) -> str:
+    """Register one plugin object with pluggy after its API check; returns its declared hook
+    API. Raises PluginError, leaving nothing of it registered."""
+    api = _check_api(name, dist, obj)
+    if pm.get_plugin(name) is not None:
+        raise PluginError(f"two plugins share the entry-point name {name!r} (one is from {dist})")
+    try:
+        pm.register(obj, name=name)
+    except pluggy.PluginValidationError as e:
+        raise PluginError(f"plugin {name!r} (distribution {dist}) has an invalid hook implementation: {e}") from e
+    try:
+        pm.check_pending()  # per plugin, so an unknown hook names the plugin that has it
+    except pluggy.PluginValidationError as e:
+        pm.unregister(obj)
+        raise PluginError(f"plugin {name!r} (distribution {dist}) implements a hook kvforge does not define: "
+                          f"{e}") from e
+    return api
 
 
 def _warn_registers_nothing(name: str, dist: str, version: str, obj: Any) -> None:

@@ -73,7 +73,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_plugins(args: argparse.Namespace) -> int:
     from kvforge.plugin_manager import load_registry
-    reg = load_registry()
+    reg = load_registry(keep_going=True)  # list what works, and name what does not
+    for plugin, dist, err in reg.broken:
+        print(f"broken plugin {plugin!r} (distribution {dist}), left out: {err}", file=sys.stderr)
     specs = _settings_specs(reg, args.settings) if args.settings is not None else None
     if specs == []:  # refused before any output
         return 2
@@ -88,7 +90,7 @@ def cmd_plugins(args: argparse.Namespace) -> int:
         _print_settings(specs)
     if args.explain:
         _explain(args, reg)
-    return 0
+    return 1 if reg.broken else 0
 
 
 #: Where each plugin kind's settings go in the engine config.
