@@ -172,11 +172,7 @@ GPU_CONFIGS = [dict(split_k=1), dict(WARPS=1, TW=1, S=3, XS=1), dict(WARPS=2, TW
                # split K summed inside a thread block cluster (CLU): WG 2, WG, and KW sums first
                dict(TW=1, WARPS=4, CPA=8, XR=1, WG=2, SCALE_A=True, split_k=2, CLU=1),
                dict(TW=1, WARPS=8, CPA=3, XR=1, WG=1, SCALE_A=True, split_k=3, CLU=1),
-               dict(TW=4, WARPS=4, KW=2, SCALE_A=True, split_k=3, CLU=1),
-               # the zero point folded out (ZF): registers, CPA stages with KW, the XR ring, a cluster
-               dict(TW=4, WARPS=4, S=1, SCALE_A=False, ZF=1), dict(TW=2, WARPS=8, KW=8, CPA=3, SCALE_A=False, ZF=1),
-               dict(TW=1, WARPS=8, CPA=3, XR=1, SCALE_A=False, ZF=1),
-               dict(TW=4, WARPS=4, CPA=4, SCALE_A=False, ZF=1, split_k=2, CLU=1)]
+               dict(TW=4, WARPS=4, KW=2, SCALE_A=True, split_k=3, CLU=1)]
 
 
 @cuda

@@ -18,7 +18,7 @@ from test_quant_w4_mma import BOUND, _quant, gen  # noqa: F401  (gen: the fresh-
 # TW 1/2 with tile0 != 0, XS, S up to 4, SCALE_A, per-channel groups, the dequantize path, and
 # cp.async stages (CPA 2-8: more stages than a split has chunks, with and without XS), K
 # split by a CTA's warps (KW, with idle warps, beside split K), the XR x ring, WG's wgmma and
-# WG 2's producer warp, ZF.
+# WG 2's producer warp.
 EMULATED = [
     (512, 192, 64, 3, None),
     (512, 320, 128, 17, None),
@@ -60,12 +60,6 @@ EMULATED = [
     (768, 320, 128, 40, dict(NB=8, TW=1, WARPS=4, CPA=4, XR=1, WG=2, SCALE_A=True, split_k=3, CLU=1)),
     (640, 192, 64, 9, dict(TW=4, WARPS=4, KW=2, SCALE_A=True, split_k=5, CLU=1)),
     (512, 128, 512, 3, dict(TW=2, WARPS=4, split_k=2, CLU=1)),
-    # ZF: the zero point folded out (x's sums by an all-ones MMA): registers, XS, CPA, KW, the
-    # XR ring (half chunks), split K through a cluster
-    (768, 320, 128, 13, dict(NB=2, TW=4, WARPS=2, S=2, SCALE_A=False, ZF=1)),
-    (640, 192, 64, 9, dict(TW=2, WARPS=4, KW=2, CPA=3, XS=1, SCALE_A=False, ZF=1, split_k=2, CLU=1)),
-    (1152, 448, 384, 17, dict(NB=4, TW=1, WARPS=4, KW=2, CPA=4, XR=1, SCALE_A=False, ZF=1)),
-    (512, 192, 1024 // 2, 1, dict(NB=1, TW=4, WARPS=4, CPA=3, SCALE_A=False, ZF=1)),
 ]
 
 

@@ -49,9 +49,8 @@ def test_gemm_refuses_bad_groups_and_configs(gen):
     for bad, msg in ((dict(NB=1.5), "must be integers"), (dict(nb=2), "unknown config keys"),
                      (dict(WARPS=64), "1 <= WARPS <= 32"), (dict(split_k=-1), "split_k >= 0"),
                      (dict(XS=5), "XS / SCALE_A / LDW 0 or 1"), (dict(NB=100), "8 \\* NB <= 64"),
-                     (dict(waves=0), "waves > 0"), (dict(XR=2, CPA=3), "XR / CLU / ZF 0 or 1"),
-                     (dict(CLU=4, split_k=4), "XR / CLU / ZF 0 or 1"),  # CLU asks; the split count sizes it
-                     (dict(ZF=2), "XR / CLU / ZF 0 or 1"), (dict(ZF=1, SCALE_A=True), "ZF .* needs SCALE_A 0"),
+                     (dict(waves=0), "waves > 0"), (dict(XR=2, CPA=3), "XR / CLU 0 or 1"),
+                     (dict(CLU=4, split_k=4), "XR / CLU 0 or 1"),  # CLU asks; the split count sizes it
                      # the x ring rides the cp.async stages and replaces XS; WG's warpgroup tiles
                      (dict(XR=1), "XR .* needs CPA >= 2"), (dict(XR=1, CPA=3, XS=1), "XR .* needs CPA >= 2"),
                      (dict(WG=1, CPA=3), "WG .* needs XR"), (dict(WG=1, XR=1, CPA=3, TW=2), "WG .* needs XR"),

@@ -73,8 +73,6 @@ def gemm_emu(cfg, dtype, x_bits, M, stride_x, wq, sc, zp, N, KC, gc_rt, cps, spl
         assert lay["wgs"](NB, WARPS) == WARPS // 4, "WG 2: one consumer warpgroup per 64-row block"
         assert proto["align"] == 1024 and ws_st % 1024 == 0, "WG 2: x's 128-byte swizzle needs 1024-byte stages"
         assert CPA * ws_st + 1024 <= w4_mma.xr_bytes(cfg) and w4_mma.stage_bytes(cfg) == 0
-    ZF = int(cfg.get("ZF", 0))  # A = BIAS + q; the group end subtracts (BIAS + z) * sum(x)
-    assert not (ZF and SA), "ZF needs SCALE_A 0"
     ACT = int(cfg.get("ACT", 0))  # the SwiGLU epilogue: finished rows are kept unrounded, activated at the end
     assert not (ROPE and ACT) and (not ROPE or (rope[0] % 16 == 0 and rope[0] <= N))
     KW = int(cfg.get("KW", 1))
@@ -235,12 +233,7 @@ def gemm_emu(cfg, dtype, x_bits, M, stride_x, wq, sc, zp, N, KC, gc_rt, cps, spl
                         else:
                             sf = cur["s"].astype(np.float64)
                             tmp = np.zeros_like(acc)
-                            xs = np.zeros((NB, 32, 2))  # the lane's tokens 8b + 2t + h: sum of x over the group
                     xv = [bits_to_f(cur["x"][b], dtype) for b in range(NB)]  # [32, 16]
-                    if ZF:  # the all-ones MMA: column sums of B; lane (g, t) holds tokens 2t, 2t + 1
-                        for b in range(NB):
-                            col = xv[b].reshape(8, 4, 16).sum(axis=(1, 2))  # token g's chunk: lanes 4g..4g+3
-                            xs[b] += np.stack([col[2 * t], col[2 * t + 1]], -1)
                     for a in range(TW):
                         for i in range(4):
                             w = cur["w"][a][:, i].astype(np.int64)
@@ -249,7 +242,7 @@ def gemm_emu(cfg, dtype, x_bits, M, stride_x, wq, sc, zp, N, KC, gc_rt, cps, spl
                                 r = j & 1
                                 for h in range(2):
                                     qv = (w >> (4 * j + 16 * h)) & 15
-                                    v = qv + bias if ZF else qv - zb[:, 2 * a + r]
+                                    v = qv - zb[:, 2 * a + r]
                                     if SA:
                                         v = rnd(v * sa[:, 2 * a + r], dtype)
                                     A[g + 8 * r, 2 * t + 8 * (j >> 1) + h] = v
@@ -265,11 +258,7 @@ def gemm_emu(cfg, dtype, x_bits, M, stride_x, wq, sc, zp, N, KC, gc_rt, cps, spl
                                     tgt[a, b, f] += D[g + 8 * (f >> 1), 2 * t + (f & 1)]
                     if not SA and jl % GC == GC - 1:
                         for f in range(4):
-                            prod = tmp[:, :, f]
-                            if ZF:  # less (BIAS + z of the row) * (the token's sum of x)
-                                zq = (zb[:, 2 * np.arange(TW) + (f >> 1)] + bias).T  # [TW, 32]
-                                prod = prod - zq[:, None, :] * xs[None, :, :, f & 1]
-                            acc[:, :, f] += sf.T.reshape(TW, 2, 32)[:, f >> 1][:, None, :] * prod
+                            acc[:, :, f] += sf.T.reshape(TW, 2, 32)[:, f >> 1][:, None, :] * tmp[:, :, f]
                 accs[warp] = (acc, seen)
             # the KW warps of a column: their chunks partition the split; warp kw = 0 adds the
             # others' sums in kw order and stores alone

@@ -30,9 +30,7 @@
 // global partials, fence and arrival counter: ~2.5 us per call on the H200, BENCHMARKS.md),
 // CLU (0: split K's partials go through global memory, below; else the split count, when the
 // splits of a column block are one thread block cluster and sum in distributed shared memory:
-// w4_cluster.cuh), ZF (1, with SCALE_A 0: the A fragments are BIAS + q, one instruction a
-// register fewer, and each group's end subtracts (BIAS + z) times x's sum, which an MMA with
-// an all-ones A computes: w4_mma_stages.cuh).
+// w4_cluster.cuh).
 //
 // Layout (w4_mma.py has the packer): 64-row blocks of N ("nblk"), 64-wide chunks of K. Chunk
 // c of nblk is 512 int32 words, [tile T (16 rows)][lane][MMA i]: lane = 4g + t holds, for the

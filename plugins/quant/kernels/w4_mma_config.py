@@ -16,8 +16,8 @@ def x_bytes(cfg: dict, m: int, k: int, cps: int, esize: int) -> int:
 
 
 #: Launch-config keys: the kernel's compile-time constants (GCC is set per call) and the split rule.
-CONFIG_KEYS = ("NB", "TW", "WARPS", "S", "XS", "SCALE_A", "MINB", "LDW", "CPA", "KW", "XR", "WG", "CLU", "ZF",
-               "waves", "split_k")
+CONFIG_KEYS = ("NB", "TW", "WARPS", "S", "XS", "SCALE_A", "MINB", "LDW", "CPA", "KW", "XR", "WG", "CLU", "waves",
+               "split_k")
 
 
 def check_config_keys(cfg: dict) -> None:
@@ -40,20 +40,17 @@ def check_config(cfg: dict, m: int) -> None:
     M <= 8 * NB <= MAX_FUSED_M, TW in 1/2/4, 1 <= WARPS <= 32 (1024 threads), S >= 1, XS /
     SCALE_A / LDW / XR 0 or 1, MINB >= 1, CPA 0 or 2..8, KW >= 1 dividing WARPS, split_k >= 0 (0 /
     None: by ``waves``), CLU 0 or 1 (1: 2..8 splits reduce in a thread block cluster, more
-    splits through global memory), ZF 0 or 1 (1 needs SCALE_A 0); XR needs CPA and excludes XS; WG (1, or 2: with a producer warp) needs
+    splits through global memory); XR needs CPA and excludes XS; WG (1, or 2: with a producer warp) needs
     XR, TW 1, KW 1, WARPS a multiple of 4, SCALE_A, NB in 1, 2, 4, 8 (wgmma's N = 8 * NB) and
     CPA >= 3; WG 2 adds a producer warp, so WARPS <= 28 there."""
     check_config_keys(cfg)
-    flags = all(int(cfg.get(key, 0)) in (0, 1) for key in ("XS", "SCALE_A", "LDW", "XR", "CLU", "ZF")) and cfg.get("WG", 0) in (0, 1, 2)
+    flags = all(int(cfg.get(key, 0)) in (0, 1) for key in ("XS", "SCALE_A", "LDW", "XR", "CLU")) and cfg.get("WG", 0) in (0, 1, 2)
     if cfg.get("XR") and (not cfg.get("CPA") or cfg.get("XS")):
         raise ValueError(f"w4 mma GEMM: config {cfg}: XR (the x ring) needs CPA >= 2 (its stages) and XS 0")
     if cfg.get("WG") and not (cfg.get("XR") and cfg["TW"] == 1 and cfg.get("KW", 1) == 1 and cfg["WARPS"] % 4 == 0
                               and cfg.get("SCALE_A") and cfg["NB"] in (1, 2, 4, 8) and cfg["CPA"] >= 3):
         raise ValueError(f"w4 mma GEMM: config {cfg}: WG (warpgroup MMAs) needs XR, TW 1, KW 1, WARPS a multiple "
                          "of 4, SCALE_A, NB in 1, 2, 4, 8 and CPA >= 3 (one chunk's MMAs stay in flight)")
-    if cfg.get("ZF") and cfg.get("SCALE_A"):
-        raise ValueError(f"w4 mma GEMM: config {cfg}: ZF (the zero point folded out of the dequantization) needs "
-                         "SCALE_A 0: the group's product is scaled, and corrected, once at its end")
     if cfg.get("WG") == 2 and cfg["WARPS"] > 28:
         raise ValueError(f"w4 mma GEMM: config {cfg}: WG 2 launches WARPS + 1 warps (the producer): WARPS <= 28 "
                          "(1024 threads)")
@@ -63,7 +60,7 @@ def check_config(cfg: dict, m: int) -> None:
             and (cfg.get("split_k") or 0) >= 0 and cfg.get("waves", 1) > 0):
         raise ValueError(f"w4 mma GEMM: config {cfg} does not cover M {m} or cannot launch (needs M <= 8 * NB <= "
                          f"{MAX_FUSED_M}, TW in 1/2/4, 1 <= WARPS <= 32, S >= 1, XS / SCALE_A / LDW 0 or 1, "
-                         "MINB >= 1, CPA 0 or 2..8, KW >= 1 dividing WARPS, split_k >= 0, waves > 0, XR / CLU / ZF 0 or 1, "
+                         "MINB >= 1, CPA 0 or 2..8, KW >= 1 dividing WARPS, split_k >= 0, waves > 0, XR / CLU 0 or 1, "
                          "WG 0, 1 or 2)")
 
 

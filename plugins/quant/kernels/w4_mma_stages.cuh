@@ -2,20 +2,9 @@
 // cp.async pipeline that stages chunks in shared memory (CPA). Compiled after w4_mma_ops.cuh.
 
 // The accumulators and the current group's dequantization constants of a lane.
-#ifndef ZF
-#define ZF 0
-#endif
-#if ZF && SCALE_A
-#error "ZF (the zero point folded out of the dequantization) needs SCALE_A 0: the group's product is scaled once"
-#endif
 struct Acc {
     float acc[TW][NB][4];
-#if ZF
-    float zq[TW][2];   // BIAS + z of the lane's rows n0, n1
-    float xs[NB][4];   // the group's sum of x per token (an MMA with an all-ones A)
-#else
     unsigned zb[TW][2];  // -(BIAS + z) pairs: w - (BIAS + z) = q - z, exact
-#endif
 #if SCALE_A
     unsigned sa[TW][2];
 #else
@@ -26,16 +15,10 @@ struct Acc {
 
 // Register j of the A fragment of MMA i (tile a): q - z from word i's nibbles (exact), times the
 // group scale with SCALE_A (rounded once).
-// ZF: the A fragment is BIAS + q itself (two instructions a register, not three); the group
-// end subtracts (BIAS + z) * sum(x) instead (``close_group``).
 __device__ __forceinline__ void dequant_frag(unsigned* fr, const Acc& A, unsigned w, int a) {
 #pragma unroll
     for (int j = 0; j < 4; ++j) {  // register j: row n0 (j even) or n1 (j odd)
-#if ZF
-        fr[j] = pair_bits(w, j);
-#else
         fr[j] = fma2(pair_bits(w, j), ONE2, A.zb[a][j & 1]);
-#endif
 #if SCALE_A
         fr[j] = fma2(fr[j], A.sa[a][j & 1], NEG_ZERO2);
 #endif
@@ -56,11 +39,7 @@ __device__ __forceinline__ void open_group(Acc& A, const Stage& cur) {
     for (int a = 0; a < TW; ++a)
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-#if ZF
-            A.zq[a][r] = dt_to_f(cur.z[2 * a + r]);
-#else
             A.zb[a][r] = dup2(cur.z[2 * a + r] ^ 0x8000);
-#endif
 #if SCALE_A
             A.sa[a][r] = dup2(f_to_dt(cur.s[2 * a + r]));
 #else
@@ -69,35 +48,6 @@ __device__ __forceinline__ void open_group(Acc& A, const Stage& cur) {
         }
 #if !SCALE_A
     FOR_FRAGS A.tmp[a][b][f] = 0.f;
-#endif
-#if ZF
-#pragma unroll
-    for (int b = 0; b < NB; ++b)
-#pragma unroll
-        for (int f = 0; f < 4; ++f) A.xs[b][f] = 0.f;
-#endif
-}
-
-// ZF: x's sums per token, on the tensor cores: an all-ones A fragment times MMA i's B
-// fragments gives every row of D the column sums, so register f of xs holds token 8b + 2t + (f & 1)
-// in the accumulators' own layout.
-__device__ __forceinline__ void sum_x(Acc& A, int b, unsigned b0, unsigned b1) {
-#if ZF
-    const unsigned ones[4] = {ONE2, ONE2, ONE2, ONE2};
-    mma(A.xs[b], ones, b0, b1);
-#endif
-}
-
-// The group ends: its product, scaled, into the accumulators; with ZF, less (BIAS + z) times
-// x's sum first: sum (BIAS + q) x - (BIAS + z) sum x = sum (q - z) x (fp32, exact in the
-// products; the sums' rounding grows by (BIAS + 15) / 15, see w4_mma.py).
-__device__ __forceinline__ void close_group(Acc& A) {
-#if !SCALE_A
-#if ZF
-    FOR_FRAGS A.acc[a][b][f] += A.sf[a][f >> 1] * fmaf(-A.zq[a][f >> 1], A.xs[b][f], A.tmp[a][b][f]);
-#else
-    FOR_FRAGS A.acc[a][b][f] += A.sf[a][f >> 1] * A.tmp[a][b][f];
-#endif
 #endif
 }
 
@@ -113,9 +63,7 @@ __device__ __forceinline__ void compute_chunk(Acc& A, const Stage& cur, bool gst
 #pragma unroll
         for (int b = 0; b < NB; ++b) xh[b] = lds128(xsm + b * 8 * XR_PITCH + 16 * h);
 #pragma unroll
-        for (int i = 2 * h; i < 2 * h + 2; ++i) {
-#pragma unroll
-            for (int b = 0; b < NB; ++b) sum_x(A, b, (i & 1) ? xh[b].z : xh[b].x, (i & 1) ? xh[b].w : xh[b].y);
+        for (int i = 2 * h; i < 2 * h + 2; ++i)
 #pragma unroll
             for (int a = 0; a < TW; ++a) {
                 unsigned fr[4];
@@ -130,18 +78,8 @@ __device__ __forceinline__ void compute_chunk(Acc& A, const Stage& cur, bool gst
 #endif
                 }
             }
-        }
     }
 #else
-#if ZF
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-#pragma unroll
-        for (int b = 0; b < NB; ++b) {
-            const uint4& xa = cur.x[b][i >> 1];
-            sum_x(A, b, (i & 1) ? xa.z : xa.x, (i & 1) ? xa.w : xa.y);
-        }
-#endif
 #pragma unroll
     for (int a = 0; a < TW; ++a)
 #pragma unroll
@@ -160,7 +98,11 @@ __device__ __forceinline__ void compute_chunk(Acc& A, const Stage& cur, bool gst
             }
         }
 #endif
-    if (gend) close_group(A);
+#if !SCALE_A
+    if (gend) {  // the group ends: scale its product in
+        FOR_FRAGS A.acc[a][b][f] += A.sf[a][f >> 1] * A.tmp[a][b][f];
+    }
+#endif
 }
 
 // XS: the lane's x runs of chunk c from the CTA's shared copy.
