@@ -196,3 +196,14 @@ def test_bench_serve_with_every_request_refused_prints_no_table(server, monkeypa
     assert "no request completed (2 failed)" in out and "Serving Benchmark Result" not in out, out
     assert "error: " in out and "context length" in out, out
     server.wait_idle()
+
+
+@pytest.mark.parametrize("msg", [{"role": "user"}, {"role": "system", "content": None}, {"role": "tool"}])
+def test_chat_message_content_is_required_except_for_the_assistant(server, msg):
+    """A QA finding: a user message without content ran as an empty turn."""
+    with server.client() as c:
+        err = _err(c.post(H, json={"messages": [msg], "max_tokens": 2}), "messages[0].content")
+        assert f"required for a {msg['role']!r} message" in err["message"]
+        ok = c.post(H, json={"messages": U + [{"role": "assistant", "content": None}], "max_tokens": 2,
+                             "add_generation_prompt": False, "continue_final_message": True})
+        assert ok.status_code == 200, ok.text

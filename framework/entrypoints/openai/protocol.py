@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 #: Most completions per prompt (OpenAI's limit for ``n``).
 MAX_N = 128
@@ -177,12 +177,15 @@ class ChatMessage(BaseModel):
 
     model_config = ConfigDict(extra="allow", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart] | None = Field(None, validate_default=True)
     name: str | None = None
 
     @field_validator("content", mode="before")
     @classmethod
-    def _check_content(cls, v: Any) -> Any:
+    def _check_content(cls, v: Any, info: ValidationInfo) -> Any:
+        # as OpenAI's API: only an assistant message (one that carried tool calls) may omit it
+        if v is None and info.data.get("role", "assistant") != "assistant":
+            raise ValueError(f"required for a {info.data['role']!r} message (a string or a list of text parts)")
         if v is None or isinstance(v, str):
             return v
         if isinstance(v, list):
