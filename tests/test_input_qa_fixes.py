@@ -4,6 +4,7 @@ and a KV block count larger than the device. Each is a ValueError naming the fie
 before any engine state changes."""
 from __future__ import annotations
 
+import logging
 import pytest
 
 from kvforge import SamplingParams
@@ -53,3 +54,15 @@ def test_num_gpu_blocks_beyond_the_device_is_refused():
     from kvforge import LLM
     with pytest.raises(ValueError, match="^cache.num_gpu_blocks: 1000000000000 blocks"):
         LLM(STORIES_MODEL, dtype="float32", num_gpu_blocks=10**12)
+
+
+def test_gpu_memory_utilization_that_does_not_apply_is_named(caplog):
+    """A QA finding: --gpu-memory-utilization on the CPU was silently ignored."""
+    from helpers import make_engine
+    with caplog.at_level(logging.WARNING, logger="kvforge"):
+        make_engine(device="cpu", gpu_memory_utilization=0.5)
+    assert "cache.gpu_memory_utilization 0.5 is not used: it applies to CUDA devices" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="kvforge"):
+        make_engine(device="cpu", kv_cache_memory_bytes=1 << 20)
+    assert "gpu_memory_utilization" not in caplog.text  # not set: nothing to say

@@ -109,6 +109,12 @@ def _num_blocks(cfg: EngineConfig, device: torch.device, block_bytes: int, max_m
                              f"{c.num_gpu_blocks * block_bytes} bytes, more than the {memory} bytes of memory "
                              f"the {device.type} device has")
         return c.num_gpu_blocks
+    if "gpu_memory_utilization" in c.model_fields_set and (c.kv_cache_memory_bytes is not None
+                                                           or device.type != "cuda"):
+        log.warning("cache.gpu_memory_utilization %s is not used: %s", c.gpu_memory_utilization,
+                    "cache.kv_cache_memory_bytes sets the KV budget" if c.kv_cache_memory_bytes is not None else
+                    f"it applies to CUDA devices; on {device.type} the KV budget is cache.kv_cache_memory_bytes "
+                    f"(default {_CPU_DEFAULT_KV_BYTES} bytes)")
     if c.kv_cache_memory_bytes is not None:
         budget = c.kv_cache_memory_bytes
     elif device.type == "cuda":
