@@ -344,3 +344,11 @@ def test_generate_refuses_a_prompt_the_kv_cache_cannot_hold(capsys):
     assert rc == 2 and "max_model_len (16)" in err, err
     rc = cli_main(["generate", "--model", STORIES_MODEL, "--max-tokens", "4", "Once"])
     assert rc == 0
+
+
+def test_generate_stop_reads_shell_escapes():
+    """A QA finding: `--stop '\\n'` (a backslash and an n from the shell) never matched a newline."""
+    from kvforge.entrypoints.cli import _sampling_from_args, build_parser
+    args = build_parser().parse_args(["generate", "--model", STORIES_MODEL, "--stop", "\\n", "--stop", "a\\\\nb",
+                                      "--stop", "tab\\there", "--stop", "\\x", "Once"])
+    assert _sampling_from_args(args).stop == ["\n", "a\\nb", "tab\there", "\\x"]

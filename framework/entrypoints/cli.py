@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import sys
 from typing import Any
 
@@ -43,6 +44,15 @@ def engine_overrides(args: argparse.Namespace) -> dict[str, Any]:
         k, v = item.split("=", 1)
         out[k] = _parse_value(v)
     return out
+
+
+_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
+
+
+def _unescape(text: str) -> str:
+    """``\\n``, ``\\t``, ``\\r`` and ``\\\\`` typed on a shell command line as the characters they
+    name (a shell passes ``--stop '\\n'`` as a backslash and an n); other text is kept as is."""
+    return re.sub(r"\\([ntr\\])", lambda m: _ESCAPES[m.group(1)], text)
 
 
 def _sampling_from_args(args: argparse.Namespace):
@@ -207,7 +217,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--repetition-penalty", type=float, default=1.0)
     g.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per prompt (default 64)")
     g.add_argument("--n", type=int, default=1)
-    g.add_argument("--stop", action="append")
+    g.add_argument("--stop", action="append", type=_unescape, metavar="TEXT",
+                   help="stop string, repeatable; \\n, \\t, \\r and \\\\ are read as escapes (--stop '\\n')")
     g.add_argument("--logprobs", type=int, default=None, help="top log-probabilities per token (shown with --json)")
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--sampling-seed", dest="seed_sampling", type=int, default=None)
