@@ -89,6 +89,12 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)
     spec_stats: Any = None
     num_pending_tokens: int = 0
+    #: ``sampling_params.stop_token_ids`` as a set: check_stop tests every new token against it
+    #: (a list may hold up to the vocabulary's size offline)
+    stop_token_set: frozenset[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.stop_token_set = frozenset(self.sampling_params.stop_token_ids or ())
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -165,7 +171,7 @@ def check_stop(request: Request, max_model_len: int) -> RequestStatus | None:
             if last in request.extra_eos_token_ids:
                 request.stop_reason = last
             return RequestStatus.FINISHED_STOPPED
-        if last in sp.stop_token_ids:
+        if last in request.stop_token_set:
             request.stop_reason = last
             return RequestStatus.FINISHED_STOPPED
     if n_out >= request.max_tokens or n_out + len(request.prompt_token_ids) >= max_model_len:
