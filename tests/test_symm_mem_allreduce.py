@@ -32,7 +32,9 @@ def test_symm_mem_on_cpu_is_refused_at_build_naming_the_field():
 
     from kvforge.engine.llm_engine import LLMEngine
     with pytest.raises(ValueError, match="parallel.all_reduce: 'symm_mem' needs CUDA"):
-        LLMEngine.from_kwargs(STORIES_MODEL, dtype="float32", tensor_parallel_size=2, all_reduce="symm_mem")
+        # device "cpu" named: on a one-GPU host the default device (CUDA) fails the GPU count first
+        LLMEngine.from_kwargs(STORIES_MODEL, dtype="float32", device="cpu", tensor_parallel_size=2,
+                              all_reduce="symm_mem")
 
 
 def _fake(world: int, numel: int, dtype=torch.float32):

@@ -126,7 +126,7 @@ class WNA16LinearMethod(LinearMethod):
                       what=f"int32 [out/{pf}, groups={groups}]", input_dim=1)
         ws = add_param(layer, "weight_shape", (len(output_sizes), 2), torch.int64, dim=None, shard_sizes=output_sizes,
                        allowed=(torch.int64, torch.int32), what="int [2] = (out, in)")
-        ws.expected = torch.tensor([[o, k] for o in output_sizes])
+        ws.expected = torch.tensor([[o, k] for o in output_sizes], device="cpu")  # (not a default device's)
         ws.data.copy_(ws.expected)
 
     def _canonical_ct(self, layer):

@@ -70,6 +70,7 @@ buffer per device: launches on one device must not run concurrently on several s
 from __future__ import annotations
 
 import functools
+import logging
 import math
 
 import torch
@@ -78,6 +79,8 @@ from kvforge.layers.arrival_counters import arrival_counters
 
 from .choices import lookup
 from .wna16_kernels import kernels
+
+log = logging.getLogger("kvforge")
 
 #: fp32 bits of 2**23, a run-time kernel argument on purpose (see ``wna16_tiles._qf``).
 _MAGIC = 0x4B000000
@@ -137,7 +140,10 @@ def wna16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     """Triton weight-only GEMM. ``x`` [M, K] fp16/bf16/fp32 -> [M, N] in ``x.dtype``.
 
     ``qweight``/``scales``/``zeros`` as in the module docstring; ``group_size`` = K for
-    per-channel. ``config`` overrides the launch config (keys: ``DEFAULTS``).
+    per-channel. ``config`` overrides the launch config (keys: ``DEFAULTS``). A config Triton
+    refuses for shared memory (fp32 activations on tiles tuned for 16-bit ones; a GPU with less
+    shared memory than the one tuned on) is shrunk step by step (``_smaller``) and the one that
+    runs is remembered for the shape; ``triton.runtime.errors.OutOfResources`` when none fits.
     """
     assert bits in (4, 8) and (not awq_order or bits == 4)
     if x.stride(-1) != 1:
@@ -148,6 +154,52 @@ def wna16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     pf = 32 // bits
     assert (k if pack_k else n) % pf == 0, "the packed dimension must be a multiple of 32 // bits"
     cfg = _config(m, n, k, x, pack_k, config)
+    key = (tuple(sorted(cfg.items(), key=str)), x.dtype, x.device, bits, pack_k, group_size, n, k)
+    cfg = _FITTED.get(key, cfg)
+    while True:
+        try:
+            return _run(x, qweight, scales, zeros, bits, group_size, pack_k, awq_order, n, cfg)
+        except _out_of_resources() as e:  # e.g. fp32 activations: twice the shared memory of the tuned tiles
+            smaller = _smaller(cfg, bits, group_size, pack_k, k)
+            if smaller is None:
+                raise
+            log.info("wna16: config %s does not fit this GPU (%s); trying %s", cfg, str(e).split(".")[0], smaller)
+            _FITTED[key] = cfg = smaller
+
+
+#: Configs shrunk to fit a device's shared memory, by (requested config, dtype, device, layout, shape).
+_FITTED: dict = {}
+
+
+def _out_of_resources() -> tuple:
+    try:
+        from triton.runtime.errors import OutOfResources
+    except ImportError:
+        return ()
+    return (OutOfResources,)
+
+
+def _smaller(cfg: dict, bits: int, group: int, pack_k: bool, k: int) -> "dict | None":
+    """The next config to try when Triton refuses ``cfg`` for shared memory: one pipeline stage
+    fewer, then half the BLOCK_N, then half the BLOCK_K (each as long as ``_mode`` accepts the
+    tile); None when nothing smaller is left."""
+    steps = ([{"num_stages": cfg["num_stages"] - 1}] if cfg["num_stages"] > 1 else []) + \
+        ([{"BLOCK_N": cfg["BLOCK_N"] // 2}] if cfg["BLOCK_N"] > 16 else []) + \
+        ([{"BLOCK_K": cfg["BLOCK_K"] // 2}] if cfg["BLOCK_K"] > 16 else [])
+    for step in steps:
+        cand = {**cfg, **step}
+        try:
+            _mode(cand, bits, group, pack_k, k)
+        except ValueError:  # a tl.dot side under 16
+            continue
+        return cand
+    return None
+
+
+def _run(x, qweight, scales, zeros, bits, group_size, pack_k, awq_order, n, cfg) -> torch.Tensor:
+    """One launch of the fused (or dequantize + matmul) path with the full config ``cfg``."""
+    m, k = x.shape
+    pf = 32 // bits
     bn = cfg["BLOCK_N"]
     ks = kernels()
     fused, dequant = ks["_fused_kernel"], ks["_dequant_kernel"]
