@@ -12,6 +12,7 @@ Environment:
 from __future__ import annotations
 
 import importlib.metadata as md
+import inspect
 import logging
 import os
 from dataclasses import dataclass, field
@@ -124,6 +125,12 @@ def enabled_entry_points() -> list[md.EntryPoint]:
 
 def _check_api(name: str, dist: str, obj: Any) -> str:
     api = getattr(obj, "KVFORGE_HOOK_API", None)
+    if api is None and inspect.isfunction(obj):  # e.g. "mod:kvforge_register_schedulers"
+        raise PluginError(
+            f"plugin {name!r} (distribution {dist}): its entry point names the function "
+            f"{obj.__module__}.{obj.__qualname__}; it must name the plugin module, e.g. "
+            f"{name} = \"{obj.__module__}\" under [project.entry-points.\"{ENTRY_POINT_GROUP}\"]"
+        )
     if api is None:
         raise PluginError(
             f"plugin {name!r} (distribution {dist}) does not declare KVFORGE_HOOK_API; "
@@ -205,6 +212,9 @@ def load_registry(extra_plugins: Iterable[tuple[str, Any]] = (), *, keep_going: 
             def register(name: str, factory: Callable[..., Any], settings_model: type | None = None,
                          _kind: str = kind, _impl=impl, _dist=dist, _ver=version, _api=api, _hook=hook_name,
                          **capabilities: Any) -> None:
+                if "settings" in capabilities:  # (it would pass as an unknown capability, the model unused)
+                    raise PluginError(f"plugin {_impl.plugin_name!r} (distribution {_dist} {_ver}) registers "
+                                      f"{_kind} {name!r} with settings=...; the keyword is settings_model=")
                 spec = PluginSpec(_kind, name, factory, settings_model, _impl.plugin_name, _dist, _ver, _api,
                                   dict(capabilities))
                 _check_settings_model(spec, _hook)
@@ -327,9 +337,9 @@ def build_plugin(spec: PluginSpec, *args: Any) -> Any:
         PluginError: naming the plugin, its distribution, the kind and what was expected, when
             the call itself raises TypeError (a factory whose parameters do not match the hook
             spec, or one that is not callable) or the result is not an instance of the interface.
-        Exception: whatever the factory's own code raises passes through unchanged (a quantizer
-            refusing a checkpoint raises its own ValueError, a TypeError inside the factory body
-            keeps its traceback).
+        Exception: whatever the factory's own code raises passes through with its type and
+            traceback (a quantizer refusing a checkpoint raises its own ValueError), plus a note
+            (``add_note``) naming the plugin, which the CLI prints under the message.
     """
     import kvforge.interfaces as interfaces  # not at import time: kvforge.interfaces imports torch
     iface_name, call = FACTORY_CONTRACTS[spec.kind]
@@ -342,12 +352,18 @@ def build_plugin(spec: PluginSpec, *args: Any) -> Any:
         # Binding the arguments fails before any frame of the factory starts, so the traceback
         # ends here; a TypeError from inside the factory has the factory's frame after this one.
         if e.__traceback__ is not None and e.__traceback__.tb_next is not None:
+            e.add_note(f"kvforge: raised while building {who}")
             raise
         raise PluginError(f"{who}: its factory cannot be called as the engine calls it, "
                           f"{call} ({len(args)} positional arguments): {e}") from e
+    except Exception as e:  # the plugin's own error, unchanged but for a note naming the plugin
+        e.add_note(f"kvforge: raised while building {who}")
+        raise
     iface = getattr(interfaces, iface_name)
     if not isinstance(obj, iface):
-        got = "None" if obj is None else f"a {type(obj).__module__}.{type(obj).__qualname__}"
+        got = ("None" if obj is None else
+               f"the class {obj.__module__}.{obj.__qualname__} itself, not an instance" if isinstance(obj, type) else
+               f"a {type(obj).__module__}.{type(obj).__qualname__}")
         raise PluginError(f"{who}: its factory returned {got}, expected an instance of "
                           f"kvforge.interfaces.{iface_name} ({call} must return one)")
     return obj

@@ -223,8 +223,35 @@ def test_the_engine_stops_a_scheduler_that_breaks_its_limits():
         def schedule(self):
             raise KeyError("lost a request")
 
+    # (a QA pass: each of these failed later, in the model runner or the process, unnamed)
+    class ReturnsList(ChunkedPrefillScheduler):
+        def schedule(self):
+            return list(super().schedule().scheduled)
+
+    class ZeroTokens(ChunkedPrefillScheduler):
+        def schedule(self):
+            out = super().schedule()
+            out.num_scheduled_tokens[out.scheduled[0].request_id] = 0
+            return out
+
+    class Uncounted(ChunkedPrefillScheduler):
+        def schedule(self):
+            out = super().schedule()
+            del out.num_scheduled_tokens[out.scheduled[-1].request_id]
+            return out
+
+    class Exits(ChunkedPrefillScheduler):
+        def schedule(self):
+            raise SystemExit(5)
+
+    class UpdateRaises(ChunkedPrefillScheduler):
+        def update(self, so, sampled):
+            raise RuntimeError("update broke")
+
     registry = registry_with_schedulers(("uncut", Uncut, {}), ("crowded", Crowded, {}), ("raising", Raising, {}),
-                                        ("keeps_aborted", KeepsAborted, {}))
+                                        ("keeps_aborted", KeepsAborted, {}), ("returns_list", ReturnsList, {}),
+                                        ("zero_tokens", ZeroTokens, {}), ("uncounted", Uncounted, {}),
+                                        ("exits", Exits, {}), ("update_raises", UpdateRaises, {}))
     rng = random.Random()
     prompts = [[1] + [rng.randrange(3, 500) for _ in range(rng.randrange(20, 40))] for _ in range(3)]
     params = SamplingParams(temperature=0, max_tokens=2)
@@ -233,7 +260,13 @@ def test_the_engine_stops_a_scheduler_that_breaks_its_limits():
                                                                r"scheduler.max_num_seqs \(2\)"),
                            ("raising", KeyError, "lost a request"),
                            ("keeps_aborted", SchedulerContractError, r"scheduled request 'r2', which has already "
-                                                                     r"finished or was aborted")):
+                                                                     r"finished or was aborted"),
+                           ("returns_list", SchedulerContractError, r"schedule\(\) returned list, not a "
+                                                                    r"SchedulerOutput"),
+                           ("zero_tokens", SchedulerContractError, r"with num_scheduled_tokens 0: every scheduled"),
+                           ("uncounted", SchedulerContractError, r"with num_scheduled_tokens None"),
+                           ("exits", SchedulerContractError, r"called sys.exit\(5\) in schedule\(\)"),
+                           ("update_raises", RuntimeError, "update broke")):
         cfg = EngineConfig.from_sources(None, {"model": STORIES_MODEL, "dtype": "float32", "scheduler.name": name,
                                                "max_num_batched_tokens": 16, "max_num_seqs": 2})
         engine = LLMEngine(cfg, registry)
@@ -245,3 +278,5 @@ def test_the_engine_stops_a_scheduler_that_breaks_its_limits():
                 engine.step()
         who = f"scheduler '{name}' (plugin test_schedulers_plugin"
         assert who in str(ei.value) or any(who in n for n in getattr(ei.value, "__notes__", [])), ei.value
+        if name == "update_raises":
+            assert any("raised during update() of" in n for n in ei.value.__notes__), ei.value.__notes__

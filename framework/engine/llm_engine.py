@@ -18,7 +18,7 @@ from kvforge.engine.request import Request, RequestStatus, apply_stop_string, dr
 from kvforge.engine.request_choices import validate_request_choices
 from kvforge.engine.sampler import Sampler, compute_prompt_logprobs
 from kvforge.engine.sampling_params import SamplingParams
-from kvforge.engine.schedule_check import checked_schedule
+from kvforge.engine.schedule_check import checked_schedule, checked_update
 from kvforge.engine.tokenizer import check_text, eos_token_ids, extra_eos_token_ids, load_tokenizer
 from kvforge.interfaces import SchedulerOutput
 from kvforge.plugin_manager import Registry, load_registry
@@ -332,7 +332,7 @@ class LLMEngine:
                 new = {}
                 sample_reqs = []
         before = {req.request_id: req.num_output_tokens for req in sample_reqs}
-        self.scheduler.update(so, sampled)
+        checked_update(self.scheduler, self._scheduler_who, so, sampled)
         for req in sample_reqs:
             touched[req.parent_id] = None
             # Tokens the scheduler kept (an EOS / stop id / max_tokens inside an accepted

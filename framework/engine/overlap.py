@@ -57,6 +57,7 @@ from kvforge.engine.request import (
     drop_placeholders,
 )
 from kvforge.engine.sampler import PendingSamplerOutput
+from kvforge.engine.schedule_check import checked_update
 from kvforge.interfaces import SchedulerOutput
 
 
@@ -136,7 +137,7 @@ class OverlapStepper:
         if so.scheduled:
             placeholder = [PLACEHOLDER_TOKEN_ID]
             sampled = {r.request_id: placeholder for r in launched.requests} if launched else {}
-            e.scheduler.update(so, sampled)  # skips requests step N just finished
+            checked_update(e.scheduler, e._scheduler_who, so, sampled)  # skips requests step N just finished
             if launched is not None:
                 for r in launched.requests:
                     if r.output_token_ids and r.output_token_ids[-1] == PLACEHOLDER_TOKEN_ID \

@@ -35,24 +35,46 @@ def checked_schedule(scheduler: "Scheduler", who: str, max_num_seqs: int, max_nu
         SchedulerContractError: the step has more than ``max_num_seqs`` requests, a request
             no longer in flight, or more tokens than the budget.
     """
-    try:
-        so = scheduler.schedule()
-    except Exception as e:
-        # The type stays (callers and tests catch by type; the allocator's own errors surface
-        # here too): the note names the plugin under the traceback.
-        e.add_note(f"kvforge: raised during schedule() of {who}")
-        raise
+    so = _attributed(scheduler.schedule, "schedule()", who)
+    from kvforge.interfaces import SchedulerOutput
+    if not isinstance(so, SchedulerOutput):
+        raise SchedulerContractError(f"{who}: schedule() returned {type(so).__name__}, not a SchedulerOutput")
     if len(so.scheduled) > max_num_seqs:
         raise SchedulerContractError(f"{who} scheduled {len(so.scheduled)} requests in one step, more than "
                                      f"scheduler.max_num_seqs ({max_num_seqs})")
-    if live_parents is not None:  # (its blocks and outputs are gone: it would crash later, unnamed)
-        for req in so.scheduled:
-            if req.parent_id not in live_parents:
-                raise SchedulerContractError(f"{who} scheduled request {req.request_id!r}, which has already "
-                                             f"finished or was aborted: update / finish_requests must take a "
-                                             f"finished request out of the scheduler's queues")
-    total = sum(so.num_scheduled_tokens.values())
+    counts = so.num_scheduled_tokens
+    for req in so.scheduled:  # (a request it got wrong would fail later in the model runner, unnamed)
+        if live_parents is not None and req.parent_id not in live_parents:
+            raise SchedulerContractError(f"{who} scheduled request {req.request_id!r}, which has already "
+                                         f"finished or was aborted: update / finish_requests must take a "
+                                         f"finished request out of the scheduler's queues")
+        got = counts.get(req.request_id)
+        if not isinstance(got, int) or got < 1:
+            raise SchedulerContractError(f"{who} scheduled request {req.request_id!r} with "
+                                         f"num_scheduled_tokens {got!r}: every scheduled request needs a count "
+                                         f">= 1 (and an unscheduled one none)")
+    total = sum(counts.values())
     if max_num_batched_tokens is not None and total > max_num_batched_tokens:
         raise SchedulerContractError(f"{who} scheduled {total} tokens in one step, more than "
                                      f"scheduler.max_num_batched_tokens ({max_num_batched_tokens})")
     return so
+
+
+def checked_update(scheduler: "Scheduler", who: str, so: "SchedulerOutput", sampled: dict) -> None:
+    """``scheduler.update(so, sampled)``, its errors attributed to the plugin as
+    :func:`checked_schedule` does."""
+    _attributed(lambda: scheduler.update(so, sampled), "update()", who)
+
+
+def _attributed(call, what: str, who: str):
+    """``call()``; an exception gets a note naming the plugin and the method (its type stays:
+    callers and tests catch by type, and the allocator's own errors surface here too), and a
+    ``sys.exit()`` inside the plugin becomes a SchedulerContractError naming it instead of
+    ending the process (a server would otherwise die with nothing in its log)."""
+    try:
+        return call()
+    except SystemExit as e:
+        raise SchedulerContractError(f"{who} called sys.exit({e.code!r}) in {what}") from e
+    except Exception as e:
+        e.add_note(f"kvforge: raised during {what} of {who}")
+        raise

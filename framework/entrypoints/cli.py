@@ -245,7 +245,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvforge: error: {config_error_message(e)}", file=sys.stderr)
         return 2
     except (ValueError, RuntimeError, OSError) as e:
-        print(f"kvforge: error: {e}", file=sys.stderr)
+        # the notes name the plugin an error came from (build_plugin, checked_schedule)
+        notes = "".join(f"\n  {n}" for n in getattr(e, "__notes__", ()))
+        print(f"kvforge: error: {e}{notes}", file=sys.stderr)
         return 2
 
 

@@ -1,0 +1,101 @@
+"""Plugin mistakes found by session 20's QA passes (a plugin author's first day): a broken
+plugin must not stop `kvforge plugins` from listing the rest; an error inside a factory is
+printed with the note naming its plugin; an entry point that names a function, a factory that
+returns its class, and register(settings=...) each get a message saying what to change."""
+from __future__ import annotations
+
+import pytest
+
+import kvforge.plugin_manager as plugin_manager
+from helpers import STORIES_MODEL
+from kvforge.entrypoints.cli import main as cli_main
+from kvforge.plugin_manager import PluginError, PluginSpec, build_plugin, load_registry
+from kvforge_plugins.attention.torch_ref import TorchRefBackend
+from kvforge_plugins.schedulers.base import QueueSettings
+from kvforge_plugins.schedulers.fcfs import make_fcfs
+from test_plugin_errors import _FakeEntryPoint, _module, _registering
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch):
+    monkeypatch.delenv("KVFORGE_PLUGINS", raising=False)
+    monkeypatch.delenv("KVFORGE_DISABLE_PLUGINS", raising=False)
+
+
+def test_plugins_command_lists_the_working_plugins_beside_broken_ones(monkeypatch, capsys):
+    """A QA report: one broken third-party plugin made `kvforge plugins`, the command that
+    diagnoses an installation, fail with nothing listed. Each kind of breakage is left out
+    alone, with what it registered before it broke, and named on stderr."""
+    def raises_after_one(register):
+        register("half_done", make_fcfs, QueueSettings)
+        raise ValueError("second registration failed")
+
+    class _BadImport(_FakeEntryPoint):
+        def load(self):
+            raise ImportError("no module named acme_dep")
+    no_api = _module("no_api", kvforge_register_schedulers=lambda register: None)
+    del no_api.KVFORGE_HOOK_API
+    broken = [_BadImport("bad_import", None),
+              _FakeEntryPoint("no_api", no_api),
+              _FakeEntryPoint("typo", _module("typo", kvforge_register_schedulerz=lambda register: None)),
+              _FakeEntryPoint("half", _module("half", kvforge_register_schedulers=raises_after_one)),
+              _FakeEntryPoint("dup", _registering("dup", "kvforge_register_schedulers",
+                                                  ("fcfs", make_fcfs, QueueSettings)))]
+    real = plugin_manager.enabled_entry_points()
+    monkeypatch.setattr(plugin_manager, "enabled_entry_points", lambda: real + broken)
+    reg = load_registry(keep_going=True)
+    assert sorted(p for p, _, _ in reg.broken) == ["bad_import", "dup", "half", "no_api", "typo"]
+    assert "half_done" not in reg.names("scheduler") and "fcfs" in reg.names("scheduler")
+    assert reg.get("scheduler", "fcfs").plugin != "dup"  # the built-in keeps its name
+    assert not {p for p, *_ in reg.loaded_plugins} & {"half", "dup", "typo", "no_api"}
+    assert cli_main(["plugins"]) == 1
+    out, err = capsys.readouterr()
+    listed = {tuple(line.split()[:2]) for line in out.splitlines()}
+    assert {("scheduler", "fcfs"), ("attention", "torch_ref")} <= listed and ("scheduler", "half_done") not in listed
+    for part in ("broken plugin 'bad_import'", "ImportError: no module named acme_dep", "broken plugin 'no_api'",
+                 "KVFORGE_HOOK_API", "kvforge_register_schedulerz", "broken plugin 'half'",
+                 "second registration failed", "registered twice"):
+        assert part in err, f"{part!r} not in: {err}"
+    monkeypatch.setattr(plugin_manager, "enabled_entry_points", lambda: real)
+    assert cli_main(["plugins"]) == 0
+
+
+def test_cli_prints_the_note_naming_a_plugin_whose_factory_raised(monkeypatch, capsys):
+    """A QA finding: a ValueError from inside a plugin's factory printed only its message."""
+    def make(config, allocator, settings, ctx):
+        return int("3x")
+    mod = _registering("acme_sched", "kvforge_register_schedulers", ("acme", make, None))
+    real = plugin_manager.enabled_entry_points()
+    monkeypatch.setattr(plugin_manager, "enabled_entry_points", lambda: real + [_FakeEntryPoint("acme_sched", mod)])
+    assert cli_main(["generate", "--model", STORIES_MODEL, "--scheduler", "acme", "--max-tokens", "2", "Once"]) == 2
+    err = capsys.readouterr().err
+    assert "kvforge: error: invalid literal for int() with base 10: '3x'" in err, err
+    assert "kvforge: raised while building scheduler 'acme' (plugin acme_sched, distribution acme-boom" in err, err
+
+
+def test_factory_returning_its_class_says_so():
+    spec = PluginSpec("attention", "cls", lambda *a: TorchRefBackend, None, "p", "d", "1", "1")
+    with pytest.raises(PluginError, match="returned the class kvforge_plugins.attention.torch_ref.TorchRefBackend "
+                                          "itself, not an instance"):
+        build_plugin(spec, None, None, None, None)
+
+
+def test_entry_point_naming_a_function_says_so(monkeypatch):
+    """A QA finding: "mod:kvforge_register_schedulers" as the entry point was diagnosed as a
+    module without KVFORGE_HOOK_API, which the module did declare."""
+    def kvforge_register_schedulers(register):
+        pass
+    kvforge_register_schedulers.__module__ = "acme_mod"
+    monkeypatch.setattr(plugin_manager, "enabled_entry_points",
+                        lambda: [_FakeEntryPoint("qa_ep", kvforge_register_schedulers)])
+    with pytest.raises(PluginError, match=r"its entry point names the function acme_mod\..*kvforge_register_schedulers; "
+                                          r"it must name the plugin module, e.g. qa_ep = \"acme_mod\""):
+        load_registry()
+
+
+def test_settings_keyword_instead_of_settings_model_is_refused():
+    def hook(register):
+        register("s", make_fcfs, settings=QueueSettings)
+    with pytest.raises(PluginError, match=r"registers scheduler 's' with settings=\.\.\.; the keyword is "
+                                          r"settings_model="):
+        load_registry(extra_plugins=[("kw_plugin", _module("kw_plugin", kvforge_register_schedulers=hook))])
