@@ -350,5 +350,16 @@ def test_cli_plugins_explain_names_each_backends_verdict(capsys, monkeypatch):
     out = capsys.readouterr().out
     assert not out.lstrip().startswith("KIND")  # the section alone, not the whole table first
     assert f"attention backends for {STORIES_MODEL} on cpu" in out
-    assert "torch_ref (priority 0): ok" in out
+    assert "torch_ref (priority 0): ok, picked by auto" in out
     assert re.search(r"triton_paged \(priority \d+\): rejected: needs a CUDA device", out), out
+
+
+def test_cli_plugins_explain_reads_the_model_from_config_and_needs_one(capsys, monkeypatch, tmp_path):
+    """A QA finding: --explain ignored --config, and without a model it said so with status 0."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    cfg = tmp_path / "engine.yaml"
+    cfg.write_text(f"model:\n  model: {STORIES_MODEL}\ncache:\n  block_size: 32\n")
+    assert cli_main(["plugins", "--explain", "--config", str(cfg)]) == 0
+    assert f"attention backends for {STORIES_MODEL} on cpu (torch.float32; block_size 32)" in capsys.readouterr().out
+    assert cli_main(["plugins", "--explain"]) == 2
+    assert "model: Field required (pass --model DIR" in capsys.readouterr().err

@@ -149,29 +149,35 @@ def _print_settings(specs: list) -> None:
 
 
 def _explain(args: argparse.Namespace, reg) -> None:
-    """Show why each attention backend is or is not eligible for ``auto`` on this machine."""
-    import torch
-
-    from kvforge.engine.builder import load_hf_config, resolve_device, resolve_dtype
+    """Show why each attention backend is or is not eligible for ``auto`` on this machine, and
+    which one ``auto`` picks, for the model of --model or of --config (required: its head
+    sizes and dtype decide)."""
+    from kvforge.engine.builder import load_hf_config
+    from kvforge.engine.resolve import choose_attention, resolve_device, resolve_dtype
     from kvforge.interfaces import AttentionRequirements
     from kvforge.plugin_manager import validate_backend
-    if not args.model:
-        print("\n(--explain needs --model to know head sizes and dtype)")
-        return
-    cfg = EngineConfig.from_sources(args.config, {"model": args.model})
-    hf = load_hf_config(args.model)
+    cfg = EngineConfig.from_sources(args.config, {"model": args.model} if args.model else {})
+    model = cfg.model.model
+    hf = load_hf_config(model)
     dev = resolve_device(cfg.model.device)
     dtype = resolve_dtype(cfg.model.dtype, hf)
     nh = hf.num_attention_heads
     req = AttentionRequirements(dtype, getattr(hf, "head_dim", None) or hf.hidden_size // nh, nh,
                                 getattr(hf, "num_key_value_heads", None) or nh, cfg.cache.block_size, dtype)
-    print(f"\nattention backends for {args.model} on {dev} ({dtype}):")
+    try:
+        picked = choose_attention(reg, "auto", req, dev)[0].name
+    except ValueError:
+        picked = None
+    print(f"\nattention backends for {model} on {dev} ({dtype}; block_size {cfg.cache.block_size}):")
     for name in reg.names("attention"):
         spec = reg.get("attention", name)
         reasons = validate_backend(spec, req, dev)
         prio = spec.capabilities.get("priority", 0)
-        print(f"  {name} (priority {prio}): " + ("ok" if not reasons else "rejected: " + "; ".join(reasons)))
-    del torch
+        verdict = "rejected: " + "; ".join(reasons) if reasons else "ok" + (", picked by auto" if name == picked else "")
+        print(f"  {name} (priority {prio}): {verdict}")
+    configured = cfg.attention.backend
+    if configured != "auto":
+        print(f"  (the config names attention.backend {configured!r})")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -229,7 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--model", help="model directory for --explain")
     pl.add_argument("--settings", nargs="?", const="", default=None, metavar="KIND[:NAME]",
                     help="list each plugin's settings and their config path (optionally one kind or plugin)")
-    pl.add_argument("--config")
+    pl.add_argument("--config", help="engine config (YAML or JSON) --explain reads the model, device, dtype and "
+                    "block_size from")
     pl.set_defaults(func=cmd_plugins)
     from kvforge.bench import add_bench_subparsers
     add_bench_subparsers(sub)  # `bench ab`, `bench calibrate`; `bench serve` joins the same group below
