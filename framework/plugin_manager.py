@@ -88,7 +88,12 @@ class Registry:
         table = self._specs[kind]
         if name not in table:
             known = ", ".join(sorted(table)) or "(none)"
-            raise ValueError(f"unknown {kind} {name!r}; registered {kind}s: {known}")
+            filters = [f"{var}={os.environ[var]}" for var in ("KVFORGE_PLUGINS", "KVFORGE_DISABLE_PLUGINS")
+                       if _env_list(var) is not None]
+            why = (f"; {' and '.join(filters)} limit which plugins load" if filters else
+                   f" (a plugin is found through the {ENTRY_POINT_GROUP!r} entry-point group of an installed "
+                   f"distribution: `kvforge plugins` lists what loaded)")
+            raise ValueError(f"unknown {kind} {name!r}; registered {kind}s: {known}{why}")
         return table[name]
 
     def names(self, kind: str) -> list[str]:

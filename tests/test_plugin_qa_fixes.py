@@ -99,3 +99,14 @@ def test_settings_keyword_instead_of_settings_model_is_refused():
     with pytest.raises(PluginError, match=r"registers scheduler 's' with settings=\.\.\.; the keyword is "
                                           r"settings_model="):
         load_registry(extra_plugins=[("kw_plugin", _module("kw_plugin", kvforge_register_schedulers=hook))])
+
+
+def test_unknown_name_says_where_plugins_come_from_or_which_filter_hid_it(monkeypatch):
+    reg = load_registry()
+    with pytest.raises(ValueError, match=r"unknown scheduler 'qa_noep'; registered schedulers: .*fcfs.* \(a plugin is "
+                                         r"found through the 'kvforge.plugins' entry-point group"):
+        reg.get("scheduler", "qa_noep")
+    monkeypatch.setenv("KVFORGE_PLUGINS", "fcfs")
+    with pytest.raises(ValueError, match=r"unknown kv_allocator 'paged'; registered kv_allocators: \(none\); "
+                                         r"KVFORGE_PLUGINS=fcfs limit which plugins load"):
+        load_registry().get("kv_allocator", "paged")
