@@ -334,7 +334,8 @@ def test_cli_plugins_settings_lists_fields_and_config_path(capsys):
     assert not out.startswith("KIND")  # the section alone, not the whole table first
     assert cli_main(["plugins", "--settings", "drafter"]) == 0
     out = capsys.readouterr().out
-    assert "drafter ngram: speculative.settings" in out and "prompt_lookup_max: int (default 4)" in out
+    assert "drafter ngram: speculative.settings" in out and "prompt_lookup_max: int (default 4, >= 1)" in out
+    assert out.startswith("drafter")  # no blank line first
     assert cli_main(["plugins", "--settings", "quantiser"]) == 2
     cap = capsys.readouterr()
     assert "no plugin matches 'quantiser'" in cap.err and "kinds: " in cap.err and "quantizer" in cap.err

@@ -133,10 +133,20 @@ def _settings_specs(reg, which: str) -> list:
     return specs
 
 
+_BOUNDS = (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<="), ("min_length", "length >="),
+           ("max_length", "length <="))
+
+
+def _bounds(field) -> str:
+    """A pydantic field's numeric / length constraints (``Field(ge=0, le=1)``) as ``, >= 0, <= 1``."""
+    out = [f"{sym} {getattr(m, attr)}" for m in field.metadata for attr, sym in _BOUNDS
+           if getattr(m, attr, None) is not None]
+    return "".join(f", {b}" for b in out)
+
+
 def _print_settings(specs: list) -> None:
-    """Each plugin's settings (its pydantic model's fields: type, default) under the config
-    path that takes them."""
-    print()
+    """Each plugin's settings (its pydantic model's fields: type, default, bounds) under the
+    config path that takes them."""
     for spec in specs:
         model = spec.settings_model
         fields = getattr(model, "model_fields", {}) if model is not None else {}
@@ -145,7 +155,7 @@ def _print_settings(specs: list) -> None:
         for fname, f in fields.items():
             ann = _type_name(f.annotation)
             default = "required" if f.is_required() else f"default {f.get_default(call_default_factory=True)!r}"
-            print(f"  {fname}: {ann} ({default})" + (f" - {f.description}" if f.description else ""))
+            print(f"  {fname}: {ann} ({default}{_bounds(f)})" + (f" - {f.description}" if f.description else ""))
 
 
 def _explain(args: argparse.Namespace, reg) -> None:
