@@ -223,6 +223,8 @@ def load_registry(extra_plugins: Iterable[tuple[str, Any]] = (), *, keep_going: 
                 spec = PluginSpec(_kind, name, factory, settings_model, _impl.plugin_name, _dist, _ver, _api,
                                   dict(capabilities))
                 _check_settings_model(spec, _hook)
+                if _kind == "attention":
+                    _check_attention_class(spec)
                 registry.add(spec)
 
             try:
@@ -262,6 +264,19 @@ def _register(pm: pluggy.PluginManager, name: str, obj: Any, dist: str) -> str:
         raise PluginError(f"plugin {name!r} (distribution {dist}) implements a hook kvforge does not define: "
                           f"{e}") from e
     return api
+
+
+def _check_attention_class(spec: PluginSpec) -> None:
+    """An attention backend registers its class: ``auto`` calls ``cls.validate(req, device)``
+    before building anything, then the engine calls ``cls(settings)``."""
+    who = describe_plugin(spec)
+    if not inspect.isclass(spec.factory):
+        raise PluginError(f"{who}: registers a {type(spec.factory).__name__}; an attention backend registers its "
+                          "AttentionBackend subclass itself (the engine calls cls.validate(req, device), then "
+                          "cls(settings))")
+    if not isinstance(inspect.getattr_static(spec.factory, "validate", None), (classmethod, staticmethod)):
+        raise PluginError(f"{who}: {spec.factory.__qualname__}.validate must be a @classmethod (it is called "
+                          "on the class, before any instance exists)")
 
 
 def _warn_registers_nothing(name: str, dist: str, version: str, obj: Any) -> None:

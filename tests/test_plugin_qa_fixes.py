@@ -110,3 +110,20 @@ def test_unknown_name_says_where_plugins_come_from_or_which_filter_hid_it(monkey
     with pytest.raises(ValueError, match=r"unknown kv_allocator 'paged'; registered kv_allocators: \(none\); "
                                          r"KVFORGE_PLUGINS=fcfs limit which plugins load"):
         load_registry().get("kv_allocator", "paged")
+
+
+def test_attention_registration_mistakes_say_what_to_register():
+    def as_function(settings):
+        return TorchRefBackend(settings)
+
+    class PlainValidate(TorchRefBackend):
+        def validate(self, req, device):  # forgot @classmethod
+            return []
+
+    for factory, msg in ((as_function, r"registers a function; an attention backend registers its AttentionBackend "
+                                       r"subclass itself"),
+                         (PlainValidate, r"PlainValidate.validate must be a @classmethod")):
+        def hook(register, factory=factory):
+            register("mine", factory)
+        with pytest.raises(PluginError, match=msg):
+            load_registry(extra_plugins=[("attn_plugin", _module("attn_plugin", kvforge_register_attention_backends=hook))])
