@@ -127,3 +127,13 @@ def test_attention_registration_mistakes_say_what_to_register():
             register("mine", factory)
         with pytest.raises(PluginError, match=msg):
             load_registry(extra_plugins=[("attn_plugin", _module("attn_plugin", kvforge_register_attention_backends=hook))])
+
+
+def test_conformance_settings_with_a_typo_are_a_usage_error_up_front():
+    """A QA finding: a misspelled setting failed every case of the suite with one traceback each."""
+    from helpers import FakePytestConfig
+    from kvforge.testing import pytest_plugin
+    cfg = FakePytestConfig(["scheduler:fcfs"], ['scheduler:fcfs={"preemption_mod": "swap"}'])
+    with pytest.raises(pytest.UsageError, match=r"--kvforge-conformance scheduler:fcfs: invalid settings for "
+                                                r"scheduler 'fcfs': --kvforge-settings scheduler:fcfs.preemption_mod"):
+        pytest_plugin.pytest_configure(cfg)

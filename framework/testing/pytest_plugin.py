@@ -91,9 +91,12 @@ def pytest_configure(config: pytest.Config) -> None:
         registry = default_registry()
     except Exception as e:  # a broken plugin: say which, without a traceback
         raise pytest.UsageError(f"--kvforge-conformance: loading kvforge plugins failed: {e}") from None
+    from kvforge.engine.resolve import validate_plugin_settings
     for kind, name in targets:
         try:
-            registry.get(kind, name)
+            spec = registry.get(kind, name)
+            if (kind, name) in settings:  # a typo fails once, here, not in every case of the suite
+                validate_plugin_settings(spec, settings[(kind, name)], f"--kvforge-settings {kind}:{name}")
         except ValueError as e:
             hint = ""
             if kind == "drafter" and not registry.names("drafter"):
