@@ -88,8 +88,8 @@ def test_entry_point_naming_a_function_says_so(monkeypatch):
     kvforge_register_schedulers.__module__ = "acme_mod"
     monkeypatch.setattr(plugin_manager, "enabled_entry_points",
                         lambda: [_FakeEntryPoint("qa_ep", kvforge_register_schedulers)])
-    with pytest.raises(PluginError, match=r"its entry point names the function acme_mod\..*kvforge_register_schedulers; "
-                                          r"it must name the plugin module, e.g. qa_ep = \"acme_mod\""):
+    with pytest.raises(PluginError, match=r"its entry point names the function acme_mod\..*kvforge_register_"
+                                          r"schedulers; it must name the plugin module, e.g. qa_ep = \"acme_mod\""):
         load_registry()
 
 
@@ -126,7 +126,8 @@ def test_attention_registration_mistakes_say_what_to_register():
         def hook(register, factory=factory):
             register("mine", factory)
         with pytest.raises(PluginError, match=msg):
-            load_registry(extra_plugins=[("attn_plugin", _module("attn_plugin", kvforge_register_attention_backends=hook))])
+            plugin = _module("attn_plugin", kvforge_register_attention_backends=hook)
+            load_registry(extra_plugins=[("attn_plugin", plugin)])
 
 
 def test_conformance_settings_with_a_typo_are_a_usage_error_up_front():

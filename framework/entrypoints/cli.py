@@ -183,7 +183,8 @@ def _explain(args: argparse.Namespace, reg) -> None:
         spec = reg.get("attention", name)
         reasons = validate_backend(spec, req, dev)
         prio = spec.capabilities.get("priority", 0)
-        verdict = "rejected: " + "; ".join(reasons) if reasons else "ok" + (", picked by auto" if name == picked else "")
+        verdict = ("rejected: " + "; ".join(reasons) if reasons else
+                   "ok" + (", picked by auto" if name == picked else ""))
         print(f"  {name} (priority {prio}): {verdict}")
     configured = cfg.attention.backend
     if configured != "auto":
