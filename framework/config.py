@@ -293,7 +293,9 @@ class EngineConfig(_Section):
             path = _override_path(key).split(".")
             if len(path) == 1:
                 raise ValueError(f"unknown config option {key!r}; known flat options: "
-                                 f"{', '.join(sorted(FLAT_FIELDS))}")
+                                 f"{', '.join(sorted(FLAT_FIELDS))}; any other field by its dotted path "
+                                 f"(e.g. **{{'scheduler.settings': {{...}}}}) or a whole section "
+                                 f"(e.g. scheduler={{'name': ..., 'settings': {{...}}}})")
             node = data
             for part in path[:-1]:
                 node = node.setdefault(part, {})

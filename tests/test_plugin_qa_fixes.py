@@ -138,3 +138,12 @@ def test_conformance_settings_with_a_typo_are_a_usage_error_up_front():
     with pytest.raises(pytest.UsageError, match=r"--kvforge-conformance scheduler:fcfs: invalid settings for "
                                                 r"scheduler 'fcfs': --kvforge-settings scheduler:fcfs.preemption_mod"):
         pytest_plugin.pytest_configure(cfg)
+
+
+def test_unknown_llm_keyword_shows_the_forms_that_work():
+    from kvforge.config import EngineConfig
+    with pytest.raises(ValueError, match=r"unknown config option 'scheduler_settings'; known flat options: .*; any "
+                                         r"other field by its dotted path \(e.g. \*\*\{'scheduler.settings'"):
+        EngineConfig.from_sources(None, {"model": STORIES_MODEL, "scheduler_settings": {"x": 1}})
+    cfg = EngineConfig.from_sources(None, {"model": STORIES_MODEL, "scheduler.settings": {"preemption_mode": "swap"}})
+    assert cfg.scheduler.settings == {"preemption_mode": "swap"}
