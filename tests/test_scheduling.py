@@ -280,3 +280,20 @@ def test_the_engine_stops_a_scheduler_that_breaks_its_limits():
         assert who in str(ei.value) or any(who in n for n in getattr(ei.value, "__notes__", [])), ei.value
         if name == "update_raises":
             assert any("raised during update() of" in n for n in ei.value.__notes__), ei.value.__notes__
+
+
+def test_fcfs_refuses_a_prefill_cap_it_cannot_honour():
+    """A QA finding: fcfs (no chunking) with long_prefill_token_threshold below a prompt's length
+    spun forever, the prompt never scheduled and every request behind it blocked."""
+    from helpers import make_engine
+    with pytest.raises(ValueError, match=r"scheduler.settings.long_prefill_token_threshold: caps prefill chunks, "
+                                         r"and FCFSScheduler does not chunk prefills"):
+        make_engine(dtype="float32", scheduler="fcfs", **{"scheduler.settings": {"long_prefill_token_threshold": 4}})
+    engine = make_engine(dtype="float32", scheduler="chunked_prefill",
+                         **{"scheduler.settings": {"long_prefill_token_threshold": 4}})
+    engine.add_request("r", {"prompt_token_ids": [1] + list(range(3, 20))}, SamplingParams(max_tokens=2))
+    for _ in range(50):
+        engine.step()
+        if not engine.has_unfinished_requests():
+            break
+    assert not engine.has_unfinished_requests()  # 18 prompt tokens in chunks of 4, then 2 tokens

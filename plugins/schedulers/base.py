@@ -44,6 +44,11 @@ class QueueScheduler(Scheduler):
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                  allocator: KVAllocator, settings: QueueSettings | None = None, num_cpu_blocks: int = 0) -> None:
         settings = settings or QueueSettings()
+        if settings.long_prefill_token_threshold and not self.enable_chunking:
+            # a prompt longer than the cap could never run whole, and this scheduler cannot split it
+            raise ValueError(f"scheduler.settings.long_prefill_token_threshold: caps prefill chunks, and "
+                             f"{type(self).__name__} does not chunk prefills (a prompt runs whole); leave it 0, "
+                             f"or use a chunking scheduler (chunked_prefill)")
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
