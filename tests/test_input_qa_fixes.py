@@ -66,3 +66,30 @@ def test_gpu_memory_utilization_that_does_not_apply_is_named(caplog):
     with caplog.at_level(logging.WARNING, logger="kvforge"):
         make_engine(device="cpu", kv_cache_memory_bytes=1 << 20)
     assert "gpu_memory_utilization" not in caplog.text  # not set: nothing to say
+
+
+def test_generate_from_several_threads_runs_each_call_whole():
+    """A QA finding: two threads calling generate on one LLM stepped the engine together; a step
+    failed for one and the other waited forever for outputs the first had taken."""
+    import threading
+
+    from kvforge import LLM
+    llm = LLM(STORIES_MODEL, dtype="float32", max_num_seqs=4)
+    sp = SamplingParams(temperature=0, max_tokens=24)
+    prompts = [["Once upon a time", "The cat"], ["A little girl", "One day, a dog"], ["Tom had a ball"]]
+    ref = [[o.outputs[0].token_ids for o in llm.generate(p, sp, use_tqdm=False)] for p in prompts]
+    got, errors = [None] * len(prompts), []
+
+    def run(i):
+        try:
+            got[i] = [o.outputs[0].token_ids for o in llm.generate(prompts[i], sp, use_tqdm=False)]
+        except Exception as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors and not any(t.is_alive() for t in threads), errors
+    assert got == ref
+    assert llm.llm_engine.allocator.num_free_blocks == llm.llm_engine.allocator.num_blocks

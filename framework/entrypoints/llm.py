@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import threading
 from typing import Any, Iterable, Sequence
 
 from tqdm.auto import tqdm
@@ -38,6 +39,9 @@ class LLM:
             raise ValueError(config_error_message(e)) from None
         self.llm_engine = create_engine(cfg)
         self._counter = itertools.count()
+        # one generate() drives the engine at a time: two threads stepping one engine would
+        # take each other's outputs (another thread's call waits its turn)
+        self._busy = threading.Lock()
 
     def start_profile(self, out_dir: str | None = None) -> None:
         """Start torch.profiler in the engine's processes (see ``LLMEngine.start_profile``;
@@ -109,6 +113,8 @@ class LLM:
         ``prompts``: a string, a ``{"prompt_token_ids": [...]}`` dict, or a list of them.
         ``sampling_params``: one for all, or one per prompt (default: ``SamplingParams()``).
 
+        Thread-safe: calls from several threads run one after another.
+
         Raises:
             ValueError: bad prompt or params (nothing is queued then).
         """
@@ -132,6 +138,10 @@ class LLM:
         prios = list(priority) if priority is not None else [0] * len(prompts)
         if len(prios) != len(prompts):
             raise ValueError(f"priority: got {len(prios)} values for {len(prompts)} prompts")
+        with self._busy:
+            return self._generate(prompts, params, prios, use_tqdm)
+
+    def _generate(self, prompts: list, params: list, prios: list, use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
         ids = [f"llm-{next(self._counter)}" for _ in prompts]
         # Validate the whole batch first: a bad prompt queues nothing.
