@@ -93,3 +93,18 @@ def test_generate_from_several_threads_runs_each_call_whole():
     assert not errors and not any(t.is_alive() for t in threads), errors
     assert got == ref
     assert llm.llm_engine.allocator.num_free_blocks == llm.llm_engine.allocator.num_blocks
+
+
+def test_numpy_integers_work_everywhere_an_int_does():
+    """A QA finding: seed=np.int64(3) passed validation, then generate raised a bare TypeError."""
+    import numpy as np
+
+    from kvforge import LLM
+    sp = SamplingParams(temperature=1.0, seed=np.int64(3), max_tokens=np.int32(6), n=np.int64(2),
+                        stop_token_ids=[np.int64(5)])
+    assert type(sp.seed) is int and type(sp.max_tokens) is int and type(sp.stop_token_ids[0]) is int
+    llm = LLM(STORIES_MODEL, dtype="float32")
+    a = llm.generate("Once upon a time", sp, use_tqdm=False)[0]
+    b = llm.generate("Once upon a time", SamplingParams(temperature=1.0, seed=3, max_tokens=6, n=2,
+                                                        stop_token_ids=[5]), use_tqdm=False)[0]
+    assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]

@@ -85,11 +85,16 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         self._verify_types()
+        # numpy integers pass the checks; Python ints from here on (torch.Generator.manual_seed
+        # refuses numpy's, and seed + i must not wrap at 64 bits)
+        for name in ("n", "top_k", "min_tokens", "max_tokens", "logprobs", "prompt_logprobs", "seed"):
+            if getattr(self, name) is not None:
+                setattr(self, name, int(getattr(self, name)))
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         # duplicates dropped (first occurrence kept): the list is checked at every step
-        self.stop_token_ids = list(dict.fromkeys(self.stop_token_ids or []))
+        self.stop_token_ids = list(dict.fromkeys(int(t) for t in self.stop_token_ids or []))
         if self.logit_bias:
             self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
         self._verify()
