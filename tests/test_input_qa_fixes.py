@@ -108,3 +108,28 @@ def test_numpy_integers_work_everywhere_an_int_does():
     b = llm.generate("Once upon a time", SamplingParams(temperature=1.0, seed=3, max_tokens=6, n=2,
                                                         stop_token_ids=[5]), use_tqdm=False)[0]
     assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
+
+
+def test_min_tokens_holds_back_stop_strings_and_stop_needs_detokenize():
+    """QA findings: a stop string ended the text inside min_tokens (vLLM ignores stop strings
+    there), and stop strings were silently ignored with detokenize=False (vLLM refuses them)."""
+    from kvforge import LLM
+    llm = LLM(STORIES_MODEL, dtype="float32")
+    free = llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)[0]
+    ids, text = free.outputs[0].token_ids, free.outputs[0].text
+    tok = llm.get_tokenizer()
+    # a stop string that occurs early in the greedy text and again later
+    first = next(a for a in range(len(text) - 1) if text.find(text[a:a + 2], a + 12) > 0)
+    stop = text[first:first + 2]
+    k = next(j for j in range(1, len(ids) + 1) if len(tok.decode(ids[:j])) > first)  # tokens to reach it
+    got = llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=40, stop=[stop]),
+                       use_tqdm=False)[0].outputs[0]
+    assert got.text == text[:first] and got.stop_reason == stop
+    held = llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=40, stop=[stop], min_tokens=k),
+                        use_tqdm=False)[0].outputs[0]
+    assert len(held.token_ids) > k and held.token_ids == ids[:len(held.token_ids)]  # the same greedy run
+    searched_from = len(tok.decode(ids[:k]))
+    later = text.find(stop, searched_from)
+    assert later > first and held.text == text[:later] and held.stop_reason == stop, (held.text, text, k)
+    with pytest.raises(ValueError, match="stop: stop strings need detokenize=True"):
+        SamplingParams(stop=["x"], detokenize=False)

@@ -123,6 +123,8 @@ class IncrementalDetokenizer:
         self._chunks: list[str] = []     # output text, in pieces (joined lazily)
         self._num_chars = 0
         self._tail = ""                  # last max_stop_len - 1 chars of the output text
+        # vLLM's rule: the text of the first min_tokens tokens is never searched for stop strings
+        self._unchecked_tokens = params.min_tokens
         self._undelivered: list[str] = []  # pieces not yet returned by get_delta()
         self._delivered_chars = 0
 
@@ -177,6 +179,11 @@ class IncrementalDetokenizer:
             return None, len(new_token_ids)
         for i, token_id in enumerate(new_token_ids):
             piece = self._step(int(token_id))
+            if self._unchecked_tokens > 0:  # (within min_tokens: no match, and none may start here)
+                self._unchecked_tokens -= 1
+                if piece:
+                    self._append(piece)
+                continue
             if not piece:
                 continue
             prev_tail = self._tail

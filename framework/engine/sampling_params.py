@@ -50,7 +50,8 @@ class SamplingParams:
             duplicates dropped).
         ignore_eos: keep generating after EOS.
         max_tokens: generated tokens cap (None = up to max_model_len).
-        min_tokens: EOS and stop_token_ids are masked until this many tokens exist.
+        min_tokens: EOS and stop_token_ids are masked until this many tokens exist, and the
+            text of the first min_tokens tokens is not searched for stop strings (vLLM's rule).
         logprobs: return this many top log-probabilities per generated token (plus the sampled one).
         prompt_logprobs: the same for prompt tokens.
         logit_bias: token id -> additive bias applied to logits (finite, |bias| <= 1e10).
@@ -153,6 +154,8 @@ class SamplingParams:
 
         if self.n < 1:
             raise bad("n", "must be an integer >= 1")
+        if self.stop and not self.detokenize:  # (as vLLM: they are matched in the text)
+            raise bad("stop", "stop strings need detokenize=True")
         if self.temperature < 0:
             raise bad("temperature", "must be >= 0")
         if not 0 < self.top_p <= 1:
