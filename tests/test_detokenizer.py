@@ -335,7 +335,7 @@ def test_streaming_holds_back_stop_prefix(tok):
 
 
 def test_detokenize_false(tok):
-    d = IncrementalDetokenizer(tok, [1], SamplingParams(detokenize=False, stop=["a"]))
+    d = IncrementalDetokenizer(tok, [1], SamplingParams(detokenize=False))  # (stop strings need text: refused)
     ids = tok.encode("a b c", add_special_tokens=False)
     assert d.update(ids) == (None, len(ids))
     assert d.output_text == "" and d.get_delta() == ""
