@@ -133,3 +133,11 @@ def test_min_tokens_holds_back_stop_strings_and_stop_needs_detokenize():
     assert later > first and held.text == text[:later] and held.stop_reason == stop, (held.text, text, k)
     with pytest.raises(ValueError, match="stop: stop strings need detokenize=True"):
         SamplingParams(stop=["x"], detokenize=False)
+
+
+def test_draft_model_path_errors_name_the_field():
+    """A QA finding: a wrong draft path gave a Hugging Face Hub message about repo ids."""
+    from kvforge import LLM
+    with pytest.raises(ValueError, match=r"^speculative.settings.model: '/nonexistent' is not a directory"):
+        LLM(STORIES_MODEL, dtype="float32", num_speculative_tokens=2,
+            speculative={"method": "draft_model", "settings": {"model": "/nonexistent"}})

@@ -42,25 +42,26 @@ class EngineParts:
     attn_capabilities: dict = field(default_factory=dict)  # the attention plugin's declared capabilities
 
 
-def load_hf_config(path: str):
-    """The Hugging Face config of the checkpoint folder ``path`` (``model.model``).
+def load_hf_config(path: str, field: str = "model.model"):
+    """The Hugging Face config of the checkpoint folder ``path`` (``field``: the config field that
+    named it, for errors).
 
     Raises:
-        ValueError: naming ``model.model`` when ``path`` is not a folder or holds no readable config.json.
+        ValueError: naming ``field`` when ``path`` is not a folder or holds no readable config.json.
     """
     import os
 
     from transformers import AutoConfig
     if not os.path.isdir(path):
-        raise ValueError(f"model.model: {path!r} is not a directory (a Hugging Face-layout "
+        raise ValueError(f"{field}: {path!r} is not a directory (a Hugging Face-layout "
                          "checkpoint folder with config.json is expected)")
     if not os.path.isfile(os.path.join(path, "config.json")):
-        raise ValueError(f"model.model: no config.json in {path!r} (a Hugging Face-layout checkpoint folder is "
+        raise ValueError(f"{field}: no config.json in {path!r} (a Hugging Face-layout checkpoint folder is "
                          "expected)")
     try:
         return AutoConfig.from_pretrained(path, local_files_only=True)
     except Exception as e:
-        raise ValueError(f"model.model: cannot read a Hugging Face config from {path!r}: {e}") from None
+        raise ValueError(f"{field}: cannot read a Hugging Face config from {path!r}: {e}") from None
 
 
 def _kv_block_bytes(hf_config, head_dim: int, num_kv_heads: int, block_size: int, dtype: torch.dtype) -> int:

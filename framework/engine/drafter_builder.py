@@ -10,7 +10,7 @@ import logging
 from typing import Any
 
 from kvforge.config import EngineConfig
-from kvforge.engine.builder import ModelStack, build_model_stack
+from kvforge.engine.builder import ModelStack, build_model_stack, load_hf_config
 from kvforge.engine.resolve import _DTYPES, validate_plugin_settings
 from kvforge.plugin_manager import PluginSpec, Registry, build_plugin
 
@@ -26,17 +26,11 @@ def build_drafter(config: EngineConfig, registry: Registry, spec: PluginSpec, se
     KV allocator (``cache.allocator``, prefix caching off), KV tensors and runner, built
     by the same code as the target's.
     """
-    from transformers import AutoConfig
-
     from kvforge.interfaces import DrafterContext
 
     def build_model(model_dir: str, dtype: str = "auto", num_layers: int | None = None,
                     share_weights: bool = False) -> ModelStack:
-        try:
-            hf = AutoConfig.from_pretrained(model_dir, local_files_only=True)
-        except Exception as e:
-            raise ValueError(f"speculative.settings.model: cannot read a Hugging Face config from "
-                             f"{model_dir!r}: {e}") from None
+        hf = load_hf_config(model_dir, "speculative.settings.model")
         arch = (getattr(hf, "architectures", None) or ["?"])[0]
         try:
             model_spec = registry.get("model", arch)
