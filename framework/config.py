@@ -389,6 +389,16 @@ _SECTION_MODELS = {"cache": CacheConfig, "scheduler": SchedulerConfig, "attentio
                    "quantization": QuantizationSection, "speculative": SpeculativeConfig}
 
 
+def validation_message(err: dict) -> str:
+    """A pydantic error's message without pydantic's own prefix ("Value error, " for a
+    validator's ValueError, "Assertion failed, " for its assert)."""
+    msg = str(err.get("msg", "invalid value"))
+    for prefix in ("Value error, ", "Assertion failed, "):
+        if msg.startswith(prefix):
+            return msg[len(prefix):]
+    return msg
+
+
 def config_error_message(e: ValidationError) -> str:
     """``invalid config: FIELD: MESSAGE; ...``: one clause per bad field (no pydantic dump); a
     missing model says where one comes from."""
@@ -397,5 +407,5 @@ def config_error_message(e: ValidationError) -> str:
         missing_model = err.get("type") == "missing" and tuple(err["loc"]) in (("model",), ("model", "model"))
         hint = (" (pass --model DIR, LLM('DIR') in Python, or set model.model in the config file)"
                 if missing_model else "")
-        return f"{where}: {err['msg']}{hint}" if where else err["msg"]
+        return f"{where}: {validation_message(err)}{hint}" if where else validation_message(err)
     return "invalid config: " + "; ".join(one(err) for err in e.errors())

@@ -141,3 +141,12 @@ def test_draft_model_path_errors_name_the_field():
     with pytest.raises(ValueError, match=r"^speculative.settings.model: '/nonexistent' is not a directory"):
         LLM(STORIES_MODEL, dtype="float32", num_speculative_tokens=2,
             speculative={"method": "draft_model", "settings": {"model": "/nonexistent"}})
+
+
+def test_settings_errors_read_without_pydantic_wording():
+    """A QA finding: 'speculative.settings.: Value error, prompt_lookup_min (5) must be ...'."""
+    from kvforge import LLM
+    with pytest.raises(ValueError) as ei:
+        LLM(STORIES_MODEL, dtype="float32", num_speculative_tokens=2,
+            speculative={"method": "ngram", "settings": {"prompt_lookup_min": 5, "prompt_lookup_max": 3}})
+    assert str(ei.value).endswith("speculative.settings: prompt_lookup_min (5) must be <= prompt_lookup_max (3)")

@@ -6,7 +6,7 @@ from typing import Any
 import torch
 from pydantic import ValidationError
 
-from kvforge.config import boolean_for_number, boolean_for_number_message
+from kvforge.config import boolean_for_number, boolean_for_number_message, validation_message
 from kvforge.interfaces import AttentionRequirements
 from kvforge.plugin_manager import PluginError, PluginSpec, Registry, describe_plugin, validate_backend
 
@@ -32,7 +32,8 @@ def validate_plugin_settings(spec: PluginSpec, settings: dict[str, Any], field: 
     try:
         return model.model_validate(settings)
     except ValidationError as e:
-        msgs = "; ".join(f"{field}.{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
+        msgs = "; ".join(".".join([field, *map(str, err["loc"])]) + f": {validation_message(err)}"
+                         for err in e.errors())
         raise ValueError(f"invalid settings for {spec.kind} {spec.name!r}: {msgs}") from None
     except SystemExit as e:  # (a validator of the plugin's calling sys.exit would end the process)
         raise PluginError(f"{describe_plugin(spec)}: its settings model called sys.exit({e.code!r})") from e
