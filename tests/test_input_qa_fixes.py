@@ -150,3 +150,13 @@ def test_settings_errors_read_without_pydantic_wording():
         LLM(STORIES_MODEL, dtype="float32", num_speculative_tokens=2,
             speculative={"method": "ngram", "settings": {"prompt_lookup_min": 5, "prompt_lookup_max": 3}})
     assert str(ei.value).endswith("speculative.settings: prompt_lookup_min (5) must be <= prompt_lookup_max (3)")
+
+
+def test_a_bare_list_of_token_ids_is_explained():
+    from kvforge import LLM
+    llm = LLM(STORIES_MODEL, dtype="float32")
+    with pytest.raises(ValueError, match=r"^prompts: a list of integers would be that many one-token prompts; pass "
+                                         r"token ids as \{'prompt_token_ids': \[...\]\}"):
+        llm.generate([1, 403, 407], use_tqdm=False)
+    out = llm.generate({"prompt_token_ids": [1, 403, 407]}, SamplingParams(max_tokens=2), use_tqdm=False)
+    assert out[0].prompt_token_ids == [1, 403, 407]

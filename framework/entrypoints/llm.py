@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import numbers
 import threading
 from typing import Any, Iterable, Sequence
 
@@ -124,6 +125,9 @@ class LLM:
             raise ValueError(f"prompts: expected a string, a {{'prompt_token_ids': [...]}} dict or a list of "
                              f"them, got {type(prompts).__name__}")
         prompts = list(prompts)
+        if prompts and all(isinstance(p, numbers.Integral) and not isinstance(p, bool) for p in prompts):
+            raise ValueError("prompts: a list of integers would be that many one-token prompts; pass token ids "
+                             "as {'prompt_token_ids': [...]} (or a list of such dicts)")
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
