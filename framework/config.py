@@ -407,5 +407,8 @@ def config_error_message(e: ValidationError) -> str:
         missing_model = err.get("type") == "missing" and tuple(err["loc"]) in (("model",), ("model", "model"))
         hint = (" (pass --model DIR, LLM('DIR') in Python, or set model.model in the config file)"
                 if missing_model else "")
+        loc = tuple(err["loc"])
+        if err.get("type") == "extra_forbidden" and len(loc) == 1 and loc[0] in FLAT_FIELDS:
+            hint = f" (in a config file it is {FLAT_FIELDS[loc[0]]})"  # a flag's name used as a file key
         return f"{where}: {validation_message(err)}{hint}" if where else validation_message(err)
     return "invalid config: " + "; ".join(one(err) for err in e.errors())

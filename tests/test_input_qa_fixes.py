@@ -160,3 +160,12 @@ def test_a_bare_list_of_token_ids_is_explained():
         llm.generate([1, 403, 407], use_tqdm=False)
     out = llm.generate({"prompt_token_ids": [1, 403, 407]}, SamplingParams(max_tokens=2), use_tqdm=False)
     assert out[0].prompt_token_ids == [1, 403, 407]
+
+
+def test_a_flag_name_as_a_config_file_key_points_to_its_path(tmp_path, capsys):
+    from kvforge.entrypoints.cli import main as cli_main
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"model:\n  model: {STORIES_MODEL}\nmax_num_seqs: 4\n")
+    assert cli_main(["generate", "--config", str(cfg), "--max-tokens", "2", "Once"]) == 2
+    assert ("max_num_seqs: Extra inputs are not permitted (in a config file it is scheduler.max_num_seqs)"
+            in capsys.readouterr().err)
