@@ -115,6 +115,11 @@ class SpeculativeConfig(_Section):
 
     method: str | None = None
     num_speculative_tokens: int = Field(0, ge=0, description="k: draft tokens verified per step (at most).")
+
+    @field_validator("method", mode="before")
+    @classmethod
+    def _none_is_off(cls, v: Any) -> Any:
+        return None if v == "none" else v  # "none": the per-request opt-out's name, here "off"
     settings: dict[str, Any] = Field(default_factory=dict)
     adaptive: bool = Field(True, description="Shrink k, or speculate not at all, when it would not pay.")
     disable_by_batch_size: int | None = Field(
@@ -323,17 +328,17 @@ def _override_path(key: str) -> str:
 
 
 def load_file(path: str | Path) -> dict[str, Any]:
-    """Read a YAML (``.yaml``/``.yml``) or JSON config file into a dict."""
+    """Read a JSON (``.json``) or YAML (any other name: YAML reads JSON too) config file into a dict."""
     p = Path(path)
     if not p.is_file():
         raise ValueError(f"config file {p}: no such file")
     text = p.read_text()
     try:
-        if p.suffix in (".yaml", ".yml"):
+        if p.suffix == ".json":
+            data = json.loads(text)
+        else:
             import yaml
             data = yaml.safe_load(text) or {}
-        else:
-            data = json.loads(text)
     except Exception as e:  # YAML/JSON syntax: name the file, keep the parser's position
         raise ValueError(f"config file {p}: cannot parse: {e}") from None
     if not isinstance(data, dict):

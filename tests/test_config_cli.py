@@ -10,6 +10,7 @@ from pydantic import ValidationError
 
 from helpers import STORIES_MODEL, fresh_rng, random_story_prompts
 from kvforge import LLM, EngineConfig, SamplingParams
+from kvforge.config import load_file
 from kvforge.entrypoints.cli import main as cli_main
 
 
@@ -352,3 +353,17 @@ def test_generate_stop_reads_shell_escapes():
     args = build_parser().parse_args(["generate", "--model", STORIES_MODEL, "--stop", "\\n", "--stop", "a\\\\nb",
                                       "--stop", "tab\\there", "--stop", "\\x", "Once"])
     assert _sampling_from_args(args).stop == ["\n", "a\\nb", "tab\there", "\\x"]
+
+
+def test_cli_conflicts_and_config_file_forms(tmp_path, capsys):
+    """QA findings: --set silently overrode the flag for the same field; a YAML file not named
+    .yaml was parsed as JSON; --speculative-method none (the per-request opt-out's name) was an
+    unknown drafter."""
+    rc = cli_main(["generate", "--model", STORIES_MODEL, "--max-num-seqs", "4", "--set", "scheduler.max_num_seqs=8",
+                   "Once"])
+    assert rc == 2 and "scheduler.max_num_seqs is also set by --max-num-seqs; give it once" in capsys.readouterr().err
+    cfg = tmp_path / "engine.txt"
+    cfg.write_text(f"model:\n  model: {STORIES_MODEL}\nscheduler:\n  max_num_seqs: 3\n")
+    assert load_file(cfg)["scheduler"] == {"max_num_seqs": 3}
+    assert EngineConfig.from_sources(None, {"model": STORIES_MODEL, "speculative_method": "none"}).speculative.method \
+        is None

@@ -38,10 +38,15 @@ def engine_overrides(args: argparse.Namespace) -> dict[str, Any]:
     for k, v in vars(args).items():
         if k.startswith("cfg_") and v is not None:
             out[k[4:]] = _parse_value(v) if v not in ("auto",) else v
+    flags = {FLAT_FIELDS.get(k, k): k for k in out}  # path -> the flag that set it
     for item in args.set:
         if "=" not in item:
             raise ValueError(f"--set expects KEY=VALUE, got {item!r}")
         k, v = item.split("=", 1)
+        path = FLAT_FIELDS.get(k, k)
+        if path in flags:  # which one wins would be an accident of the code, not the user's choice
+            flag = "--model" if flags[path] == "model.model" else f"--{flags[path].replace('_', '-')}"
+            raise ValueError(f"--set {k}=...: {path} is also set by {flag}; give it once")
         out[k] = _parse_value(v)
     return out
 
