@@ -12,8 +12,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Container
 
+from kvforge.interfaces import SchedulerOutput
+
 if TYPE_CHECKING:
-    from kvforge.interfaces import Scheduler, SchedulerOutput
+    from kvforge.interfaces import Scheduler
 
 
 class SchedulerContractError(RuntimeError):
@@ -36,7 +38,6 @@ def checked_schedule(scheduler: "Scheduler", who: str, max_num_seqs: int, max_nu
             no longer in flight, or more tokens than the budget.
     """
     so = _attributed(scheduler.schedule, "schedule()", who)
-    from kvforge.interfaces import SchedulerOutput
     if not isinstance(so, SchedulerOutput):
         raise SchedulerContractError(f"{who}: schedule() returned {type(so).__name__}, not a SchedulerOutput")
     if len(so.scheduled) > max_num_seqs:

@@ -14,6 +14,8 @@ from typing import Any, Sequence
 
 from pydantic import ValidationError
 
+from kvforge.config_messages import validation_message
+
 from kvforge.entrypoints.openai.protocol import ChatMessage, TextPart
 
 #: apply_chat_template arguments that ``chat_template_kwargs`` may not set: they change what the
@@ -94,8 +96,7 @@ def parse_messages(messages: Any, where: str = "messages") -> list[ChatMessage]:
             # a union reports one error per member; the deepest one of the first bad field says most
             head = tuple(errs[0]["loc"])[:1]
             err = max((x for x in errs if tuple(x["loc"])[:1] == head), key=lambda x: len(x["loc"]))
-            msg = str(err["msg"]).removeprefix("Value error, ")
-            raise ValueError(f"{where}[{i}]{_field_path(err['loc'])}: {msg}") from None
+            raise ValueError(f"{where}[{i}]{_field_path(err['loc'])}: {validation_message(err)}") from None
     return out
 
 

@@ -15,6 +15,8 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvforge.config_messages import validation_message
+
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
           405: "invalid_request_error", 413: "invalid_request_error", 500: "server_error",
           503: "service_unavailable"}
@@ -80,10 +82,7 @@ def from_validation_error(exc: ValidationError | RequestValidationError) -> Open
     top = tuple(errs[0].get("loc", ()))[:2]
     e = max((x for x in errs if tuple(x.get("loc", ()))[:2] == top), key=lambda x: len(x.get("loc", ())))
     loc = tuple(x for x in e.get("loc", ()) if x != "body")
-    msg = str(e.get("msg", "invalid value"))
-    for prefix in ("Value error, ", "Assertion failed, "):
-        if msg.startswith(prefix):
-            msg = msg[len(prefix):]
+    msg = validation_message(e)
     if e.get("type") == "json_invalid":
         return OpenAIError(f"body: malformed JSON: {msg}", 400, param="body", code="invalid_json")
     if e.get("type") == "model_type" and not loc:

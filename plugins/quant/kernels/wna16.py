@@ -154,12 +154,16 @@ def wna16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     pf = 32 // bits
     assert (k if pack_k else n) % pf == 0, "the packed dimension must be a multiple of 32 // bits"
     cfg = _config(m, n, k, x, pack_k, config)
-    key = (tuple(sorted(cfg.items(), key=str)), x.dtype, x.device, bits, pack_k, group_size, n, k)
-    cfg = _FITTED.get(key, cfg)
+    key = None  # (built only where a config was ever refused: this runs for every layer of every step)
+    if _FITTED:
+        key = _fit_key(cfg, x, bits, pack_k, group_size, n, k)
+        cfg = _FITTED.get(key, cfg)
     while True:
         try:
             return _run(x, qweight, scales, zeros, bits, group_size, pack_k, awq_order, n, cfg)
         except _out_of_resources() as e:  # e.g. fp32 activations: twice the shared memory of the tuned tiles
+            if key is None:
+                key = _fit_key(cfg, x, bits, pack_k, group_size, n, k)  # (cfg: still the requested one)
             smaller = _smaller(cfg, bits, group_size, pack_k, k)
             if smaller is None:
                 raise
@@ -169,6 +173,10 @@ def wna16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
 
 #: Configs shrunk to fit a device's shared memory, by (requested config, dtype, device, layout, shape).
 _FITTED: dict = {}
+
+
+def _fit_key(cfg: dict, x: torch.Tensor, bits: int, pack_k: bool, group_size: int, n: int, k: int) -> tuple:
+    return tuple(cfg.items()), x.dtype, x.device, bits, pack_k, group_size, n, k
 
 
 def _out_of_resources() -> tuple:
