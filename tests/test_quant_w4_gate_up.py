@@ -31,6 +31,14 @@ def _err(y, ref):
     return ((y.double() - ref).abs().max() / ref.abs().max()).item()
 
 
+def _act_bound(m, dtype):
+    """Bound on silu(gate) * up. Past MAX_FUSED_M (dequantize + matmul, activation in torch)
+    gate and up are rounded to bf16 before silu * up, two roundings more than the fused
+    epilogue's: measured over 200 seeds, median 5.3e-3, max 1.08e-2 (fp16: max 1.2e-3), so
+    bf16 gets twice the bound there."""
+    return BOUND[dtype] * (2 if m > w4_mma.MAX_FUSED_M and dtype == torch.bfloat16 else 1)
+
+
 def test_interleave_worked_by_hand():
     # I = 16: features 0..15 are gate, 16..31 up; tile T holds gate 8T..8T+8 then up 8T..8T+8
     got = w4_mma.interleave_gate_up(torch.arange(32))
@@ -65,11 +73,7 @@ def test_emulated_fused_swiglu(case, dtype, gen, monkeypatch):
                         silu_and_mul=True)
     assert y.shape == (m, inter) and y.dtype == dtype
     err = _err(y, _swiglu_ref(x, w_ref))
-    # past MAX_FUSED_M (dequantize + matmul, activation in torch) gate and up are rounded to bf16
-    # before silu * up, two roundings more than the fused epilogue's: measured over 200 seeds,
-    # median 5.3e-3, max 1.08e-2 (fp16: max 1.2e-3), so bf16 gets twice the bound there
-    bound = BOUND[dtype] * (2 if m > w4_mma.MAX_FUSED_M and dtype == torch.bfloat16 else 1)
-    assert err <= bound, f"seed {gen.initial_seed()} case {case}: {err}"
+    assert err <= _act_bound(m, dtype), f"seed {gen.initial_seed()} case {case}: {err}"
     if m <= w4_mma.MAX_FUSED_M:
         assert fake.calls[-1]["cfg"]["ACT"] == 1
 
@@ -117,7 +121,7 @@ def test_emulated_gate_up_layer(dtype, gen, monkeypatch):
         assert _err(y, ref) <= BOUND[dtype], f"seed {gen.initial_seed()} M={m}"
         act = layer.silu_and_mul(x)
         assert act.shape == (m, 96)
-        assert _err(act, _swiglu_ref(x, w_ref)) <= BOUND[dtype], f"seed {gen.initial_seed()} M={m}"
+        assert _err(act, _swiglu_ref(x, w_ref)) <= _act_bound(m, dtype), f"seed {gen.initial_seed()} M={m}"
 
 
 def test_reference_backend_keeps_checkpoint_order(gen):
@@ -158,7 +162,7 @@ def test_gpu_gate_up_layer(dtype, gen):
         with torch.inference_mode():
             y, act = layer(x), layer.silu_and_mul(x)
         assert _err(y, x.double() @ w_ref.double()) <= BOUND[dtype], f"seed {gen.initial_seed()} M={m}"
-        assert _err(act, _swiglu_ref(x, w_ref)) <= BOUND[dtype], f"seed {gen.initial_seed()} M={m}"
+        assert _err(act, _swiglu_ref(x, w_ref)) <= _act_bound(m, dtype), f"seed {gen.initial_seed()} M={m}"
 
 
 @pytest.mark.parametrize("desc_act", [False, True])
