@@ -61,7 +61,8 @@ class ModelConfig(_Section):
                                                  for s in sizes)):
             raise ValueError("must be a positive integer or a non-empty list of positive integers")
         return v
-    max_logprobs: int = Field(20, ge=0, description="Largest logprobs / prompt_logprobs a request may ask for.")
+    max_logprobs: int = Field(20, ge=-1, description="Largest logprobs / prompt_logprobs a request may ask for "
+                              "(-1: no cap; a request's -1 asks for the whole vocabulary).")
 
 
 class CacheConfig(_Section):

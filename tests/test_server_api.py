@@ -213,6 +213,37 @@ def test_extra_sampling_fields(server):
     assert r.usage.completion_tokens == 8 and r.choices[0].finish_reason == "length"
 
 
+def test_allowed_bad_words_truncate_fields(server):
+    """vLLM's extra fields: the same tokens as the offline LLM with the same SamplingParams."""
+    client = server.openai()
+    llm = reference_llm()
+    prompt = "Once upon a time, there was a little girl named Lily. She loved to play"
+    ids = llm.get_tokenizer().encode(prompt)
+    allowed = sorted(set(ids))
+    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    cases = [({"allowed_token_ids": allowed}, sp.clone(allowed_token_ids=allowed), prompt),
+             ({"bad_words": ["Lily", "park"]}, sp.clone(bad_words=["Lily", "park"]), prompt),
+             ({"truncate_prompt_tokens": 5}, sp, {"prompt_token_ids": ids[-5:]})]
+    for extra, params, ref_prompt in cases:
+        ref = llm.generate(ref_prompt, params, use_tqdm=False)[0]
+        got = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=10, temperature=0,
+                                         extra_body={"ignore_eos": True, **extra})
+        assert got.choices[0].text == ref.outputs[0].text, extra
+        assert got.usage.prompt_tokens == len(ref.prompt_token_ids), extra
+        chat = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": prompt}],
+                                              max_tokens=10, temperature=0, extra_body={"ignore_eos": True, **extra})
+        assert chat.choices[0].finish_reason == "length", extra
+    with server.client() as c:
+        for body, param in (({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+                            ({"truncate_prompt_tokens": 10 ** 6}, "truncate_prompt_tokens"),
+                            ({"allowed_token_ids": []}, "allowed_token_ids"),
+                            ({"allowed_token_ids": [10 ** 6]}, "allowed_token_ids"),
+                            ({"bad_words": [" "]}, "bad_words")):
+            r = c.post("/v1/completions", json={"model": MODEL_NAME, "prompt": prompt, "max_tokens": 2, **body})
+            assert r.status_code == 400, (body, r.text)
+            assert param in r.json()["error"]["message"], (body, r.text)
+
+
 def test_tokenize_detokenize_roundtrip(server):
     with server.client() as c:
         r = c.post("/tokenize", json={"model": MODEL_NAME, "prompt": "Once upon a time, a cat."})

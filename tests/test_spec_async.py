@@ -26,6 +26,11 @@ def _requests(rng, n: int, lo: int = 8) -> list:
 def test_switches_between_overlapped_and_verify_steps(drafter):
     rng = fresh_rng("spec-async")
     reqs = _requests(rng, 5)
+    # the last request runs 30 tokens alone, so speculation (batch <= 2) has room to draft: with
+    # random lengths two requests could finish together, and the n-gram drafter first matches
+    # only some steps into the single-request tail
+    rid, prompt, sp = reqs[-1]
+    reqs[-1] = (rid, prompt, sp.clone(max_tokens=max(r[2].max_tokens for r in reqs[:-1]) + 30))
     ref, e0 = _run(reqs, async_scheduling=False)
     _assert_drained(e0)
     kinds = []

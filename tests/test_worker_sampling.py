@@ -1,6 +1,7 @@
 """The params table that lets the output worker sample (kvforge.distributed.worker_sampling):
 handles, eviction, the worker's mirror, and that a worker samples exactly as the driver's
-Sampler does (seeded noise keyed by request index and position, min_tokens, logprobs)."""
+Sampler does (seeded noise keyed by request index and position, min_tokens, logprobs,
+allowed_token_ids, one-token bad words)."""
 from __future__ import annotations
 
 import numpy as np
@@ -51,8 +52,12 @@ def test_worker_samples_like_the_driver():
     v = 1000
     g = torch.Generator().manual_seed(int(torch.randint(0, 1 << 30, ()).item()))
     seeded = SamplingParams(temperature=0.9, top_p=0.8, seed=1234, max_tokens=20, logprobs=3)
+    allowed = SamplingParams(temperature=0.8, seed=5, max_tokens=20, allowed_token_ids=[7, 8, 9, 500])
+    banned = SamplingParams(temperature=0, max_tokens=20, bad_words=["x"])
+    banned._bad_words_token_ids = [[11]]  # one token: no history needed, so the row may sample on a worker
+    assert not banned.reads_history
     for shift in range(4):
-        logits = torch.randn(5, v, generator=g)
+        logits = torch.randn(7, v, generator=g)
         reqs = [
             _req("a", SamplingParams(temperature=0, max_tokens=20), out=shift),
             _req("b", seeded, index=0, out=4 + shift),
@@ -60,8 +65,11 @@ def test_worker_samples_like_the_driver():
             _req("d", SamplingParams(temperature=0, min_tokens=5, max_tokens=20), out=1),  # EOS (2) banned
             _req("e", SamplingParams(temperature=0.7, top_k=5, min_p=0.05, seed=9, max_tokens=20,
                                      logit_bias={3: 4.0}), out=shift),
+            _req("f", allowed, out=shift),
+            _req("g", banned, out=shift),
         ]
         logits[3, 2] = 50.0  # EOS would win without min_tokens
+        logits[5:, 11] = 50.0  # not allowed in row f; a bad word in row g
         counts = [len(r.output_token_ids) for r in reqs]
         ref = Sampler(v, torch.Generator().manual_seed(0)).sample_async(logits.clone(), reqs, counts).result()
         ws = ParamsTable().encode(reqs, counts)
@@ -70,5 +78,6 @@ def test_worker_samples_like_the_driver():
         got = worker.sample(logits.clone(), ws).result()
         assert got.sampled_token_ids == ref.sampled_token_ids, shift
         assert got.sampled_token_ids[3] != 2
+        assert got.sampled_token_ids[5] in (7, 8, 9, 500) and got.sampled_token_ids[6] != 11
         assert np.allclose(got.sampled_logprobs, ref.sampled_logprobs, atol=1e-6)
     assert got.logprobs[1].keys() == ref.logprobs[1].keys()

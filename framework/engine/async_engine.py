@@ -35,7 +35,7 @@ from typing import Any, AsyncIterator
 
 from kvforge.engine.llm_engine import LLMEngine, PromptType
 from kvforge.engine.outputs import RequestOutput
-from kvforge.engine.sampling_params import SamplingParams
+from kvforge.engine.sampling_params import RequestOutputKind, SamplingParams
 
 log = logging.getLogger("kvforge.async_engine")
 
@@ -51,14 +51,17 @@ class EngineClosedError(RuntimeError):
 class RequestStream:
     """Async iterator over one request's :class:`RequestOutput` objects, newest first-come.
 
-    Each item is cumulative; intermediate items may be skipped when the consumer is slower
-    than the engine. The last item has ``finished == True``. Iterating raises
+    Items are as the request's ``output_kind`` says (cumulative by default). A consumer slower
+    than the engine gets fewer items: cumulative ones skip to the newest, DELTA ones are
+    merged (:meth:`RequestOutput.add`), so no text is lost. The last item has ``finished == True``. Iterating raises
     :class:`EngineError` if the engine failed under the request. Not thread-safe: use it
     on the loop that created it.
     """
 
-    def __init__(self, request_id: str, owner: "AsyncLLMEngine", loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, request_id: str, owner: "AsyncLLMEngine", loop: asyncio.AbstractEventLoop,
+                 delta: bool = False) -> None:
         self.request_id = request_id
+        self._delta = delta
         self._owner = owner
         self._loop = loop
         self._event = asyncio.Event()
@@ -69,11 +72,15 @@ class RequestStream:
         self._accepted: asyncio.Future = loop.create_future()
         # engine-thread side bookkeeping (never touched by the loop)
         self._num_tokens_seen = 0
+        self._tokens_per_completion: dict[int, int] = {}
         self._last_token_time: float | None = None  # (monotonic) of its latest new tokens: ITL
 
     # -- called on the loop (scheduled by the engine thread) --------------------------------
     def _put(self, out: RequestOutput) -> None:
-        self._latest = out
+        if self._delta and self._latest is not None:
+            self._latest.add(out, aggregate=True)
+        else:
+            self._latest = out
         self._event.set()
 
     def _fail(self, exc: BaseException) -> None:
@@ -199,7 +206,8 @@ class AsyncLLMEngine:
             if request_id in self._inflight:
                 raise ValueError(f"request_id: {request_id!r} is already in flight")
             self._inflight.add(request_id)
-        stream = RequestStream(request_id, self, asyncio.get_running_loop())
+        stream = RequestStream(request_id, self, asyncio.get_running_loop(),
+                               delta=getattr(params, "output_kind", None) == RequestOutputKind.DELTA)
         self._submit(("add", stream, prompt, params, priority, time.monotonic()))
         try:
             while True:
@@ -330,7 +338,10 @@ class AsyncLLMEngine:
             if stream is None:
                 continue
             if self.metrics is not None:
-                ntok = sum(len(c.token_ids) for c in out.outputs)
+                counts = stream._tokens_per_completion  # (a DELTA output carries only its new ids)
+                for c in out.outputs:
+                    counts[c.index] = counts.get(c.index, 0) + len(c.token_ids) if stream._delta else len(c.token_ids)
+                ntok = sum(counts.values())
                 itl = None
                 if ntok > stream._num_tokens_seen:
                     now = time.monotonic()
@@ -343,7 +354,7 @@ class AsyncLLMEngine:
                 del self._streams[out.request_id]
                 self._release(out.request_id)
                 if self.metrics is not None:
-                    self.metrics.on_request_finished(out)
+                    self.metrics.on_request_finished(out, max(stream._tokens_per_completion.values(), default=0))
             by_loop[stream._loop].append((stream, out))
         for loop, items in by_loop.items():
             try:

@@ -19,6 +19,7 @@ from kvforge.engine.request_choices import validate_request_choices
 from kvforge.engine.sampler import Sampler, compute_prompt_logprobs
 from kvforge.engine.sampling_params import SamplingParams
 from kvforge.engine.schedule_check import checked_schedule, checked_update
+from kvforge.engine.request_params import finalize_params
 from kvforge.engine.tokenizer import check_text, eos_token_ids, extra_eos_token_ids, load_tokenizer
 from kvforge.interfaces import SchedulerOutput
 from kvforge.plugin_manager import Registry, load_registry
@@ -134,7 +135,8 @@ class LLMEngine:
         Raises:
             ValueError: naming the field: duplicate request_id, empty prompt, token ids
                 outside the vocabulary, a prompt that leaves no room to generate within
-                max_model_len, bad logit_bias. (A max_tokens beyond the room left is not an
+                max_model_len, bad logit_bias, and the checks of
+                :func:`~kvforge.engine.request_params.finalize_params`. (A max_tokens beyond the room left is not an
                 error: generation stops at max_model_len, finish_reason "length", as in vLLM.)
         """
         self.enqueue(self.prepare_request(request_id, prompt, params, priority, arrival_time))
@@ -168,12 +170,9 @@ class LLMEngine:
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt_token_ids: ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
-        params.verify_vocab(self.vocab_size)
-        for name in ("logprobs", "prompt_logprobs"):
-            asked = getattr(params, name)
-            if asked is not None and asked > self.config.model.max_logprobs:
-                raise ValueError(f"{name}: {asked} exceeds max_logprobs ({self.config.model.max_logprobs}); "
-                                 "raise model.max_logprobs to allow more")
+        ids = finalize_params(params, ids, vocab_size=self.vocab_size, max_model_len=self.max_model_len,
+                              max_logprobs=self.config.model.max_logprobs, tokenizer=self.tokenizer,
+                              eos_token_ids=self.eos_token_ids)
         validate_request_choices(self.config, self.registry, params, priority)
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt: {len(ids)} tokens leave no room to generate within max_model_len "
@@ -364,9 +363,10 @@ class LLMEngine:
         so.scheduled = []
 
     def _emit_touched(self, touched: dict[str, None], results: list[RequestOutput]) -> None:
-        """Emit an output per touched user request; forget finished sequences."""
+        """Emit an output per touched user request (FINAL_ONLY ones once finished); forget
+        finished sequences."""
         for pid in touched:
-            if pid in self.outputs.parents:
+            if pid in self.outputs.parents and self.outputs.wants_output(pid):
                 results.append(self._emit(pid))
         for req in list(self._live.values()):
             if req.is_finished:

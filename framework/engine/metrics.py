@@ -102,8 +102,11 @@ class EngineMetrics:
         if itl is not None:
             self.itl.observe(max(0.0, itl))
 
-    def on_request_finished(self, out: RequestOutput) -> None:
+    def on_request_finished(self, out: RequestOutput, num_output_tokens: int | None = None) -> None:
         """Observe TTFT / TPOT / E2E of a finished request from ``out.metrics`` (monotonic seconds).
+
+        ``num_output_tokens``: the longest completion's token count (TPOT), when ``out`` does
+        not hold them all (a DELTA output); default: counted from ``out``.
 
         TTFT is observed whenever a first token exists; TPOT and E2E only for requests that
         ended normally (``stop`` / ``length``), so aborts and errors do not skew latency.
@@ -119,7 +122,8 @@ class EngineMetrics:
         if reason not in ("stop", "length") or arrival is None or done is None:
             return
         self.e2e.observe(max(0.0, done - arrival))
-        num_out = max((len(c.token_ids) for c in out.outputs), default=0)
+        num_out = num_output_tokens if num_output_tokens is not None else \
+            max((len(c.token_ids) for c in out.outputs), default=0)
         if first is not None and num_out > 1:
             self.tpot.observe(max(0.0, done - first) / (num_out - 1))
 

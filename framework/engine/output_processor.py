@@ -1,5 +1,6 @@
 """Turns per-step token ids into RequestOutputs: detokenization, stop strings,
-logprobs, and fan-in of the ``n`` child sequences of one user request."""
+logprobs, fan-in of the ``n`` child sequences of one user request, and the request's
+``output_kind`` (cumulative, delta or final only)."""
 from __future__ import annotations
 
 import time
@@ -8,6 +9,7 @@ from dataclasses import dataclass, field
 from kvforge.engine.detokenizer import IncrementalDetokenizer
 from kvforge.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from kvforge.engine.request import Request, RequestStatus
+from kvforge.engine.sampling_params import RequestOutputKind
 
 
 def _done(r: Request) -> bool:
@@ -20,6 +22,10 @@ class _Child:
     detok: IncrementalDetokenizer
     logprobs: list[dict[int, Logprob]] | None
     cumulative_logprob: float = 0.0
+    # what earlier outputs carried (DELTA): characters of text, token ids, logprob entries
+    sent_text: int = 0
+    sent_tokens: int = 0
+    sent_logprobs: int = 0
 
 
 @dataclass
@@ -29,7 +35,9 @@ class _Parent:
     prompt_token_ids: list[int]
     children: list[_Child]
     arrival_time: float
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     prompt_logprobs: list | None = None
+    sent_prompt_logprobs: int = 0  # entries of prompt_logprobs earlier outputs carried (DELTA)
     error: str | None = None
     metrics: dict[str, float] = field(default_factory=dict)
 
@@ -46,7 +54,8 @@ class OutputProcessor:
         first = children[0]
         kids = [_Child(c, IncrementalDetokenizer(self.tokenizer, c.prompt_token_ids, c.sampling_params),
                        [] if c.sampling_params.logprobs is not None else None) for c in children]
-        p = _Parent(request_id, prompt, first.prompt_token_ids, kids, first.arrival_time)
+        p = _Parent(request_id, prompt, first.prompt_token_ids, kids, first.arrival_time,
+                    first.sampling_params.output_kind)
         if first.sampling_params.prompt_logprobs is not None:
             p.prompt_logprobs = [None]
         self.parents[request_id] = p
@@ -113,8 +122,15 @@ class OutputProcessor:
                 child.logprobs.append(entry)
         return stop
 
+    def wants_output(self, parent_id: str) -> bool:
+        """Whether an output of this request is due now: always, unless its ``output_kind``
+        is FINAL_ONLY and it has not finished."""
+        p = self.parents[parent_id]
+        return p.output_kind != RequestOutputKind.FINAL_ONLY or all(_done(c.request) for c in p.children)
+
     def make_output(self, parent_id: str, now: float | None = None) -> RequestOutput:
         p = self.parents[parent_id]
+        delta = p.output_kind == RequestOutputKind.DELTA
         outs = []
         for c in p.children:
             r = c.request
@@ -123,12 +139,23 @@ class OutputProcessor:
             known = len(r.output_token_ids) - r.num_pending_tokens
             if _done(r):
                 c.detok.flush()  # the text of a trailing unfinished UTF-8 character, as decode() gives it
+            text = c.detok.visible_text(_done(r))
+            token_ids = r.output_token_ids[:known]
+            logprobs = c.logprobs
+            if delta:  # (visible text never shrinks; the ids can, when a stop string cuts them)
+                text, c.sent_text = text[c.sent_text:], max(c.sent_text, len(text))
+                token_ids, c.sent_tokens = token_ids[c.sent_tokens:], max(c.sent_tokens, known)
+                if logprobs is not None:
+                    logprobs, c.sent_logprobs = logprobs[c.sent_logprobs:], len(logprobs)
             outs.append(CompletionOutput(
-                index=r.index, text=c.detok.visible_text(_done(r)), token_ids=r.output_token_ids[:known],
+                index=r.index, text=text, token_ids=token_ids,
                 cumulative_logprob=c.cumulative_logprob if c.logprobs is not None else None,
-                logprobs=list(c.logprobs) if c.logprobs is not None else None,
+                logprobs=list(logprobs) if logprobs is not None else None,
                 finish_reason=r.status.finish_reason if _done(r) else None,
                 stop_reason=r.stop_reason if _done(r) else None))
+        prompt_logprobs = p.prompt_logprobs
+        if delta and prompt_logprobs is not None:
+            prompt_logprobs, p.sent_prompt_logprobs = prompt_logprobs[p.sent_prompt_logprobs:], len(prompt_logprobs)
         finished = all(_done(c.request) for c in p.children)
         errors = [c.request.error for c in p.children if c.request.error]
         first = min((c.request.first_token_time for c in p.children if c.request.first_token_time),
@@ -139,7 +166,7 @@ class OutputProcessor:
         if finished:
             metrics["finished_time"] = now or time.monotonic()
         return RequestOutput(p.request_id, p.prompt, p.prompt_token_ids,
-                             list(p.prompt_logprobs) if p.prompt_logprobs is not None else None, outs,
+                             list(prompt_logprobs) if prompt_logprobs is not None else None, outs,
                              finished, num_cached_tokens=p.children[0].request.num_cached_tokens,
                              error=errors[0] if errors else None, metrics=metrics)
 

@@ -2,9 +2,10 @@
 
 Per row, on float32 logits (copied only when step 1-4 apply), in this order:
 
-1. ``logit_bias`` (additive);
+1. ``allowed_token_ids``: every other token is set to -inf; then ``logit_bias`` (additive);
 2. ``min_tokens``: while fewer tokens than ``min_tokens`` were generated, EOS (unless
-   ``ignore_eos``) and ``stop_token_ids`` are set to -inf;
+   ``ignore_eos``) and ``stop_token_ids`` are set to -inf; so are the tokens ``bad_words``
+   bans (:mod:`kvforge.engine.bad_words`);
 3. repetition penalty over prompt + output tokens (CTRL / Hugging Face style);
 4. frequency and presence penalties over output tokens (OpenAI formula);
 5. greedy rows (temperature < 1e-5) take the argmax; the others are divided by the
@@ -24,11 +25,13 @@ from dataclasses import dataclass
 
 import torch
 
+from kvforge.engine.bad_words import banned_tokens
 from kvforge.engine.greedy_kernel import greedy_sample
 from kvforge.engine.outputs import Logprob
 from kvforge.engine.position_noise import position_seed
 from kvforge.engine.request import Request
 from kvforge.engine.sampling_ops import (
+    apply_allowed_tokens,
     apply_frequency_presence_penalties,
     apply_logit_bias,
     apply_repetition_penalty,
@@ -160,29 +163,37 @@ class Sampler:
     @staticmethod
     def needs_logits_processing(requests, num_generated: list[int] | None = None) -> bool:
         """Whether :meth:`_apply_logits_processors` would change anything for ``requests``
-        (a logit bias, an unmet min_tokens, penalties); callers that build per-position
+        (allowed tokens, a logit bias, bad words, an unmet min_tokens, penalties); callers that build per-position
         views for it (speculative verification, drafting) skip that work when not."""
         for i, r in enumerate(requests):
             sp = r.sampling_params
             done = len(r.output_token_ids) if num_generated is None else num_generated[i]
-            if sp.logit_bias or sp.reads_history or done < sp.min_tokens:
+            if (sp.logit_bias or sp.reads_history or done < sp.min_tokens or sp.allowed_token_ids
+                    or sp.bad_words_token_ids):
                 return True
         return False
 
     @staticmethod
     def _apply_logits_processors(work: torch.Tensor, requests: list[Request], device: torch.device,
                                  vocab: int, num_generated: list[int] | None = None) -> None:
-        """Steps 1-4 (bias, min_tokens, repetition, frequency/presence), in place on ``work``;
-        ``num_generated`` as in :meth:`sample_async`."""
+        """Steps 1-4 (allowed tokens, bias, min_tokens and bad words, repetition,
+        frequency/presence), in place on ``work``; ``num_generated`` as in :meth:`sample_async`."""
         bias_r: list[int] = []
         bias_c: list[int] = []
         bias_v: list[float] = []
         mask_r: list[int] = []
         mask_c: list[int] = []
+        allow_rows: list[int] = []
+        keep_r: list[int] = []
+        keep_c: list[int] = []
         rep_rows: list[int] = []
         fp_rows: list[int] = []
         for i, req in enumerate(requests):
             sp = req.sampling_params
+            if sp.allowed_token_ids:
+                keep_r.extend([len(allow_rows)] * len(sp.allowed_token_ids))
+                keep_c.extend(sp.allowed_token_ids)
+                allow_rows.append(i)
             if sp.logit_bias:
                 for tok, val in sp.logit_bias.items():
                     if 0 <= tok < vocab:
@@ -193,15 +204,27 @@ class Sampler:
                 banned = set(sp.stop_token_ids)
                 if not sp.ignore_eos:
                     banned.update(req.eos_token_ids)
-                for tok in banned:
-                    if 0 <= tok < vocab:
-                        mask_r.append(i)
-                        mask_c.append(tok)
+            else:
+                banned = set()
+            if sp.bad_words_token_ids:
+                # single-token words read no history (such rows may sample on a worker, where
+                # the ids are placeholders); longer ones make the request sync (reads_history)
+                history = req.output_token_ids if sp.reads_history else ()
+                if num_generated is not None and num_generated[i] < len(history):
+                    history = list(history)[:num_generated[i]]
+                banned |= banned_tokens(sp.bad_words_token_ids, history)
+            for tok in banned:
+                if 0 <= tok < vocab:
+                    mask_r.append(i)
+                    mask_c.append(tok)
             if sp.repetition_penalty != 1.0:
                 rep_rows.append(i)
             if sp.frequency_penalty != 0.0 or sp.presence_penalty != 0.0:
                 fp_rows.append(i)
 
+        if allow_rows:
+            apply_allowed_tokens(work, long_tensor(allow_rows, device), long_tensor(keep_r, device),
+                                 long_tensor(keep_c, device))
         if bias_r:
             apply_logit_bias(work, long_tensor(bias_r, device), long_tensor(bias_c, device), _float(bias_v, device))
         if mask_r:

@@ -27,6 +27,7 @@ __all__ = [
     "pad_token_lists",
     "apply_logit_bias",
     "apply_token_mask",
+    "apply_allowed_tokens",
     "apply_repetition_penalty",
     "apply_frequency_presence_penalties",
     "apply_temperature",
@@ -76,6 +77,21 @@ def apply_token_mask(logits: torch.Tensor, rows: torch.Tensor, cols: torch.Tenso
     """
     # torch.full is a fill on the device; torch.tensor(value, device=cuda) would wait for the stream
     logits.index_put_((rows, cols), torch.full((), _NEG_INF, dtype=logits.dtype, device=logits.device))
+
+
+def apply_allowed_tokens(logits: torch.Tensor, rows: torch.Tensor, keep_rows: torch.Tensor,
+                         keep_cols: torch.Tensor) -> None:
+    """Set every entry of ``logits[rows]`` to -inf except the allowed ones, in place
+    (``allowed_token_ids``).
+
+    Args:
+        logits: float32 ``[N, V]``, modified in place.
+        rows: int64 ``[R]`` the rows restricted (distinct).
+        keep_rows, keep_cols: int64 ``[M]``: ``logits[rows[keep_rows[j]], keep_cols[j]]`` stays.
+    """
+    banned = torch.ones(rows.shape[0], logits.shape[1], dtype=torch.bool, device=logits.device)
+    banned.index_put_((keep_rows, keep_cols), torch.zeros((), dtype=torch.bool, device=logits.device))
+    logits.index_copy_(0, rows, logits.index_select(0, rows).masked_fill_(banned, _NEG_INF))
 
 
 def _seen_mask(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """Sampling parameters, with vLLM's field names and defaults."""
 from __future__ import annotations
 
+import enum
 import math
 import numbers
 from dataclasses import dataclass, field
@@ -29,6 +30,21 @@ def _finite_number(v: Any) -> bool:
         return False
 
 
+class RequestOutputKind(enum.IntEnum):
+    """What each :class:`~kvforge.engine.outputs.RequestOutput` of a running request holds
+    (vLLM's enum and values).
+
+    CUMULATIVE: everything so far (text, token_ids, logprobs), every step that added tokens.
+    DELTA: only what is new since the previous output of that request; ``prompt_logprobs``
+        as they are computed; ``cumulative_logprob``, ``finish_reason`` as in CUMULATIVE.
+    FINAL_ONLY: one output, when the request has finished (what ``LLM.generate`` uses).
+    """
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
 @dataclass
 class SamplingParams:
     """How to sample one request. Field names and meanings follow vLLM.
@@ -52,9 +68,18 @@ class SamplingParams:
         max_tokens: generated tokens cap (None = up to max_model_len).
         min_tokens: EOS and stop_token_ids are masked until this many tokens exist, and the
             text of the first min_tokens tokens is not searched for stop strings (vLLM's rule).
-        logprobs: return this many top log-probabilities per generated token (plus the sampled one).
+        logprobs: return this many top log-probabilities per generated token (plus the sampled
+            one); -1 means the whole vocabulary (needs ``model.max_logprobs`` -1 or >= vocab).
         prompt_logprobs: the same for prompt tokens.
         logit_bias: token id -> additive bias applied to logits (finite, |bias| <= 1e10).
+        allowed_token_ids: if set (non-empty), only these tokens can be sampled.
+        bad_words: words that must not be generated. Each is encoded as it stands and with
+            one leading space; a one-token form is never sampled, and a longer form's last
+            token is banned whenever the output ends with the rest of it (vLLM's rule). Text
+            that reaches the same word through another tokenization is not caught.
+        truncate_prompt_tokens: keep only the last k prompt tokens (k >= 1); -1 means
+            ``max_model_len``. Larger than ``max_model_len`` is refused.
+        output_kind: :class:`RequestOutputKind` of the engine's outputs for this request.
         skip_special_tokens, spaces_between_special_tokens: detokenizer options.
 
     Raises:
@@ -82,13 +107,20 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     extra_args: dict[str, Any] = field(default_factory=dict)
+    #: ``bad_words`` as token-id sequences; set by :meth:`update_from_tokenizer`.
+    _bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self._verify_types()
         # numpy integers pass the checks; Python ints from here on (torch.Generator.manual_seed
         # refuses numpy's, and seed + i must not wrap at 64 bits)
-        for name in ("n", "top_k", "min_tokens", "max_tokens", "logprobs", "prompt_logprobs", "seed"):
+        for name in ("n", "top_k", "min_tokens", "max_tokens", "logprobs", "prompt_logprobs", "seed",
+                     "truncate_prompt_tokens"):
             if getattr(self, name) is not None:
                 setattr(self, name, int(getattr(self, name)))
         if isinstance(self.stop, str):
@@ -98,6 +130,13 @@ class SamplingParams:
         self.stop_token_ids = list(dict.fromkeys(int(t) for t in self.stop_token_ids or []))
         if self.logit_bias:
             self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(dict.fromkeys(int(t) for t in self.allowed_token_ids))
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
+        if self.bad_words is not None:
+            self.bad_words = list(self.bad_words)
+        self.output_kind = RequestOutputKind(self.output_kind)
         self._verify()
 
     def _verify_types(self) -> None:
@@ -118,7 +157,7 @@ class SamplingParams:
                 raise bad(name, "must be an integer")
         if self.n > MAX_N:  # before any per-sequence work (the engine builds n requests)
             raise bad("n", f"must be <= {MAX_N}")
-        for name in ("max_tokens", "logprobs", "prompt_logprobs"):
+        for name in ("max_tokens", "logprobs", "prompt_logprobs", "truncate_prompt_tokens"):
             if getattr(self, name) is not None and not is_int(getattr(self, name)):
                 raise bad(name, "must be an integer or None")
         if self.seed is not None and (not is_int(self.seed) or not -2 ** 63 <= self.seed < 2 ** 63):
@@ -139,6 +178,15 @@ class SamplingParams:
                     ok = False
                 if not ok or not _finite_number(v):
                     raise bad("logit_bias", "must map integer token ids to finite numbers")
+        if self.allowed_token_ids is not None and (not isinstance(self.allowed_token_ids, (list, tuple))
+                                                   or not all(is_int(t) for t in self.allowed_token_ids)):
+            raise bad("allowed_token_ids", "must be a list of integers or None")
+        if self.bad_words is not None and not isinstance(self.bad_words, str) and (
+                not isinstance(self.bad_words, (list, tuple)) or not all(isinstance(w, str) for w in self.bad_words)):
+            raise bad("bad_words", "must be a string or a list of strings")
+        if not (isinstance(self.output_kind, RequestOutputKind) or (
+                is_int(self.output_kind) and self.output_kind in tuple(RequestOutputKind))):
+            raise bad("output_kind", "must be a RequestOutputKind (CUMULATIVE, DELTA or FINAL_ONLY)")
         if self.extra_args is None:  # vLLM's default
             self.extra_args = {}
         if not isinstance(self.extra_args, dict):
@@ -176,10 +224,17 @@ class SamplingParams:
             raise bad("min_tokens", "must be >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
-        if self.logprobs is not None and self.logprobs < 0:
-            raise bad("logprobs", "must be >= 0")
-        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
-            raise bad("prompt_logprobs", "must be >= 0")
+        if self.logprobs is not None and self.logprobs < -1:
+            raise bad("logprobs", "must be >= 0, or -1 for the whole vocabulary")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < -1:
+            raise bad("prompt_logprobs", "must be >= 0, or -1 for the whole vocabulary")
+        if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < 1 \
+                and self.truncate_prompt_tokens != -1:
+            raise bad("truncate_prompt_tokens", "must be >= 1, or -1 for max_model_len")
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise bad("allowed_token_ids", "must not be empty (None allows every token)")
+        if self.bad_words is not None and any(not w.strip() for w in self.bad_words):
+            raise bad("bad_words", "must not contain empty or blank strings")
         # A larger bias overflows float32 logits to inf (then NaN probabilities); OpenAI's API
         # allows [-100, 100], and 1e10 already forces or bans a token.
         if self.logit_bias and not all(abs(v) <= LOGIT_BIAS_LIMIT for v in self.logit_bias.values()):
@@ -195,15 +250,37 @@ class SamplingParams:
             bad = [t for t in self.logit_bias if not 0 <= t < vocab_size]
             if bad:
                 raise ValueError(f"logit_bias: token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
-        bad = [t for t in self.stop_token_ids if t >= vocab_size]
-        if bad:
-            raise ValueError(f"stop_token_ids: ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            bad = [t for t in getattr(self, name) or () if not 0 <= t < vocab_size]
+            if bad:
+                raise ValueError(f"{name}: ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+
+    def update_from_tokenizer(self, tokenizer: Any) -> None:
+        """Encode ``bad_words`` into token-id sequences (:mod:`kvforge.engine.bad_words`).
+
+        Raises:
+            ValueError: ``bad_words`` set but no tokenizer, or a word that encodes to nothing.
+        """
+        if not self.bad_words:
+            self._bad_words_token_ids = None
+            return
+        if tokenizer is None:
+            raise ValueError("bad_words: needs the model's tokenizer (it was not loaded)")
+        from kvforge.engine.bad_words import encode_bad_words
+        self._bad_words_token_ids = encode_bad_words(tokenizer, self.bad_words)
+
+    @property
+    def bad_words_token_ids(self) -> list[list[int]]:
+        """``bad_words`` as token-id sequences (empty until :meth:`update_from_tokenizer`)."""
+        return self._bad_words_token_ids or []
 
     @property
     def reads_history(self) -> bool:
         """Whether sampling reads the generated token ids (repetition/frequency/presence
-        penalties), so each token must be on the host before the next is sampled."""
-        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+        penalties, bad words of several tokens), so each token must be on the host before
+        the next is sampled."""
+        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+                or any(len(seq) > 1 for seq in self.bad_words_token_ids))
 
     @property
     def greedy(self) -> bool:

@@ -11,7 +11,7 @@ from tqdm.auto import tqdm
 from kvforge.config import EngineConfig
 from kvforge.engine.llm_engine import PromptType
 from kvforge.engine.outputs import RequestOutput
-from kvforge.engine.sampling_params import SamplingParams
+from kvforge.engine.sampling_params import RequestOutputKind, SamplingParams
 
 
 class LLM:
@@ -114,7 +114,9 @@ class LLM:
         ``prompts``: a string, a ``{"prompt_token_ids": [...]}`` dict, or a list of them.
         ``sampling_params``: one for all, or one per prompt (default: ``SamplingParams()``).
 
-        Thread-safe: calls from several threads run one after another.
+        Thread-safe: calls from several threads run one after another. As in vLLM, each
+        request runs with ``output_kind`` FINAL_ONLY (on a copy of its params): only final
+        outputs are built.
 
         Raises:
             ValueError: bad prompt or params (nothing is queued then).
@@ -139,6 +141,15 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"sampling_params: got {len(params)} for {len(prompts)} prompts")
+        final: dict[int, SamplingParams] = {}  # one copy per distinct params object
+        for i, sp in enumerate(params):
+            if isinstance(sp, SamplingParams) and sp.output_kind != RequestOutputKind.FINAL_ONLY:
+                if id(sp) not in final:
+                    try:  # (the copy re-runs the checks, as prepare_request's own copy would)
+                        final[id(sp)] = sp.clone(output_kind=RequestOutputKind.FINAL_ONLY)
+                    except ValueError as e:
+                        raise ValueError(f"prompts[{i}]: {e}" if len(prompts) > 1 else str(e)) from None
+                params[i] = final[id(sp)]
         prios = list(priority) if priority is not None else [0] * len(prompts)
         if len(prios) != len(prompts):
             raise ValueError(f"priority: got {len(prios)} values for {len(prompts)} prompts")

@@ -73,6 +73,9 @@ class _SamplingFields(_Request):
     spaces_between_special_tokens: bool = True
     priority: int = 0
     cache_salt: str | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)  # the last k prompt tokens; -1: max_model_len
     # kvforge extension: the request's plugin choices, as SamplingParams.extra_args["kvforge"]
     # offline (e.g. {"drafter": "none"} opts out of speculative decoding); validated by the engine.
     kvforge: dict[str, Any] | None = None
@@ -123,6 +126,8 @@ class _SamplingFields(_Request):
             raise ValueError("use_beam_search: beam search is not supported by this server")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only allowed when stream is true")
+        if self.truncate_prompt_tokens == 0:
+            raise ValueError("truncate_prompt_tokens: must be >= 1, or -1 for max_model_len")
         if self.prompt_logprobs is not None and self.stream:  # as vLLM: returned with the full response only
             raise ValueError("prompt_logprobs: not available when stream is true")
         return self

@@ -61,6 +61,17 @@ def resolve_max_tokens(ctx: ServerContext, num_prompt: int, requested: int | Non
     return requested
 
 
+def truncate_prompt(ctx: ServerContext, ids: list[int], keep: int | None) -> list[int]:
+    """The prompt's last ``keep`` tokens (``truncate_prompt_tokens``; -1: ``max_model_len``), before
+    the prompt is checked against the context; OpenAIError (400) for ``keep`` over ``max_model_len``."""
+    if keep is None:
+        return ids
+    if keep > ctx.max_model_len:
+        raise OpenAIError(f"truncate_prompt_tokens: {keep} exceeds max_model_len ({ctx.max_model_len})", 400,
+                          param="truncate_prompt_tokens")
+    return ids[-(ctx.max_model_len if keep == -1 else keep):]
+
+
 def sampling_params(req: _SamplingFields, max_tokens: int, logprobs: int | None,
                     prompt_logprobs: int | None = None) -> SamplingParams:
     """Map the shared request fields onto :class:`SamplingParams` (vLLM's defaults where unset)."""
@@ -71,7 +82,8 @@ def sampling_params(req: _SamplingFields, max_tokens: int, logprobs: int | None,
         include_stop_str_in_output=req.include_stop_str_in_output,
         skip_special_tokens=req.skip_special_tokens,
         spaces_between_special_tokens=req.spaces_between_special_tokens,
-        logit_bias={int(k): v for k, v in req.logit_bias.items()} if req.logit_bias else None)
+        logit_bias={int(k): v for k, v in req.logit_bias.items()} if req.logit_bias else None,
+        allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words)
     for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
         value = getattr(req, name)
         if value is not None:

@@ -106,10 +106,11 @@ async def create_chat_completion(ctx: sc.ServerContext, req: ChatCompletionReque
     ids = await ctx.run_tokenizer(chat_utils.encode_chat_prompt, ctx.tokenizer, prompt, req.add_special_tokens)
     if not ids:
         raise OpenAIError("messages: the rendered prompt is empty", 400, param="messages")
+    ids = sc.truncate_prompt(ctx, ids, req.truncate_prompt_tokens)
     explicit_field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = sc.resolve_max_tokens(ctx, len(ids), req.max_output_tokens, True, "messages", explicit_field)
     num_lps = (req.top_logprobs or 0) if req.logprobs else None
-    if num_lps and num_lps > ctx.max_logprobs:  # named as the request names it (the engine says "logprobs")
+    if num_lps and 0 <= ctx.max_logprobs < num_lps:  # named as the request names it (the engine says "logprobs")
         raise OpenAIError(f"top_logprobs: {num_lps} exceeds max_logprobs ({ctx.max_logprobs}); "
                           "start the server with a larger --max-logprobs", 400, param="top_logprobs")
     params = sc.sampling_params(req, max_tokens, num_lps, req.prompt_logprobs)

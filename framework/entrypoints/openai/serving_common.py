@@ -23,7 +23,7 @@ from kvforge.entrypoints.openai.logprob_utils import (LOGPROB_FLOOR, clamp, prom
                                                       sorted_top, token_bytes, token_text)
 
 from kvforge.entrypoints.openai.request_fields import (REQUEST_ID_HEADER, engine_prompt, request_id,  # noqa: F401
-                                                       resolve_max_tokens, sampling_params)
+                                                       resolve_max_tokens, sampling_params, truncate_prompt)
 
 
 @dataclass

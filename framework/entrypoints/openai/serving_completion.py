@@ -43,7 +43,9 @@ async def _prompts(ctx: sc.ServerContext, req: CompletionRequest) -> list[tuple[
                 raise OpenAIError(f"{where}: token ids outside the vocabulary [0, {ctx.vocab_size}): {bad[:5]}",
                                   400, param="prompt")
             out.append((None, list(item)))
-    return out
+    kept = [sc.truncate_prompt(ctx, ids, req.truncate_prompt_tokens) for _, ids in out]
+    # a truncated prompt is echoed as its kept tokens decode, not as the text sent
+    return [(text if len(k) == len(ids) else None, k) for (text, ids), k in zip(out, kept)]
 
 
 def _logprobs_obj(ctx: sc.ServerContext, ids: list[int], entries: list[dict[int, Logprob] | None],
@@ -122,7 +124,7 @@ async def create_completion(ctx: sc.ServerContext, req: CompletionRequest, raw: 
     scoring = req.echo and req.max_tokens == 0  # the engine runs one token, dropped from the response
     if scoring and req.min_tokens:
         raise OpenAIError(f"min_tokens: must be 0 when max_tokens is 0, got {req.min_tokens}", 400)
-    if req.logprobs is not None and req.logprobs > ctx.max_logprobs:  # (with echo it also asks prompt_logprobs)
+    if req.logprobs is not None and 0 <= ctx.max_logprobs < req.logprobs:  # (with echo it also asks prompt_logprobs)
         raise OpenAIError(f"logprobs: {req.logprobs} exceeds max_logprobs ({ctx.max_logprobs}); start the server "
                           "with a larger --max-logprobs", 400, param="logprobs")
     prompts = await _prompts(ctx, req)
