@@ -183,6 +183,19 @@ class ParallelConfig(_Section):
         """Ranks of one replica (tensor x pipeline)."""
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
+    @model_validator(mode="after")
+    def _check_used(self) -> "ParallelConfig":
+        # a setting that the layout makes a no-op is refused: the operator meant something else
+        if self.ray_address is not None and self.distributed_executor_backend != "ray":
+            raise ValueError("ray_address: only used with distributed_executor_backend 'ray' (set that too, or "
+                             "drop ray_address)")
+        if self.pipeline_micro_batches is not None and self.pipeline_parallel_size == 1:
+            raise ValueError("pipeline_micro_batches: only used with pipeline_parallel_size > 1")
+        if self.enable_expert_parallel and self.tensor_parallel_size == 1:
+            raise ValueError("enable_expert_parallel: needs tensor_parallel_size > 1 (the experts are split "
+                             "across the tensor-parallel ranks)")
+        return self
+
 
 class RequestChoicesConfig(_Section):
     """What a request may choose for itself, by name (the operator's allow-list).

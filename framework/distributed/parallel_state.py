@@ -38,6 +38,7 @@ class ParallelState:
     device: torch.device
     backend: str
     fast_all_reduce: Any = None  # SymmMemAllReduce for small TP all-reduces (None: NCCL/gloo only)
+    ep_asked: bool = False  # whether a layer asked for its expert shard (get_ep_size / get_ep_rank)
 
     @property
     def is_first_stage(self) -> bool:
@@ -143,11 +144,17 @@ def get_pp_rank() -> int:
 
 
 def get_ep_size() -> int:
-    """Ranks the MoE experts are split across (1 unless expert parallelism is on)."""
+    """Ranks the MoE experts are split across (1 unless expert parallelism is on). An expert
+    layer calls this (or :func:`get_ep_rank`) while it is built; the worker refuses
+    ``enable_expert_parallel`` for a model none of whose layers did."""
+    if _STATE is not None:
+        _STATE.ep_asked = True
     return _STATE.tp_size if _STATE is not None and _STATE.expert_parallel else 1
 
 
 def get_ep_rank() -> int:
+    if _STATE is not None:
+        _STATE.ep_asked = True
     return _STATE.tp_rank if _STATE is not None and _STATE.expert_parallel else 0
 
 

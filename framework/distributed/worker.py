@@ -115,6 +115,9 @@ class Worker:
                                   quant_method=cfg.quantization.method, quant_settings=cfg.quantization.settings,
                                   load_format=cfg.model.load_format, seed=cfg.model.seed)
         self.model, self.backend, self.stack = stack.model, stack.backend, stack
+        if self.state.expert_parallel and not self.state.ep_asked:  # (it would only turn CUDA graphs off)
+            raise ValueError(f"enable_expert_parallel: model {arch!r} ({model_spec.name}) has no layer that splits "
+                             "its experts across ranks (not a mixture-of-experts model?); turn it off")
         self.attn_spec = stack.attn_spec
         # This rank's attention layers (a pipeline stage has only some) and their local KV heads.
         self.layers = {m.layer.layer_idx: m.layer for m in self.model.modules() if isinstance(m, PagedAttention)}
