@@ -147,3 +147,59 @@ def test_unknown_llm_keyword_shows_the_forms_that_work():
         EngineConfig.from_sources(None, {"model": STORIES_MODEL, "scheduler_settings": {"x": 1}})
     cfg = EngineConfig.from_sources(None, {"model": STORIES_MODEL, "scheduler.settings": {"preemption_mode": "swap"}})
     assert cfg.scheduler.settings == {"preemption_mode": "swap"}
+
+
+# -- an attention backend's validate() sees its own settings -------------------------------------
+
+def _picky_registry():
+    """The installed plugins plus 'picky': torch_ref's kernels, refusing heads wider than its
+    ``max_head`` setting, ranked above torch_ref."""
+    import types
+
+    from pydantic import BaseModel, ConfigDict
+
+    import kvforge
+    from kvforge.plugin_manager import load_registry
+    from kvforge_plugins.attention.torch_ref import TorchRefBackend
+
+    class PickySettings(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        max_head: int = 256
+
+    class Picky(TorchRefBackend):
+        name = "picky"
+        seen: list = []
+
+        @classmethod
+        def validate(cls, req, device):
+            cls.seen.append(req.settings)
+            if req.head_size > req.settings.max_head:
+                return [f"head_size {req.head_size} > max_head {req.settings.max_head}"]
+            return []
+
+    mod = types.ModuleType("picky_plugin")
+    mod.KVFORGE_HOOK_API = kvforge.KVFORGE_HOOK_API
+    mod.kvforge_register_attention_backends = kvforge.hookimpl(
+        lambda register: register("picky", Picky, PickySettings, priority=5, dtypes=("float32",), devices=("cpu",)))
+    return load_registry(extra_plugins=[("picky_plugin", mod)]), Picky
+
+
+def test_attention_validate_sees_its_settings():
+    import torch
+
+    from kvforge.engine.resolve import choose_attention
+    from kvforge.interfaces import AttentionRequirements
+    reg, picky = _picky_registry()
+    req = AttentionRequirements(torch.float32, 64, 4, 2, 16, torch.float32)
+    cpu = torch.device("cpu")
+    assert choose_attention(reg, "auto", req, cpu)[0].name == "picky" and picky.seen[-1].max_head == 256
+    with pytest.raises(ValueError, match="'picky' cannot run here: head_size 64 > max_head 32"):
+        choose_attention(reg, "picky", req, cpu, {"max_head": 32})
+    assert choose_attention(reg, "picky", req, cpu, {"max_head": 64})[0].name == "picky"
+    # auto: each backend is asked with the settings as its own model reads them; torch_ref takes none
+    with pytest.raises(ValueError, match="no backend can run here.*max_head 32.*torch_ref.*takes no settings"):
+        choose_attention(reg, "auto", req, cpu, {"max_head": 32})
+    spec, rejected = choose_attention(reg, "auto", req, cpu, {"max_head": 128})
+    assert spec.name == "picky" and "takes no settings" in rejected["torch_ref"][0]
+    with pytest.raises(ValueError, match="attention.settings.max_head"):
+        choose_attention(reg, "picky", req, cpu, {"max_head": "wide"})

@@ -1,6 +1,7 @@
 """Resolving names in the config: plugin settings, device, dtype and the attention backend."""
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -59,9 +60,11 @@ def resolve_dtype(name: str, hf_config) -> torch.dtype:
 def choose_attention(registry: Registry, name: str, req: AttentionRequirements, device: torch.device,
                      settings: dict[str, Any] | None = None) -> tuple[PluginSpec, dict[str, list[str]]]:
     """Pick the backend named ``name``, or for ``auto`` the highest-priority one whose
-    ``validate`` returns no reasons. Returns (spec, rejected name -> reasons). A named
-    backend's ``settings`` (``attention.settings``) are checked first, so a bad setting is
-    reported as such even where the backend cannot run.
+    ``validate`` returns no reasons. Returns (spec, rejected name -> reasons). Each backend's
+    ``validate`` sees ``settings`` (``attention.settings``) validated by its own settings model
+    in ``req.settings``. A named backend's settings are checked first, so a bad setting is
+    reported as such even where the backend cannot run; under ``auto`` a backend whose
+    settings model refuses them is rejected with that reason.
 
     Raises:
         ValueError: invalid settings, the named backend cannot run here, or no backend can
@@ -69,9 +72,8 @@ def choose_attention(registry: Registry, name: str, req: AttentionRequirements, 
     """
     if name != "auto":
         spec = registry.get("attention", name)
-        if settings is not None:
-            validate_plugin_settings(spec, settings, "attention.settings")
-        reasons = validate_backend(spec, req, device)
+        checked = validate_plugin_settings(spec, settings or {}, "attention.settings")
+        reasons = validate_backend(spec, replace(req, settings=checked), device)
         if reasons:
             raise ValueError(f"attention.backend {name!r} cannot run here: {'; '.join(reasons)}")
         return spec, {}
@@ -79,7 +81,12 @@ def choose_attention(registry: Registry, name: str, req: AttentionRequirements, 
     ok: list[PluginSpec] = []
     for n in registry.names("attention"):
         spec = registry.get("attention", n)
-        reasons = validate_backend(spec, req, device)
+        try:
+            checked = validate_plugin_settings(spec, settings or {}, "attention.settings")
+        except ValueError as e:
+            rejected[n] = [str(e)]
+            continue
+        reasons = validate_backend(spec, replace(req, settings=checked), device)
         (rejected.__setitem__(n, reasons) if reasons else ok.append(spec))
     if not ok:
         detail = "; ".join(f"{n}: {', '.join(r)}" for n, r in rejected.items()) or "none registered"

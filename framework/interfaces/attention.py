@@ -18,7 +18,12 @@ from kvforge.hookspecs import KVFORGE_HOOK_API
 
 @dataclass(frozen=True)
 class AttentionRequirements:
-    """What the model and config ask of a backend (input to ``validate``)."""
+    """What the model and config ask of a backend (input to ``validate``).
+
+    ``settings``: the backend's own ``attention.settings``, validated by its settings model
+    (an instance of it, defaults filled in; None for a backend that takes no settings), so
+    ``validate`` can refuse settings this device or model cannot honour.
+    """
 
     dtype: torch.dtype
     head_size: int
@@ -27,6 +32,7 @@ class AttentionRequirements:
     block_size: int
     kv_cache_dtype: torch.dtype
     sliding_window: int | None = None
+    settings: Any = None
 
 
 @dataclass(frozen=True)

@@ -154,8 +154,10 @@ def _compare(target: Target, shape, bs: int, heads, dtype, window: int | None, t
     import torch
     from kvforge.interfaces import AttentionRequirements
     hq, hkv, d = heads
-    req = AttentionRequirements(dtype, d, hq, hkv, bs, dtype, window)
+    from kvforge.engine.builder import validate_plugin_settings
     from kvforge.plugin_manager import validate_backend
+    req = AttentionRequirements(dtype, d, hq, hkv, bs, dtype, window,
+                                validate_plugin_settings(target.spec, dict(target.settings), "attention.settings"))
     reasons = validate_backend(target.spec, req, device)
     if reasons:
         rejected.append(f"{str(dtype).removeprefix('torch.')} block_size={bs} heads={heads} window={window}: "
