@@ -122,6 +122,21 @@ def test_unknown_capability_key_is_logged_once(registry, caplog, monkeypatch):
     assert len(hits) == 1 and "kv_allocator 'typo_decl'" in hits[0] and "prefix_caching" in hits[0], hits
 
 
+def test_unknown_capability_fails_conformance_and_is_listed(registry, capsys, monkeypatch):
+    from kvforge.entrypoints import cli
+    from kvforge.testing import Target
+    from kvforge.testing.declarations import check_declarations
+    with pytest.raises(AssertionError, match="'prefix_cachng' \\(did you mean 'prefix_caching'\\?"):
+        check_declarations(Target("kv_allocator", "typo_decl", registry=registry))
+    with pytest.raises(AssertionError, match="block_sizes"):
+        check_declarations(Target("kv_allocator", "bad_decl", registry=registry))
+    check_declarations(Target("kv_allocator", "hinted", registry=registry))
+    monkeypatch.setattr("kvforge.plugin_manager.load_registry", lambda **kw: registry)
+    assert cli.main(["plugins"]) == 0
+    err = capsys.readouterr().err
+    assert "warning: kv_allocator 'typo_decl'" in err and "did you mean 'prefix_caching'" in err
+
+
 def test_builtin_declarations_are_well_typed():
     from kvforge.engine.capabilities import validate_declarations
     for spec in load_registry().all():

@@ -13,7 +13,8 @@ and for opt-out flags (``rollback``, ``spec_decode``, ``priorities`` refuse only
 when declared False), and "no" for the features another plugin may require
 (``prefix_caching``, ``eviction_hints``). Known keys must have the documented
 type (a typo'd value fails the build, naming the plugin); unknown keys are
-allowed (free-form) but logged once, as they are likely typos.
+allowed (free-form) but, as they are likely typos, logged once per plugin, listed by
+``kvforge plugins`` and failed by the conformance suites (:func:`unknown_capabilities`).
 """
 from __future__ import annotations
 
@@ -73,7 +74,7 @@ KNOWN_CAPABILITIES: dict[str, dict[str, tuple[str, str]]] = {
     "model": {},
 }
 
-_warned: set[tuple[str, str, str]] = set()
+_warned: set[tuple[str, str]] = set()  # (kind, name) of plugins whose unknown keys were logged
 
 
 def ignores_priority(spec: "PluginSpec") -> bool:
@@ -101,6 +102,22 @@ def _type_ok(kind: str, value: Any) -> bool:
     return True
 
 
+def unknown_capabilities(spec: "PluginSpec") -> list[str]:
+    """One message per capability key of ``spec`` that its kind does not know (likely a typo),
+    with the closest known key when there is one; shown by ``kvforge plugins``, failed by
+    the conformance suites, logged once at engine build."""
+    import difflib
+    known = KNOWN_CAPABILITIES.get(spec.kind, {})
+    out = []
+    for key in spec.capabilities:
+        if key not in known:
+            near = difflib.get_close_matches(key, list(known), n=1)
+            hint = f"did you mean {near[0]!r}? " if near else ""
+            out.append(f"{describe(spec)} declares unknown capability {key!r} ({hint}known for {spec.kind}: "
+                       f"{', '.join(sorted(known)) or 'none'})")
+    return out
+
+
 def validate_declarations(spec: "PluginSpec") -> None:
     """Check the types of ``spec``'s known capability keys; log unknown keys once.
 
@@ -108,13 +125,12 @@ def validate_declarations(spec: "PluginSpec") -> None:
         ValueError: naming the plugin and the key.
     """
     known = KNOWN_CAPABILITIES.get(spec.kind, {})
+    if (spec.kind, spec.name) not in _warned:
+        _warned.add((spec.kind, spec.name))
+        for msg in unknown_capabilities(spec):
+            log.warning("%s", msg)
     for key, value in spec.capabilities.items():
         if key not in known:
-            tag = (spec.kind, spec.name, key)
-            if tag not in _warned:
-                _warned.add(tag)
-                log.warning("%s declares unknown capability %r (known for %s: %s)", describe(spec), key, spec.kind,
-                            ", ".join(sorted(known)) or "none")
             continue
         kind, meaning = known[key]
         if not _type_ok(kind, value):

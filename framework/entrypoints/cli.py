@@ -91,6 +91,10 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     reg = load_registry(keep_going=True)  # list what works, and name what does not
     for plugin, dist, err in reg.broken:
         print(f"broken plugin {plugin!r} (distribution {dist}), left out: {err}", file=sys.stderr)
+    from kvforge.engine.capabilities import unknown_capabilities
+    for spec in reg.all():  # likely typos: they would be ignored
+        for msg in unknown_capabilities(spec):
+            print(f"warning: {msg}", file=sys.stderr)
     specs = _settings_specs(reg, args.settings) if args.settings is not None else None
     if specs == []:  # refused before any output
         return 2

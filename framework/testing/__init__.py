@@ -37,7 +37,8 @@ def suite_checks(kind: str) -> list[Callable[[Target], None]]:
     """The check functions of one suite, in order."""
     if kind not in SUITES:
         raise ValueError(f"no conformance suite for kind {kind!r}; kinds: {', '.join(SUITE_KINDS)}")
-    return list(importlib.import_module(SUITES[kind]).CHECKS)
+    from kvforge.testing.declarations import check_declarations
+    return [check_declarations, *importlib.import_module(SUITES[kind]).CHECKS]
 
 
 @dataclass(frozen=True)
