@@ -367,3 +367,16 @@ def test_cli_conflicts_and_config_file_forms(tmp_path, capsys):
     assert load_file(cfg)["scheduler"] == {"max_num_seqs": 3}
     assert EngineConfig.from_sources(None, {"model": STORIES_MODEL, "speculative_method": "none"}).speculative.method \
         is None
+
+
+def test_flag_help_comes_from_the_config_field(capsys):
+    """Each engine flag's --help says which field it sets, what it means, its default and
+    bounds (read from the pydantic field, so it cannot drift from the config)."""
+    from kvforge.config import EngineConfig
+    from kvforge.entrypoints.cli import main
+    with pytest.raises(SystemExit):
+        main(["generate", "-h"])
+    text = " ".join(capsys.readouterr().out.split())
+    f = EngineConfig.model_fields["cache"].annotation.model_fields["block_size"]
+    assert f"--block-size BLOCK_SIZE cache.block_size: {f.description} (default {f.default}, > 0)" in text
+    assert "--max-num-seqs MAX_NUM_SEQS scheduler.max_num_seqs" in text

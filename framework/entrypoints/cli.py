@@ -20,9 +20,24 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
         if name == "model":
             continue
         p.add_argument(f"--{name.replace('_', '-')}", dest=f"cfg_{name}", default=None, metavar=name.upper(),
-                       help=f"sets {FLAT_FIELDS[name]} (value parsed as JSON if it can be: a list is '[1,2,4]')")
+                       help=_flag_help(FLAT_FIELDS[name]))
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="any config path, e.g. scheduler.settings.foo=1 (value parsed as JSON if it can be)")
+                   help="any config path, e.g. scheduler.settings.foo=1 (values of flags and --set are parsed as "
+                        "JSON where they can be: a list is '[1,2,4]')")
+
+
+def _flag_help(path: str) -> str:
+    """``--flag`` help from the config field at ``path``: where it goes, what it means, its
+    default and bounds (argparse reads ``%`` as a format character, so it is doubled)."""
+    model: Any = EngineConfig
+    *sections, name = path.split(".")
+    for sec in sections:
+        model = model.model_fields[sec].annotation
+    f = model.model_fields[name]
+    default = f.get_default(call_default_factory=True)
+    text = f"{path}" + (f": {f.description}" if f.description else "")
+    text += f" (default {'none' if default is None else repr(default)}{_bounds(f)})"
+    return text.replace("%", "%%")
 
 
 def _parse_value(raw: str) -> Any:
