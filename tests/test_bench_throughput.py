@@ -67,6 +67,9 @@ def test_throughput_stories_with_hf_baseline(tmp_path, capfd):
     assert d["workload"]["detokenize"] is True
     r = d["roofline"]
     assert _pos(r["requests_per_s"]) and _pos(r["floor_s"]) and _pos(r["fraction_of_roofline"])
+    # on the CPU the peaks are this machine's, measured (not the H200's)
+    assert r["peaks_source"].startswith("measured on this CPU") and _pos(r["peak_tflops"]) and _pos(r["mem_bw_tbps"])
+    assert (r["peak_tflops"], r["mem_bw_tbps"]) != (799.0, 4.27)
     hf = d["baseline"]
     assert hf["name"] == "hf" and hf["useful_output_tokens"] == 32 and hf["generated_tokens"] == 32
     assert _pos(hf["useful_output_tokens_per_second"]) and _pos(hf["kvforge_over_hf"])
@@ -109,6 +112,15 @@ def test_latency(tmp_path, tiny_dummy, which):
     assert math.isclose(d["tpot"], (d["median_latency"] - d["prefill"]["median_latency"]) / 31)
     for k in ("prefill_s", "tpot_s", "tpot_weights_read_s", "latency_s"):
         assert _pos(d["floor"][k]), k
+    assert d["floor"]["peaks_source"].startswith("measured on this CPU")
+
+
+def test_given_peaks_are_used(tmp_path):
+    d = _run(["bench", "latency", "--model", STORIES, "--input-len", "8", "--output-len", "4", "--num-iters", "2",
+              "--num-iters-warmup", "0", "--peak-tflops", "2.5", "--mem-bw-tbps", "0.05"], tmp_path / "l.json")
+    f = d["floor"]
+    assert (f["peak_tflops"], f["mem_bw_tbps"], f["peaks_source"]) == (2.5, 0.05, "command line")
+    assert math.isclose(f["tpot_weights_read_s"], f["step_weight_bytes"] / 0.05e12)
 
 
 def test_workload_too_long_is_a_clear_error(capsys):
@@ -239,4 +251,4 @@ def test_latency_roofline_reads_a_quantized_models_own_bytes(tmp_path):
     norms = 4 * (2 * L + 1) * h
     want = L * shape.layer_matmul_params + 4 * channels + norms + 4 * shape.vocab_size * h
     assert q["step_weight_bytes"] == want, (q["step_weight_bytes"], want)
-    assert math.isclose(q["tpot_weights_read_s"], q["step_weight_bytes"] / 4.27e12)
+    assert math.isclose(q["tpot_weights_read_s"], q["step_weight_bytes"] / (q["mem_bw_tbps"] * 1e12))

@@ -53,6 +53,7 @@ def cmd_latency(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
     from tqdm.auto import tqdm
 
     from kvforge.bench.args import check_output_path
+    from kvforge.bench.peaks import resolve_peaks
     from kvforge.bench.roofline import ModelShape, roofline, step_weight_bytes_for
     from kvforge.bench.throughput import detokenize_ok, report_header, synchronize, write_json
     from kvforge.engine.sampling_params import SamplingParams
@@ -107,6 +108,7 @@ def cmd_latency(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
     shape = ModelShape.from_hf_config(engine.parts.hf_config)
     dtype_bytes = engine.parts.dtype.itemsize
     wbytes, wsource = step_weight_bytes_for(llm, shape, dtype_bytes)
+    peaks_source = resolve_peaks(args, engine.parts.device, engine.parts.dtype)
     roof = roofline(shape, [args.input_len] * args.batch_size, [args.output_len] * args.batch_size, dtype_bytes,
                     max_num_seqs, args.peak_tflops, args.mem_bw_tbps, wbytes)
     steps = roof["decode_steps"]
@@ -114,6 +116,7 @@ def cmd_latency(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
              "tpot_weights_read_s": wbytes / (args.mem_bw_tbps * 1e12),
              "step_weight_bytes": wbytes, "step_weight_bytes_source": wsource,
              "latency_s": roof["floor_s"], "peak_tflops": args.peak_tflops, "mem_bw_tbps": args.mem_bw_tbps,
+             "peaks_source": peaks_source,
              "num_params": roof["num_params"]}
     res = {"avg_latency": float(lat.mean()), "median_latency": med, "p90_latency": float(np.percentile(lat, 90)),
            "p99_latency": float(np.percentile(lat, 99)), "latencies": lat.tolist(),
@@ -141,8 +144,6 @@ def cmd_latency(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
     if tpot is not None:
         print(f"  TPOT: {ms(tpot)} ({res['tpot_over_floor']:.3g}x roofline floor {ms(floor['tpot_s'])}; "
               f"{res['tpot_over_weights_read_floor']:.3g}x weights-read floor {ms(floor['tpot_weights_read_s'])})")
-    if device.type != "cuda":
-        print("note: the floors use the H200's peaks; pass --peak-tflops/--mem-bw-tbps for this device",
-              file=sys.stderr)
+    print(f"  floors' peaks: {args.peak_tflops:.4g} TFLOP/s, {args.mem_bw_tbps:.4g} TB/s ({peaks_source})")
     write_json(args.output_json, report)
     return 0

@@ -151,7 +151,9 @@ def roofline(shape: ModelShape, input_lens: Sequence[int], output_lens: Sequence
 
 def add_roofline_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("roofline")
-    g.add_argument("--peak-tflops", type=positive_float, default=H200_PEAK_TFLOPS,
-                   help=f"dense GEMM peak, TFLOP/s (default: {H200_PEAK_TFLOPS}, measured bf16 on an H200)")
-    g.add_argument("--mem-bw-tbps", type=positive_float, default=H200_MEM_BW_TBPS,
-                   help=f"memory bandwidth, TB/s (default: {H200_MEM_BW_TBPS}, measured device copy on an H200)")
+    g.add_argument("--peak-tflops", type=positive_float, default=None,
+                   help=f"dense GEMM peak, TFLOP/s (default: {H200_PEAK_TFLOPS} on an H200, measured bf16 there; "
+                        "elsewhere measured on the device at the end of the run)")
+    g.add_argument("--mem-bw-tbps", type=positive_float, default=None,
+                   help=f"memory bandwidth, TB/s (default: {H200_MEM_BW_TBPS} on an H200, its measured device copy; "
+                        "elsewhere measured on the device at the end of the run)")

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from kvforge.bench.args import check_output_path, nonneg_int, positive_float, positive_int
+from kvforge.bench.peaks import resolve_peaks
 from kvforge.bench.roofline import ModelShape, add_roofline_flags, roofline, step_weight_bytes_for
 
 # ---------------------------------------------------------------------------------------- reporting
@@ -209,9 +210,11 @@ def cmd_throughput(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
     shape = ModelShape.from_hf_config(engine.parts.hf_config)
     dtype_bytes = engine.parts.dtype.itemsize
     wbytes, wsource = step_weight_bytes_for(llm, shape, dtype_bytes)
+    peaks_source = resolve_peaks(args, device, engine.parts.dtype)
     roof = roofline(shape, [r.prompt_len for r in reqs], [r.output_len for r in reqs], dtype_bytes,
                     engine.config.scheduler.max_num_seqs, args.peak_tflops, args.mem_bw_tbps, wbytes)
     roof["step_weight_bytes_source"] = wsource
+    roof["peaks_source"] = peaks_source
     if args.roofline_req_s:
         scale = args.roofline_req_s / roof["requests_per_s"]
         roof.update(source="command line", requests_per_s=args.roofline_req_s, floor_s=roof["floor_s"] / scale,
@@ -230,9 +233,7 @@ def cmd_throughput(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
     print(f"roofline: {roof['requests_per_s']:.2f} requests/s, {roof['output_tokens_per_s']:.1f} output tokens/s "
           f"(peak {args.peak_tflops:g} TFLOP/s, {args.mem_bw_tbps:g} TB/s) -> kvforge at "
           f"{100 * roof['fraction_of_roofline']:.3g}% of roofline")
-    if device.type != "cuda" and not args.roofline_req_s:
-        print("note: the roofline peaks default to the H200's; pass --peak-tflops/--mem-bw-tbps for this device",
-              file=sys.stderr)
+    print(f"roofline peaks: {peaks_source}", file=sys.stderr)
     if args.baseline == "hf":
         from kvforge.bench.hf_baseline import load_hf_model, run_hf_generate
         model_dir, load_format, dtype = engine.config.model.model, engine.config.model.load_format, engine.parts.dtype
