@@ -6,6 +6,7 @@ Public API: :class:`LLM`, :class:`SamplingParams`, :class:`EngineConfig`,
 from kvforge.config import EngineConfig
 from kvforge.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from kvforge.engine.sampling_params import RequestOutputKind, SamplingParams
+from kvforge.entrypoints.beam_search import BeamSearchOutput, BeamSearchParams
 from kvforge.hookspecs import KVFORGE_HOOK_API, hookimpl
 
 __version__ = "0.1.0"
@@ -23,5 +24,5 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutputKind", "EngineConfig", "RequestOutput",
-           "CompletionOutput", "Logprob", "hookimpl", "KVFORGE_HOOK_API"]
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutputKind", "BeamSearchParams", "BeamSearchOutput",
+           "EngineConfig", "RequestOutput", "CompletionOutput", "Logprob", "hookimpl", "KVFORGE_HOOK_API"]
