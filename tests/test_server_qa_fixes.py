@@ -114,11 +114,30 @@ def test_response_names_the_requested_served_model(server, monkeypatch):
     server.wait_idle()
 
 
-def test_beam_search_is_refused_not_ignored(server):
+def test_beam_search_matches_the_offline_llm(server):
+    """use_beam_search: n beams, the same sequences as LLM.beam_search; what it cannot do is refused."""
+    from kvforge import BeamSearchParams
+    from test_server_common import reference_llm
+    llm = reference_llm()
+    tok = llm.get_tokenizer()
+    prompt = "Once upon a time, there was a"
+    (ref,) = llm.beam_search([prompt], BeamSearchParams(beam_width=3, max_tokens=8, length_penalty=0.5))
+    plen = len(tok.encode(prompt))
     with server.client() as c:
-        _err(c.post(C, json={"prompt": "Once", "max_tokens": 2, "use_beam_search": True}), "use_beam_search")
-        _err(c.post(H, json={"messages": U, "max_tokens": 2, "use_beam_search": True}), "use_beam_search")
-        assert c.post(C, json={"prompt": "Once", "max_tokens": 2, "use_beam_search": False}).status_code == 200
+        r = c.post(C, json={"prompt": prompt, "max_tokens": 8, "n": 3, "use_beam_search": True, "length_penalty": 0.5})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert [ch["text"] for ch in body["choices"]] == [
+            tok.decode(s.tokens[plen:], skip_special_tokens=True) for s in ref.sequences]
+        assert [ch["index"] for ch in body["choices"]] == [0, 1, 2]
+        assert body["usage"]["completion_tokens"] == sum(len(s.tokens) - plen for s in ref.sequences)
+        h = c.post(H, json={"messages": U, "max_tokens": 4, "n": 2, "use_beam_search": True})
+        assert h.status_code == 200 and len(h.json()["choices"]) == 2, h.text
+        for body, field in (({"stream": True}, "stream"), ({"logprobs": 0}, "logprobs"),
+                            ({"prompt_logprobs": 1}, "prompt_logprobs"), ({"n": 11}, "n")):
+            _err(c.post(C, json={"prompt": "Once", "max_tokens": 2, "use_beam_search": True, **body}), field)
+        _err(c.post(H, json={"messages": U, "max_tokens": 2, "use_beam_search": True, "logprobs": True}), "logprobs")
+    server.wait_idle()
 
 
 def test_full_responses_are_built_off_the_event_loop(server, monkeypatch):

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvforge.engine.outputs import Logprob
 
@@ -110,6 +111,21 @@ def search(prompts: Sequence[list[int]], params: BeamSearchParams, step: StepFn,
         stop_ids: the EOS ids that are stop tokens (reported as ``stop_reason``), not the
             tokenizer's own EOS.
     """
+    steps = search_steps(prompts, params, eos_token_ids, max_new_tokens, stop_ids)
+    try:
+        beams = next(steps)
+        while True:
+            beams = steps.send(step(beams))
+    except StopIteration as done:
+        return done.value
+
+
+def search_steps(prompts: Sequence[list[int]], params: BeamSearchParams, eos_token_ids: set[int],
+                 max_new_tokens: Sequence[int], stop_ids: set[int] = frozenset()
+                 ) -> Generator[list[list[int]], list[dict[int, Logprob]], list[list[BeamSearchSequence]]]:
+    """:func:`search` as a generator, for callers whose step is asynchronous (the server): it
+    yields each step's beams (token lists), takes their candidates through ``send`` and
+    returns the result (``StopIteration.value``)."""
     width = params.beam_width
     live = [[BeamSearchSequence(list(p))] for p in prompts]
     done: list[list[BeamSearchSequence]] = [[] for _ in prompts]
@@ -117,7 +133,7 @@ def search(prompts: Sequence[list[int]], params: BeamSearchParams, step: StepFn,
         owners = [(i, b) for i, beams in enumerate(live) if t < max_new_tokens[i] for b in beams]
         if not owners:
             break
-        cands = step([b.tokens for _, b in owners])
+        cands = yield [b.tokens for _, b in owners]
         pool: list[list[BeamSearchSequence]] = [[] for _ in prompts]
         for (i, beam), entry in zip(owners, cands):
             for tok, lp in entry.items():
@@ -137,3 +153,11 @@ def search(prompts: Sequence[list[int]], params: BeamSearchParams, step: StepFn,
         plen = len(prompts[i])
         done[i] = sorted(done[i] + beams, key=lambda s: score(s, plen, params.length_penalty), reverse=True)[:width]
     return done
+
+
+def generated_text(tokenizer: Any, seq: BeamSearchSequence, prompt_len: int, include_stop_str: bool) -> str:
+    """The text of ``seq``'s generated tokens; a final EOS is left out unless ``include_stop_str``."""
+    ids = seq.tokens[prompt_len:]
+    if seq.finish_reason == "stop" and not include_stop_str:
+        ids = ids[:-1]
+    return tokenizer.decode(ids, skip_special_tokens=not include_stop_str)

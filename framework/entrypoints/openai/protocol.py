@@ -9,6 +9,8 @@ Responses are plain dicts built by the serving modules.
 """
 from __future__ import annotations
 
+import math
+
 import re
 from typing import Any, Literal
 
@@ -80,7 +82,8 @@ class _SamplingFields(_Request):
     # offline (e.g. {"drafter": "none"} opts out of speculative decoding); validated by the engine.
     kvforge: dict[str, Any] | None = None
     request_id: str | None = Field(None, min_length=1, max_length=256)
-    use_beam_search: bool = False  # vLLM's field: refused when true (no beam search here), not ignored
+    use_beam_search: bool = False  # vLLM's: beam search of width n (serving_beam.py); not streamed
+    length_penalty: float = 1.0  # with use_beam_search: the final score is cum_logprob / len**length_penalty
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -123,7 +126,13 @@ class _SamplingFields(_Request):
     @model_validator(mode="after")
     def _check_stream_options(self) -> "_SamplingFields":
         if self.use_beam_search:
-            raise ValueError("use_beam_search: beam search is not supported by this server")
+            for name, on in (("stream", self.stream), ("prompt_logprobs", self.prompt_logprobs is not None),
+                             ("logprobs", getattr(self, "logprobs", None) is not None
+                              and getattr(self, "logprobs") is not False)):  # (0 asks for logprobs too)
+                if on:
+                    raise ValueError(f"{name}: not available with use_beam_search")
+        if not math.isfinite(self.length_penalty):
+            raise ValueError("length_penalty: must be a finite number")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only allowed when stream is true")
         if self.truncate_prompt_tokens == 0:

@@ -21,6 +21,7 @@ from kvforge.engine.outputs import Logprob, RequestOutput
 from kvforge.entrypoints.openai import chat_utils
 from kvforge.entrypoints.openai import serving_common as sc
 from kvforge.entrypoints.openai.errors import OpenAIError
+from kvforge.entrypoints.openai.serving_beam import run_beam_search
 from kvforge.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
 
 log = logging.getLogger("kvforge.server")
@@ -113,12 +114,15 @@ async def create_chat_completion(ctx: sc.ServerContext, req: ChatCompletionReque
     if num_lps and 0 <= ctx.max_logprobs < num_lps:  # named as the request names it (the engine says "logprobs")
         raise OpenAIError(f"top_logprobs: {num_lps} exceeds max_logprobs ({ctx.max_logprobs}); "
                           "start the server with a larger --max-logprobs", 400, param="top_logprobs")
-    params = sc.sampling_params(req, max_tokens, num_lps, req.prompt_logprobs)
-    streams = await sc.add_all(ctx, [(rid, sc.engine_prompt(ids, prompt, req.cache_salt), params)], req.priority)
     echo = ""
     if req.echo and req.messages[-1].role == "assistant":
         echo = req.messages[-1].text()
     headers = {sc.REQUEST_ID_HEADER: rid}
+    if req.use_beam_search:
+        (out,) = await run_beam_search(ctx, raw, rid, [ids], [prompt], req, [max_tokens])
+        return await ctx.json_response(lambda: _full_response(ctx, req, rid, out, ids, echo), headers)
+    params = sc.sampling_params(req, max_tokens, num_lps, req.prompt_logprobs)
+    streams = await sc.add_all(ctx, [(rid, sc.engine_prompt(ids, prompt, req.cache_salt), params)], req.priority)
     if req.stream:
         return sc.SSEResponse(_stream(ctx, req, rid, len(ids), params, streams[0], echo), streams,
                               headers=headers)

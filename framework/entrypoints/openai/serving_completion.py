@@ -17,6 +17,7 @@ from fastapi import Request
 from kvforge.engine.outputs import Logprob, RequestOutput
 from kvforge.entrypoints.openai import serving_common as sc
 from kvforge.entrypoints.openai.errors import OpenAIError
+from kvforge.entrypoints.openai.serving_beam import run_beam_search
 from kvforge.entrypoints.openai.protocol import CompletionRequest
 
 
@@ -129,6 +130,8 @@ async def create_completion(ctx: sc.ServerContext, req: CompletionRequest, raw: 
                           "with a larger --max-logprobs", 400, param="logprobs")
     prompts = await _prompts(ctx, req)
     explicit = "max_tokens" in req.model_fields_set and req.max_tokens is not None
+    if req.use_beam_search:
+        return await _beam_search(ctx, req, raw, rid, prompts, explicit)
     items = []
     for i, (text, ids) in enumerate(prompts):
         field = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
@@ -153,6 +156,18 @@ async def create_completion(ctx: sc.ServerContext, req: CompletionRequest, raw: 
     if scoring:
         outs = [_prompt_only(o) for o in outs]
     return await ctx.json_response(lambda: _full_response(ctx, req, rid, outs, echoes), headers)
+
+
+async def _beam_search(ctx: sc.ServerContext, req: CompletionRequest, raw: Request, rid: str, prompts,
+                       explicit: bool) -> Any:
+    if req.max_tokens == 0:
+        raise OpenAIError("max_tokens: must be >= 1 with use_beam_search", 400, param="max_tokens")
+    budgets = [sc.resolve_max_tokens(ctx, len(ids), req.max_tokens, explicit,
+                                     "prompt" if len(prompts) == 1 else f"prompt[{i}]", "max_tokens")
+               for i, (_, ids) in enumerate(prompts)]
+    outs = await run_beam_search(ctx, raw, rid, [ids for _, ids in prompts], [t for t, _ in prompts], req, budgets)
+    echoes = await ctx.run_tokenizer(_echo_info, ctx, prompts, False) if req.echo else None
+    return await ctx.json_response(lambda: _full_response(ctx, req, rid, outs, echoes), {sc.REQUEST_ID_HEADER: rid})
 
 
 def _echo_logprobs(ctx: sc.ServerContext, out: RequestOutput, top: int) -> tuple[list[int], list]:
