@@ -20,6 +20,7 @@ from kvforge.engine.sampler import Sampler, compute_prompt_logprobs
 from kvforge.engine.sampling_params import SamplingParams
 from kvforge.engine.schedule_check import checked_schedule, checked_update
 from kvforge.engine.request_params import finalize_params
+from kvforge.engine.structured_outputs import GrammarCompiler
 from kvforge.engine.tokenizer import check_text, eos_token_ids, extra_eos_token_ids, load_tokenizer
 from kvforge.interfaces import SchedulerOutput
 from kvforge.plugin_manager import Registry, load_registry
@@ -83,6 +84,7 @@ class LLMEngine:
             self.spec = SpeculativeDecoder(parts.drafters, self.config.speculative.method, self.config.speculative,
                                            self.vocab_size, gen, self.max_model_len, needs_hidden)
         self.outputs = OutputProcessor(self.tokenizer)
+        self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)  # (xgrammar on first use)
         self._live: dict[str, Request] = {}  # child request_id -> request
         self._pending: list[RequestOutput] = []
         # Live requests whose sampling reads their generated token ids (penalties): while
@@ -188,6 +190,7 @@ class LLMEngine:
         if salt is not None and not isinstance(salt, str):
             raise ValueError("cache_salt: must be a string")
         arrival = arrival_time if arrival_time is not None else time.monotonic()
+        compiled = self._grammars.compile(params.structured_outputs) if params.structured_outputs else None
         children = []
         for i in range(params.n):
             cid = request_id if params.n == 1 else f"{request_id}#{i}"
@@ -198,7 +201,8 @@ class LLMEngine:
                 gen = torch.Generator(device=self.parts.device).manual_seed(params.seed + i)
             children.append(Request(cid, list(ids), params, max_tokens, self.eos_token_ids,
                                     self.extra_eos_token_ids, parent_id=request_id, index=i, priority=priority,
-                                    arrival_time=arrival + i * 1e-9, generator=gen, cache_salt=salt))
+                                    arrival_time=arrival + i * 1e-9, generator=gen, cache_salt=salt,
+                                    grammar=self._grammars.matcher(compiled) if compiled is not None else None))
         return PreparedRequest(request_id, text, children)
 
     def enqueue(self, prepared: "PreparedRequest") -> None:

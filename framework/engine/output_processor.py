@@ -10,6 +10,7 @@ from kvforge.engine.detokenizer import IncrementalDetokenizer
 from kvforge.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from kvforge.engine.request import Request, RequestStatus
 from kvforge.engine.sampling_params import RequestOutputKind
+from kvforge.engine.structured_outputs import advance
 
 
 def _done(r: Request) -> bool:
@@ -104,6 +105,7 @@ class OutputProcessor:
         """
         child = self._child(req)
         new = req.output_token_ids[len(req.output_token_ids) - num_new:]
+        advance(req, new)  # (a structured output's grammar: before the next step's mask)
         if req.first_token_time is None and new:
             req.first_token_time = time.monotonic()
         token_stop = (bool(new) and req.status is RequestStatus.FINISHED_STOPPED and not isinstance(req.stop_reason, str)

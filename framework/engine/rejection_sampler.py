@@ -84,6 +84,11 @@ class SequenceView:
     def all_token_ids(self) -> list[int]:
         return self.request.all_token_ids + self.extra
 
+    @property
+    def grammar(self):
+        # a constrained request never drafts (spec_decode.chosen_drafter), so it is seen with no drafts
+        return self.request.grammar if not self.extra else None
+
 
 def process_logits(logits: torch.Tensor, views: Sequence[SequenceView], vocab_size: int) -> torch.Tensor:
     """The sampler's steps 1-4 (bias, min_tokens, penalties) on a float32 copy of

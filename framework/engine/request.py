@@ -89,6 +89,9 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)
     spec_stats: Any = None
     num_pending_tokens: int = 0
+    #: the XGrammar matcher of a request with ``structured_outputs`` (its state: the output so
+    #: far), None otherwise (:mod:`kvforge.engine.structured_outputs`)
+    grammar: Any = None
     #: ``sampling_params.stop_token_ids`` as a set: check_stop tests every new token against it
     #: (a list may hold up to the vocabulary's size offline)
     stop_token_set: frozenset[int] = field(init=False)

@@ -2,7 +2,8 @@
 
 Per row, on float32 logits (copied only when step 1-4 apply), in this order:
 
-1. ``allowed_token_ids``: every other token is set to -inf; then ``logit_bias`` (additive);
+1. ``allowed_token_ids`` and a structured output's grammar: every other token is set to -inf;
+   then ``logit_bias`` (additive);
 2. ``min_tokens``: while fewer tokens than ``min_tokens`` were generated, EOS (unless
    ``ignore_eos``) and ``stop_token_ids`` are set to -inf; so are the tokens ``bad_words``
    bans (:mod:`kvforge.engine.bad_words`);
@@ -34,6 +35,7 @@ from kvforge.engine.sampling_ops import (
     apply_allowed_tokens,
     apply_frequency_presence_penalties,
     apply_logit_bias,
+    apply_token_bitmask,
     apply_repetition_penalty,
     apply_temperature,
     apply_token_mask,
@@ -169,7 +171,7 @@ class Sampler:
             sp = r.sampling_params
             done = len(r.output_token_ids) if num_generated is None else num_generated[i]
             if (sp.logit_bias or sp.reads_history or done < sp.min_tokens or sp.allowed_token_ids
-                    or sp.bad_words_token_ids):
+                    or sp.bad_words_token_ids or getattr(r, "grammar", None) is not None):
                 return True
         return False
 
@@ -188,8 +190,11 @@ class Sampler:
         keep_c: list[int] = []
         rep_rows: list[int] = []
         fp_rows: list[int] = []
+        grammar_rows: list[int] = []
         for i, req in enumerate(requests):
             sp = req.sampling_params
+            if getattr(req, "grammar", None) is not None:
+                grammar_rows.append(i)
             if sp.allowed_token_ids:
                 keep_r.extend([len(allow_rows)] * len(sp.allowed_token_ids))
                 keep_c.extend(sp.allowed_token_ids)
@@ -222,6 +227,10 @@ class Sampler:
             if sp.frequency_penalty != 0.0 or sp.presence_penalty != 0.0:
                 fp_rows.append(i)
 
+        if grammar_rows:
+            from kvforge.engine.structured_outputs import fill_bitmask
+            mask = fill_bitmask([requests[i].grammar for i in grammar_rows], vocab)
+            apply_token_bitmask(work, long_tensor(grammar_rows, device), mask)
         if allow_rows:
             apply_allowed_tokens(work, long_tensor(allow_rows, device), long_tensor(keep_r, device),
                                  long_tensor(keep_c, device))

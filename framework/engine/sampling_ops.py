@@ -28,6 +28,7 @@ __all__ = [
     "apply_logit_bias",
     "apply_token_mask",
     "apply_allowed_tokens",
+    "apply_token_bitmask",
     "apply_repetition_penalty",
     "apply_frequency_presence_penalties",
     "apply_temperature",
@@ -92,6 +93,23 @@ def apply_allowed_tokens(logits: torch.Tensor, rows: torch.Tensor, keep_rows: to
     banned = torch.ones(rows.shape[0], logits.shape[1], dtype=torch.bool, device=logits.device)
     banned.index_put_((keep_rows, keep_cols), torch.zeros((), dtype=torch.bool, device=logits.device))
     logits.index_copy_(0, rows, logits.index_select(0, rows).masked_fill_(banned, _NEG_INF))
+
+
+def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Set ``logits[rows[i], t] = -inf`` for every token t that row i's bitmask does not allow,
+    in place (structured outputs).
+
+    Args:
+        logits: float32 ``[N, V]``, modified in place.
+        rows: int64 ``[R]`` distinct rows.
+        bitmask: int32 ``[R, W]`` with ``32 * W >= V``: bit j of word w allows token ``32 * w + j``
+            (XGrammar's layout); on any device (moved to the logits').
+    """
+    v = logits.shape[1]
+    bits = torch.arange(32, dtype=torch.int32, device=logits.device)
+    words = bitmask.to(logits.device, non_blocking=True)
+    allowed = ((words.unsqueeze(-1) >> bits) & 1).bool().flatten(1)[:, :v]
+    logits.index_copy_(0, rows, logits.index_select(0, rows).masked_fill_(~allowed, _NEG_INF))
 
 
 def _seen_mask(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:

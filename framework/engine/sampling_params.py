@@ -80,6 +80,8 @@ class SamplingParams:
         truncate_prompt_tokens: keep only the last k prompt tokens (k >= 1); -1 means
             ``max_model_len``. Larger than ``max_model_len`` is refused.
         output_kind: :class:`RequestOutputKind` of the engine's outputs for this request.
+        structured_outputs: a :class:`~kvforge.engine.structured_outputs.StructuredOutputsParams`
+            (or a dict of its fields): the output must match a JSON schema, regex, choice or grammar.
         skip_special_tokens, spaces_between_special_tokens: detokenizer options.
 
     Raises:
@@ -111,6 +113,7 @@ class SamplingParams:
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: Any = None
     extra_args: dict[str, Any] = field(default_factory=dict)
     #: ``bad_words`` as token-id sequences; set by :meth:`update_from_tokenizer`.
     _bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False, compare=False)
@@ -137,6 +140,8 @@ class SamplingParams:
         if self.bad_words is not None:
             self.bad_words = list(self.bad_words)
         self.output_kind = RequestOutputKind(self.output_kind)
+        from kvforge.engine.structured_outputs import StructuredOutputsParams
+        self.structured_outputs = StructuredOutputsParams.coerce(self.structured_outputs)
         self._verify()
 
     def _verify_types(self) -> None:
@@ -277,10 +282,10 @@ class SamplingParams:
     @property
     def reads_history(self) -> bool:
         """Whether sampling reads the generated token ids (repetition/frequency/presence
-        penalties, bad words of several tokens), so each token must be on the host before
-        the next is sampled."""
+        penalties, bad words of several tokens, structured outputs), so each token must be on
+        the host before the next is sampled."""
         return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
-                or any(len(seq) > 1 for seq in self.bad_words_token_ids))
+                or any(len(seq) > 1 for seq in self.bad_words_token_ids) or self.structured_outputs is not None)
 
     @property
     def greedy(self) -> bool:

@@ -83,6 +83,13 @@ class _SamplingFields(_Request):
     kvforge: dict[str, Any] | None = None
     request_id: str | None = Field(None, min_length=1, max_length=256)
     use_beam_search: bool = False  # vLLM's: beam search of width n (serving_beam.py); not streamed
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs and guided_* fields
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     length_penalty: float = 1.0  # with use_beam_search: the final score is cum_logprob / len**length_penalty
 
     @field_validator("stop", mode="before")
@@ -133,6 +140,14 @@ class _SamplingFields(_Request):
                     raise ValueError(f"{name}: not available with use_beam_search")
         if not math.isfinite(self.length_penalty):
             raise ValueError("length_penalty: must be a finite number")
+        given = [n for n in ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+                 if getattr(self, n) is not None]
+        if self.response_format is not None and self.response_format.type != "text":
+            given.append("response_format")
+        if len(given) > 1:
+            raise ValueError(f"{given[1]}: only one output constraint per request (also got {given[0]})")
+        if given and self.use_beam_search:
+            raise ValueError(f"{given[0]}: not available with use_beam_search")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only allowed when stream is true")
         if self.truncate_prompt_tokens == 0:
@@ -216,8 +231,26 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
+class JsonSchemaFormat(_Strict):
+    """``response_format.json_schema``: OpenAI's ``{name, schema, strict, description}``."""
+
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(_Strict):
-    type: str
+    """OpenAI's ``response_format``: ``text``, ``json_object`` or ``json_schema`` (structured outputs)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _needs_schema(self) -> "ResponseFormat":
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.json_schema is None):
+            raise ValueError("response_format: type 'json_schema' needs json_schema.schema")
+        return self
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -236,7 +269,6 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
-    response_format: ResponseFormat | None = None
 
     @model_validator(mode="after")
     def _check_chat(self) -> "ChatCompletionRequest":
@@ -244,9 +276,6 @@ class ChatCompletionRequest(_SamplingFields):
             raise ValueError("top_logprobs: requires logprobs to be true")
         if self.continue_final_message and self.add_generation_prompt:
             raise ValueError("continue_final_message: cannot be combined with add_generation_prompt=true")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise ValueError(f"response_format: type {self.response_format.type!r} is not supported "
-                             "(only 'text')")
         # vLLM refuses "auto" unless a tool-call parser is configured; this server has none, so an
         # explicit "auto" would silently come back as plain text
         if self.tool_choice == "auto":

@@ -90,12 +90,34 @@ def sampling_params(req: _SamplingFields, max_tokens: int, logprobs: int | None,
             kw[name] = value
     if req.kvforge is not None:
         kw["extra_args"] = {EXTRA_ARGS_KEY: req.kvforge}
+    constraint = structured_outputs(req)
+    if constraint is not None:
+        kw["structured_outputs"] = constraint
     if req.min_tokens > max_tokens:
         raise OpenAIError(f"min_tokens: must be <= max_tokens ({max_tokens}), got {req.min_tokens}", 400)
     try:
         return SamplingParams(**kw)
     except ValueError as e:
         raise OpenAIError(str(e), 400) from e
+
+
+def structured_outputs(req: _SamplingFields) -> dict[str, Any] | None:
+    """The request's output constraint as ``StructuredOutputsParams`` fields (the protocol
+    allows at most one source): ``response_format`` json_object / json_schema, vLLM's
+    ``structured_outputs`` object or its older ``guided_json`` / ``guided_regex`` /
+    ``guided_choice`` / ``guided_grammar``."""
+    rf = req.response_format
+    if rf is not None and rf.type == "json_object":
+        return {"json_object": True}
+    if rf is not None and rf.type == "json_schema":
+        return {"json": rf.json_schema.json_schema}
+    if req.structured_outputs is not None:
+        return dict(req.structured_outputs)
+    for field in ("json", "regex", "choice", "grammar"):
+        value = getattr(req, f"guided_{field}")
+        if value is not None:
+            return {field: value}
+    return None
 
 
 def engine_prompt(ids: list[int], text: str | None, cache_salt: str | None) -> dict[str, Any]:

@@ -1,0 +1,152 @@
+"""Structured outputs (SamplingParams.structured_outputs, XGrammar): the parameters' checks,
+the sampler's bitmask against XGrammar's own, and end to end on stories260K (CPU, fp32):
+sampled outputs obey a JSON schema, a regex, a choice and a grammar; constrained requests
+keep their output through speculation, async scheduling and preemption; bad constraints are
+refused before anything is queued. Seeds and prompts are fresh each run (printed).
+"""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from helpers import assert_no_block_leak, fresh_rng, make_engine, random_story_prompts, run_engine
+from kvforge import SamplingParams
+from kvforge.engine.sampling_ops import apply_token_bitmask
+from kvforge.engine.structured_outputs import StructuredOutputsParams
+from test_spec_decode import DRAFTERS
+
+xgr = pytest.importorskip("xgrammar")  # (a dev dependency: CI installs it; this guards a bare install)
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "happy", "age"],
+          "properties": {"name": {"enum": ["Lily", "Tom", "Sue"]}, "happy": {"type": "boolean"},
+                         "age": {"type": "integer", "minimum": 1, "maximum": 99}}}
+REGEX = r"[a-z]{3}-[0-9]{2}"
+CHOICES = ["yes", "no way", 'a "quoted" one']
+GRAMMAR = 'root ::= "Once" " upon" (" a" | " the") " time" ("." | "!")'
+
+
+def _valid(kind: str, text: str) -> bool:
+    if kind == "json":
+        try:
+            v = json.loads(text)
+        except json.JSONDecodeError:
+            return False
+        return (set(v) == {"name", "happy", "age"} and v["name"] in ("Lily", "Tom", "Sue")
+                and isinstance(v["happy"], bool) and isinstance(v["age"], int) and 1 <= v["age"] <= 99)
+    if kind == "regex":
+        return re.fullmatch(REGEX, text) is not None
+    if kind == "choice":
+        return text in CHOICES
+    return re.fullmatch(r"Once upon (a|the) time[.!]", text) is not None
+
+
+CONSTRAINTS = {"json": dict(json=SCHEMA, disable_any_whitespace=True), "regex": dict(regex=REGEX),
+               "choice": dict(choice=CHOICES), "grammar": dict(grammar=GRAMMAR)}
+
+
+@pytest.mark.parametrize("kw, msg", [
+    ({}, "^structured_outputs: set exactly one"), (dict(json=SCHEMA, regex="a"), "got json, regex"),
+    (dict(choice=[]), "^structured_outputs.choice: must be a non-empty list"),
+    (dict(choice=["a", 3]), "^structured_outputs.choice"), (dict(regex=""), "^structured_outputs.regex: must be a non-empty string"),
+    (dict(json_object="yes"), "^structured_outputs.json_object: must be True"),
+    (dict(json=3), "^structured_outputs.json: must be a JSON schema"),
+])
+def test_params_name_the_field(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        StructuredOutputsParams(**kw)
+
+
+def test_dict_form_and_unknown_keys():
+    sp = SamplingParams(structured_outputs={"regex": "a+"})
+    assert isinstance(sp.structured_outputs, StructuredOutputsParams) and sp.reads_history
+    with pytest.raises(ValueError, match=r"^structured_outputs: unknown field\(s\) \['guided_regex'\]"):
+        SamplingParams(structured_outputs={"guided_regex": "a+"})
+
+
+@pytest.mark.parametrize("vocab", [64, 100, 512])
+def test_bitmask_matches_xgrammar(vocab):
+    g = torch.Generator().manual_seed(int(torch.randint(0, 1 << 30, ()).item()))
+    n = 5
+    logits = torch.randn(n, vocab, generator=g)
+    words = (vocab + 31) // 32
+    mask = torch.randint(-(1 << 31), 1 << 31, (3, words), generator=g, dtype=torch.int64).to(torch.int32)
+    rows = [0, 2, 4]
+    want = logits.clone()
+    for j, r in enumerate(rows):
+        sub = want[r:r + 1].clone()
+        xgr.apply_token_bitmask_inplace(sub, mask[j:j + 1].clone())
+        want[r] = sub[0]
+    got = logits.clone()
+    apply_token_bitmask(got, torch.tensor(rows), mask)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("kind", list(CONSTRAINTS))
+def test_sampled_outputs_obey_the_constraint(kind):
+    rng = fresh_rng(f"structured-{kind}")
+    eng = make_engine(dtype="float32")
+    prompts = random_story_prompts(rng, 2)
+    for i, p in enumerate(prompts):
+        eng.add_request(f"s{i}", p, SamplingParams(temperature=1.0, seed=rng.randrange(1 << 30), n=2, max_tokens=80,
+                                                    structured_outputs=CONSTRAINTS[kind]))
+    eng.add_request("free", prompts[0], SamplingParams(temperature=0, max_tokens=20))  # batched alongside
+    got = run_engine(eng)
+    for i in range(len(prompts)):
+        for c in got[f"s{i}"].outputs:
+            assert c.finish_reason == "stop" and _valid(kind, c.text), (kind, c.text)
+    assert not _valid(kind, got["free"].outputs[0].text)
+    assert_no_block_leak(eng)
+
+
+@pytest.mark.parametrize("mode", ["async", "ngram", "self", "preempt"])
+def test_constrained_output_unchanged_by_engine_mode(mode):
+    """Greedy constrained outputs equal the plain engine's, with speculation (constrained requests
+    do not draft; the others do), async scheduling and preemption."""
+    rng = fresh_rng("structured-modes")
+    prompts = random_story_prompts(rng, 4)
+    reqs = [(f"r{i}", p, SamplingParams(temperature=0, max_tokens=80, ignore_eos=i % 2 == 1,
+                                        structured_outputs=CONSTRAINTS[kind] if i % 2 == 0 else None))
+            for i, (p, kind) in enumerate(zip(prompts, ["json", "regex", "choice", "grammar"]))]
+    kw = {"async": dict(async_scheduling=True), "ngram": {**DRAFTERS["ngram"], "speculative.adaptive": False},
+          "self": {**DRAFTERS["self"], "speculative.adaptive": False},
+          "preempt": dict(num_gpu_blocks=16, block_size=8, max_num_batched_tokens=64)}[mode]
+    outs = {}
+    for label, extra in (("plain", {}), (mode, kw)):
+        eng = make_engine(dtype="float32", **extra)
+        for r in reqs:
+            eng.add_request(*r)
+        outs[label] = run_engine(eng)
+        assert_no_block_leak(eng)
+    for rid, _, sp in reqs:
+        a, b = outs["plain"][rid].outputs[0], outs[mode][rid].outputs[0]
+        assert b.token_ids == a.token_ids, (mode, rid)
+        if sp.structured_outputs is not None:
+            assert _valid(sp.structured_outputs.kind, b.text), b.text
+    if mode in ("ngram", "self"):
+        assert eng.stats()["spec_num_drafts"] > 0
+    if mode == "preempt":
+        assert eng.stats()["num_preemptions"] > 0
+
+
+def test_bad_constraints_are_refused_before_queueing():
+    eng = make_engine(dtype="float32")
+    for so, field in ((dict(regex="([a-z"), "regex"), (dict(json="{not json"), "json"),
+                      (dict(grammar="root ::= (("), "grammar")):
+        with pytest.raises(ValueError, match=f"^structured_outputs.{field}: cannot be compiled"):
+            eng.add_request("x", "Once", SamplingParams(structured_outputs=so))
+    assert not eng.has_unfinished_requests()
+    eng.add_request("ok", "Once", SamplingParams(max_tokens=8, structured_outputs=dict(choice=["hi"])))
+    assert run_engine(eng)["ok"].outputs[0].text == "hi"
+
+
+def test_ignore_eos_after_the_grammar_ends_emits_only_stop_tokens():
+    eng = make_engine(dtype="float32")
+    eng.add_request("a", "Hi", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                              structured_outputs=dict(choice=["yes", "no"])))
+    out = run_engine(eng)["a"].outputs[0]
+    assert out.text in ("yes", "no") and len(out.token_ids) == 12
+    first = next(i for i, t in enumerate(out.token_ids) if t in eng.eos_token_ids)  # where the grammar ended
+    assert 0 < first < 11 and set(out.token_ids[first:]) <= set(eng.eos_token_ids)
