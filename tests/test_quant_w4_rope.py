@@ -82,6 +82,18 @@ def test_emulated_rope_epilogue(case, dtype, gen, monkeypatch):
     assert _err(y1, x.double() @ w_ref.double()) <= BOUND[dtype]
 
 
+def _rope_bound(m, dtype):
+    """Bound on the rotated q|k|v of a layer. Past MAX_FUSED_M (dequantize + matmul, the rotary
+    in torch) the weight is rounded to the model dtype and the GEMM's output is rounded before
+    the rotation: where the kernel's q1 and q2 round one ulp (up to 2u of max |ref|, u the
+    unit roundoff) away from the reference's, q1 cos - q2 sin carries both, plus the rotated
+    value's own rounding: up to ~3.8u, while BOUND[bf16] is 2.56u (u = 2^-8). Measured
+    (test_emulated_qkv_layer, M = 70) over 110 seeds: bf16 median 6.0e-3, max 7.6e-3 (0.76 of
+    1e-2); fp16 median 7.5e-4, max 9.5e-4 (0.48 of 2e-3, 4.1u). So bf16 gets twice the bound
+    there; a wrong position, head or half still errs by O(1)."""
+    return BOUND[dtype] * (2 if m > w4_mma.MAX_FUSED_M and dtype == torch.bfloat16 else 1)
+
+
 def _qkv_layer(k, hq, hk, hd, group, dtype, device, gen):
     """An AWQ q|k|v layer (``QKVParallelLinear``, rope_heads set as the Llama attention does)."""
     from kvforge.layers.parallel_linear import QKVParallelLinear
@@ -113,7 +125,7 @@ def test_emulated_qkv_layer(dtype, gen, monkeypatch):
         h_ref, r_ref = _ref(x, res, norm)
         assert torch.equal(r, r_ref)
         ref = _roped_ref(h_ref.double() @ w_ref.double(), positions, rotary, hq, hk, hd, dtype)
-        assert _err(y, ref) <= BOUND[dtype], f"seed {gen.initial_seed()} M={m}"
+        assert _err(y, ref) <= _rope_bound(m, dtype), f"seed {gen.initial_seed()} M={m}"
         if m <= w4_mma.MAX_FUSED_M:
             assert (fake.calls[before]["cfg"].get("ROPE") == 2) == fused
 
@@ -138,7 +150,7 @@ def test_gpu_qkv_layer_rope(dtype, gen):
         h_ref, r_ref = norm(x, res)
         assert torch.equal(r, r_ref)
         ref = _roped_ref(h_ref.double() @ w_ref.double(), positions, rotary, hq, hk, hd, dtype)
-        assert _err(y, ref) <= BOUND[dtype], f"seed {gen.initial_seed()} M={m}"
+        assert _err(y, ref) <= _rope_bound(m, dtype), f"seed {gen.initial_seed()} M={m}"
 
 
 def test_rope_layout_is_checked_before_launch(gen, monkeypatch):
