@@ -38,6 +38,15 @@ def test_kernels_under_triton_interpreter():
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
 
+@pytest.fixture(autouse=True)
+def _fresh_inputs():
+    """Fresh random inputs every run (a child pytest would otherwise start from torch's default
+    seed each time); the seed is printed, so a failure's output names it."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    torch.manual_seed(seed)
+    print(f"torch seed {seed}")
+
+
 def _ref_norm(x, w, eps, res=None):
     if res is not None:
         x = x + res
