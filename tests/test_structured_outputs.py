@@ -150,3 +150,38 @@ def test_ignore_eos_after_the_grammar_ends_emits_only_stop_tokens():
     assert out.text in ("yes", "no") and len(out.token_ids) == 12
     first = next(i for i, t in enumerate(out.token_ids) if t in eng.eos_token_ids)  # where the grammar ended
     assert 0 < first < 11 and set(out.token_ids[first:]) <= set(eng.eos_token_ids)
+
+
+def test_async_engine_compiles_off_the_engine_thread():
+    """The server's engine compiles a constraint on an executor thread before queueing it (the
+    engine thread, which every stream waits on, then finds it in XGrammar's cache); a bad one
+    fails add_request with the field named."""
+    import asyncio
+    import threading
+
+    from kvforge.engine.async_engine import AsyncLLMEngine
+    eng = make_engine(dtype="float32")
+    threads = []
+    compile_ = eng._grammars.compile
+
+    def spy(params):
+        threads.append(threading.current_thread())
+        return compile_(params)
+
+    eng._grammars.compile = spy
+
+    async def main():
+        engine = AsyncLLMEngine(eng)
+        engine.start()
+        try:
+            outs = [o async for o in engine.generate("a", "Once", SamplingParams(
+                max_tokens=20, structured_outputs=dict(regex=REGEX)))]
+            with pytest.raises(ValueError, match="^structured_outputs.regex: cannot be compiled"):
+                await engine.add_request("b", "Once", SamplingParams(structured_outputs=dict(regex="([")))
+            return outs[-1], engine._thread
+        finally:
+            await engine.shutdown()
+
+    last, engine_thread = asyncio.run(main())
+    assert _valid("regex", last.outputs[0].text)
+    assert threads[0] is not engine_thread and threads[1] is engine_thread and len(threads) == 3

@@ -202,6 +202,11 @@ class AsyncLLMEngine:
             raise EngineError(f"engine is dead: {self.dead}")
         if not self._accepting:
             raise EngineClosedError("server is shutting down")
+        grammars = getattr(self.engine, "_grammars", None)
+        if grammars is not None and getattr(params, "structured_outputs", None) is not None:
+            # compile here, off the engine thread (a large schema takes a while and every stream
+            # would wait): the engine's own compile then hits XGrammar's cache
+            await asyncio.get_running_loop().run_in_executor(None, grammars.compile, params.structured_outputs)
         with self._lock:
             if request_id in self._inflight:
                 raise ValueError(f"request_id: {request_id!r} is already in flight")

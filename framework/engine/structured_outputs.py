@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -93,7 +94,8 @@ class StructuredOutputsParams:
 
 class GrammarCompiler:
     """Compiles constraints for one tokenizer (built on first use: XGrammar reads the whole
-    vocabulary once). Compiled grammars are cached by XGrammar, so a repeated schema is free.
+    vocabulary once). Compiled grammars are cached by XGrammar, so a repeated schema is free;
+    compiling is thread-safe (``AsyncLLMEngine`` compiles off the engine thread first).
 
     Args:
         tokenizer: the engine's Hugging Face tokenizer.
@@ -104,6 +106,7 @@ class GrammarCompiler:
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Any) -> None:
         self.tokenizer, self.vocab_size, self.eos = tokenizer, vocab_size, sorted(eos_token_ids)
         self._compiler = None
+        self._lock = threading.Lock()  # (the server compiles off the engine thread too)
 
     def _xgr(self):
         try:
@@ -111,10 +114,11 @@ class GrammarCompiler:
         except ImportError:
             raise ValueError("structured_outputs: needs the xgrammar package (pip install xgrammar, or kvforge's "
                              "'structured' extra)") from None
-        if self._compiler is None:
-            info = xgrammar.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
-                                                           stop_token_ids=self.eos)
-            self._compiler = xgrammar.GrammarCompiler(info, max_threads=1)
+        with self._lock:
+            if self._compiler is None:
+                info = xgrammar.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+                                                               stop_token_ids=self.eos)
+                self._compiler = xgrammar.GrammarCompiler(info, max_threads=1)
         return xgrammar
 
     def compile(self, params: StructuredOutputsParams) -> Any:
