@@ -20,14 +20,24 @@ as they are routed, KV usage as reported after each step), ties to the lowest in
 
 A replica that dies ends its requests with ``finish_reason="error"`` and takes no new
 ones; the others keep serving.
+
+Interrupts (Ctrl-C in ``LLM.generate``) stop only the front end; the replicas ignore SIGINT
+and answer every call. The front end keeps each replica's calls whose answers it has not
+read (:class:`_Call`, in order) and reads an answer and applies it (a step's finished
+requests, an add's routing) with SIGINT held back, so an interrupted call's answer is
+read and applied before the replica's next call: no answer is taken for another's, and no
+request or KV block is lost.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
+from collections import deque
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
+from kvforge.distributed.interrupts import defer_sigint
 from kvforge.distributed.replicas import ReplicaDiedError, _ProcReplica, _RayReplica
 from kvforge.engine.outputs import CompletionOutput, RequestOutput
 
@@ -40,6 +50,18 @@ class PreparedDPRequest:
     prompt: Any
     params: Any
     priority: int
+
+
+class _Call:
+    """A call sent to a replica whose answer has not been read yet.
+
+    ``on_reply(value, error)`` runs when the answer is read, whichever later call reads it."""
+
+    __slots__ = ("handle", "on_reply", "done", "value", "error")
+
+    def __init__(self, handle, on_reply: Callable[[Any, BaseException | None], None] | None) -> None:
+        self.handle, self.on_reply = handle, on_reply
+        self.done, self.value, self.error = False, None, None
 
 
 class DataParallelEngine:
@@ -79,6 +101,7 @@ class DataParallelEngine:
         self._stats: list[dict[str, float]] = [{} for _ in range(n)]
         self._owner: dict[str, int] = {}
         self._pending: list[RequestOutput] = []
+        self._calls: list[deque[_Call]] = [deque() for _ in range(n)]  # per replica, answers unread
         log.info("data parallel: %d replicas (%s), %s", n, backend, self.choices)
 
     # -- routing --------------------------------------------------------------------------
@@ -91,10 +114,70 @@ class DataParallelEngine:
 
     def _call(self, i: int, method: str, *args):
         try:
-            return self.replicas[i].result(self.replicas[i].submit(method, *args), self.timeout_s)
+            return self._result(i, self._submit(i, method, *args))
         except ReplicaDiedError as e:
             self._replica_died(i, e)
             raise RuntimeError(f"data-parallel replica {i} died: {e}") from None
+
+    # -- calls (in order per replica; answers survive interrupts) ---------------------------
+    def _submit(self, i: int, method: str, *args, on_reply=None, on_sent=None) -> _Call:
+        """Send a call to replica ``i`` once the answers to its earlier calls are read;
+        ``on_sent`` runs with the send, uninterrupted. Raises ReplicaDiedError."""
+        self._drain(i)
+        if not self.alive[i]:
+            raise ReplicaDiedError(f"replica {i} has died")
+        try:
+            with defer_sigint():
+                call = _Call(self.replicas[i].submit(method, *args), on_reply)
+                self._calls[i].append(call)
+                if on_sent is not None:
+                    on_sent()
+        except ReplicaDiedError as e:
+            self._lost(i, e)
+            raise
+        return call
+
+    def _result(self, i: int, call: _Call, timeout: float | None = None):
+        """``call``'s answer (read after the older ones), or raise its error."""
+        while not call.done:
+            self._read_one(i, timeout)
+        if call.error is not None:
+            raise call.error
+        return call.value
+
+    def _drain(self, i: int) -> None:
+        while self._calls[i]:
+            self._read_one(i)
+
+    def _read_one(self, i: int, timeout: float | None = None) -> None:
+        """Wait (interruptibly) for replica ``i``'s oldest unread answer, then read and apply it."""
+        call, r = self._calls[i][0], self.replicas[i]
+        try:
+            r.wait(call.handle, self.timeout_s if timeout is None else timeout)
+        except ReplicaDiedError as e:
+            self._lost(i, e)
+            return
+        with defer_sigint():
+            try:
+                call.value = r.take(call.handle)
+            except ReplicaDiedError as e:
+                self._lost(i, e)
+                return
+            except Exception as e:  # noqa: BLE001 - the replica's own error: the caller's to raise
+                call.error = e
+            self._calls[i].popleft()
+            call.done = True
+            if call.on_reply is not None:
+                call.on_reply(call.value, call.error)
+
+    def _lost(self, i: int, err: ReplicaDiedError) -> None:
+        """Replica ``i`` is gone: each of its unanswered calls ends with ``err``."""
+        calls, self._calls[i] = self._calls[i], deque()
+        for c in calls:
+            c.done, c.error = True, err
+            if c.on_reply is not None:
+                c.on_reply(None, err)
+        self._replica_died(i, err)
 
     # -- requests -------------------------------------------------------------------------
     def prepare_request(self, request_id: str, prompt, params=None, priority: int = 0,
@@ -103,25 +186,47 @@ class DataParallelEngine:
 
         Raises:
             ValueError: as ``LLMEngine.add_request``.
+            RuntimeError: every replica has died.
         """
         if request_id in self._owner:
             raise ValueError(f"request_id: {request_id!r} is already in flight")
-        self._call(self.choose_replica(), "validate", request_id, prompt, params, priority)
+        self._on_live_replica(lambda i: self._result(i, self._submit(i, "validate", request_id, prompt, params,
+                                                                     priority)))
         return PreparedDPRequest(request_id, prompt, params, priority)
+
+    def _on_live_replica(self, fn: Callable[[int], Any]) -> Any:
+        """``fn(i)`` on the least-loaded live replica; if that one dies meanwhile, on the next."""
+        while True:
+            i = self.choose_replica()  # (raises once none is left)
+            try:
+                return fn(i)
+            except ReplicaDiedError as e:
+                self._replica_died(i, e)
 
     def enqueue(self, prepared: PreparedDPRequest) -> None:
         self.add_request(prepared.request_id, prepared.prompt, prepared.params, prepared.priority)
 
     def add_request(self, request_id: str, prompt, params=None, priority: int = 0,
                     arrival_time: float | None = None) -> None:
-        """Route a request to the least-loaded replica (raises ``ValueError`` like ``LLMEngine``)."""
+        """Route a request to the least-loaded live replica (raises ``ValueError`` like
+        ``LLMEngine``; ``RuntimeError`` once every replica has died)."""
         if request_id in self._owner:
             raise ValueError(f"request_id: {request_id!r} is already in flight")
-        i = self.choose_replica()
-        self._call(i, "add", request_id, prompt, params, priority)
-        self._owner[request_id] = i
-        self.in_flight[i] += 1
-        self.num_routed[i] += 1
+
+        def add(i: int) -> None:
+            def routed() -> None:  # with the send: an abort finds it even if the answer is never read
+                self._owner[request_id] = i
+                self.in_flight[i] += 1
+                self.num_routed[i] += 1
+
+            def refused(_, err) -> None:
+                if err is not None and self._owner.get(request_id) == i:
+                    del self._owner[request_id]
+                    self.in_flight[i] -= 1
+                    self.num_routed[i] -= 1
+            self._result(i, self._submit(i, "add", request_id, prompt, params, priority,
+                                         on_reply=refused, on_sent=routed))
+        self._on_live_replica(add)
 
     def abort_request(self, request_ids) -> None:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
@@ -144,30 +249,35 @@ class DataParallelEngine:
 
     # -- step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Step every replica with requests, concurrently; outputs of all of them."""
-        results, self._pending = self._pending, []
+        """Step every replica with requests, concurrently; outputs of all of them (and of
+        steps an interrupt left unread)."""
         busy = sorted({i for i in self._owner.values() if self.alive[i]})
-        handles = {}
+        calls = {}
         for i in busy:
             try:
-                handles[i] = self.replicas[i].submit("step")
-            except ReplicaDiedError as e:
-                self._replica_died(i, e)
-        for i, h in handles.items():
+                calls[i] = self._submit(i, "step", on_reply=functools.partial(self._stepped, i))
+            except ReplicaDiedError:
+                pass  # (retired by _submit)
+        for i, call in calls.items():
             try:
-                outs, stats = self.replicas[i].result(h, self.timeout_s)
-            except (ReplicaDiedError, RuntimeError) as e:
-                self._replica_died(i, e)
-                continue
-            self._stats[i] = stats
-            self.kv_usage[i] = float(stats.get("kv_cache_usage", 0.0))
-            for out in outs:
-                if out.finished and self._owner.pop(out.request_id, None) is not None:
-                    self.in_flight[i] -= 1
-            results.extend(outs)
-        results.extend(self._pending)
-        self._pending = []
+                self._result(i, call)
+            except Exception:  # noqa: BLE001 - (ReplicaDiedError too) retired by _stepped
+                pass
+        results, self._pending = self._pending, []
         return results
+
+    def _stepped(self, i: int, reply, err: BaseException | None) -> None:
+        """Apply replica ``i``'s answer to a step: its outputs, its finished requests."""
+        if err is not None:
+            self._replica_died(i, err)
+            return
+        outs, stats = reply
+        self._stats[i] = stats
+        self.kv_usage[i] = float(stats.get("kv_cache_usage", 0.0))
+        for out in outs:
+            if out.finished and self._owner.pop(out.request_id, None) is not None:
+                self.in_flight[i] -= 1
+        self._pending.extend(outs)
 
     def _replica_died(self, i: int, err: BaseException) -> None:
         if not self.alive[i]:

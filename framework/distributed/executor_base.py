@@ -18,6 +18,15 @@ leaves the others out of step. Any worker error, death or timeout therefore kill
 replica's workers and marks the executor dead; that step raises :class:`WorkerError`
 (the engine ends the step's requests with ``finish_reason="error"``) and every later
 step raises at once, so every request ends quickly with a clear error and nothing waits.
+
+Interrupts (Ctrl-C during ``LLM.generate``) are not failures: the workers are fine, only
+the driver stopped listening. Messages go out and come in whole
+(:mod:`kvforge.distributed.interrupts`) and the transport counts the replies each rank
+still owes, so the next call first resynchronizes (:meth:`DistributedExecutor._resync`):
+a step still waiting for its placeholder tokens gets zeros, every owed reply is read and
+dropped, and the steps sent before are abandoned (waiting on one raises). Only an
+interrupt that tears a message (a second Ctrl-C while one is written) leaves the executor
+dead, with a message that says so.
 """
 from __future__ import annotations
 
@@ -27,7 +36,9 @@ from typing import Any
 
 import torch
 
+from kvforge.distributed.interrupts import defer_sigint, is_interrupt
 from kvforge.distributed.protocol import encode_step
+from kvforge.distributed.runner_proxy import PendingExecute, _WorkerRunner
 from kvforge.distributed.worker_sampling import ParamsTable
 from kvforge.engine.executor import Executor
 from kvforge.engine.profiling import span
@@ -45,66 +56,6 @@ class WorkerDiedError(WorkerError):
 
 class WorkerTimeoutError(WorkerError):
     """Workers did not answer within ``parallel.worker_timeout_s``."""
-
-
-class _WorkerRunner:
-    """The ``ModelRunner`` surface the engine's step loop calls, forwarded to the workers."""
-
-    def __init__(self, executor: "DistributedExecutor") -> None:
-        self._ex = executor
-        self.graphs = None
-        self.return_hidden_states = False
-        self.kv_caches: list[torch.Tensor] = []  # held by the workers
-
-    @property
-    def allocator(self):
-        return self._ex.allocator
-
-    def execute(self, so, prev_tokens=None, prev_rows=None):
-        return self._ex.execute(so, prev_tokens, prev_rows)
-
-    def execute_deferred(self, so, prev_tokens=None, prev_rows=None, sample_on_worker=False) -> "PendingExecute":
-        return self._ex.execute_deferred(so, prev_tokens, prev_rows, sample_on_worker)
-
-    @property
-    def accepts_late_tokens(self) -> bool:
-        """Whether :meth:`execute_deferred` may be called before the previous step's
-        tokens exist (then :meth:`deliver_tokens` sends them)."""
-        return self._ex.accepts_late_tokens
-
-    @property
-    def samples_on_worker(self) -> bool:
-        """Whether :meth:`execute_deferred` may have the workers sample (``parallel.sample_on_worker``)."""
-        return self._ex.samples_on_worker
-
-    def deliver_tokens(self, tokens) -> None:
-        self._ex.deliver_tokens(tokens)
-
-    def swap(self, pairs, to_cpu: bool) -> None:
-        if pairs:
-            self._ex.call_all("swap", list(pairs), to_cpu)
-
-
-class PendingExecute:
-    """A step sent to the workers whose logits have not been received.
-
-    Attributes:
-        sample_requests: the requests the step samples, in row order (known at send time).
-        has_prompt_logits: whether it returns prompt-logprob rows.
-    """
-
-    def __init__(self, sample_requests: list, finish, has_prompt_logits: bool = False) -> None:
-        self.sample_requests = sample_requests
-        self.has_prompt_logits = has_prompt_logits
-        self._finish = finish
-        self._out = None
-
-    def wait(self):
-        """Wait for the workers -> :class:`~kvforge.engine.model_runner.ExecuteOutput`
-        (idempotent). Raises :class:`WorkerError` as :meth:`DistributedExecutor.execute`."""
-        if self._out is None:
-            self._out = self._finish()
-        return self._out
 
 
 class DistributedExecutor(Executor):
@@ -129,6 +80,9 @@ class DistributedExecutor(Executor):
         self._out_buf: torch.Tensor | None = None
         self._in_flight = 0  # execute calls sent and not yet received (in order)
         self._tokens_owed = False  # the last step sent waits for the previous step's tokens
+        self._owed_rows = 0  # how many tokens it waits for (rows of the previous step)
+        self._interrupted = False  # an interrupt left a call half done: resync before the next
+        self._epoch = 0  # bumped by a resync: steps sent before it are abandoned
         par = config.parallel
         why_not = ("the ray executor (use mp)" if not self.accepts_late_tokens else
                    "pipeline parallelism" if par.pipeline_parallel_size > 1 else
@@ -160,6 +114,10 @@ class DistributedExecutor(Executor):
     def _kill_workers(self) -> None:
         """Stop every worker now, without waiting for them."""
 
+    def _drain(self, timeout: float) -> None:
+        """Read and drop every reply the workers still owe (calls an interrupt left
+        unreceived). Transports whose replies need no reading (Ray) keep this no-op."""
+
     def _share_output(self) -> bool:
         """Whether workers can hand the logits over through a buffer shared once."""
         return False
@@ -175,12 +133,14 @@ class DistributedExecutor(Executor):
 
     # -- driver API ---------------------------------------------------------------------
     def call_all(self, method: str, *args, timeout: float | None = None) -> list[Any]:
-        self.check_health()
+        self._ready()
         self._no_call_in_flight(method)
         try:
-            return self._call_all(method, args, self.timeout_s if timeout is None else timeout)
+            with defer_sigint():
+                handle = self._send_all(method, args)
+            return self._recv_all(handle, method, self.timeout_s if timeout is None else timeout)
         except BaseException as e:
-            self._mark_dead(e)
+            self._failed(e)
             raise
 
     def _no_call_in_flight(self, method: str) -> None:
@@ -193,42 +153,98 @@ class DistributedExecutor(Executor):
         if self._tokens_owed:
             raise RuntimeError("a step was sent before the previous one got its tokens (deliver_tokens)")
         try:
-            handle = self._send_all("execute", (msg,))
+            with defer_sigint():  # the message and the counts that describe it, together
+                handle = self._send_all("execute", (msg,))
+                self._in_flight += 1
+                self._tokens_owed = len(msg.ph_pos) > 0 and not msg.ph_on_device
+                self._owed_rows = int(msg.ph_row.max()) + 1 if self._tokens_owed else 0
         except BaseException as e:
-            self._mark_dead(e)
+            self._failed(e)
             raise
-        self._in_flight += 1
-        self._tokens_owed = len(msg.ph_pos) > 0 and not msg.ph_on_device
         return handle
 
-    def _recv_step(self, handle: Any) -> list[Any]:
-        self._in_flight -= 1
+    def _recv_step(self, handle: Any, epoch: int) -> list[Any]:
         self.check_health()
+        if epoch != self._epoch or self._interrupted:
+            raise RuntimeError("this step was abandoned: an interrupt stopped the driver while it was in flight "
+                               "and the workers were resynchronized")
         try:
-            return self._recv_all(handle, "execute", self.timeout_s)
+            res = self._recv_all(handle, "execute", self.timeout_s)
+            self._in_flight -= 1
         except BaseException as e:
-            self._mark_dead(e)
+            self._failed(e)
             raise
+        return res
 
     def deliver_tokens(self, tokens: torch.Tensor) -> None:
         """Send the step in flight the previous step's sampled tokens (int64 [N], any
         device; reading them waits for the sampling). Nothing happens when no step waits."""
         if not self._tokens_owed:
             return
-        self._tokens_owed = False
         if self.dead is not None:
+            self._tokens_owed = False
             return
         try:
             with span("kvforge.send_tokens"):
-                self._send_tokens(tokens.cpu().numpy())
+                host = tokens.cpu().numpy()
+                with defer_sigint():
+                    self._send_tokens(host)
+                    self._tokens_owed = False
         except BaseException as e:
-            self._mark_dead(e)
+            self._failed(e)
             raise
+
+    def abandon_in_flight(self) -> None:
+        """Give up every step sent and not yet received: the workers finish them (a step
+        waiting for placeholder tokens gets zeros) and their replies are dropped; waiting on
+        one later raises. The engine calls it after an interrupt stopped a step half way.
+
+        Raises:
+            WorkerError: the executor is dead, or died resynchronizing.
+        """
+        if self._in_flight or self._tokens_owed:
+            self._interrupted = True
+        self._ready()
 
     def check_health(self) -> None:
         if self.dead is not None:
             raise WorkerError(f"the distributed executor is dead ({type(self.dead).__name__}: {self.dead}); "
                               "rebuild the engine")
+
+    def _ready(self) -> None:
+        """Before a new call: healthy, and in step with the workers again after an interrupt."""
+        self.check_health()
+        if self._interrupted:
+            self._resync()
+
+    def _resync(self) -> None:
+        """Bring the workers back in step after an interrupt left calls half done: a step
+        waiting for its placeholder tokens gets zeros (its results are dropped with the
+        rest: its requests were aborted or fail), then every reply owed is read and dropped.
+        Interruptible (the next call resumes it); a worker error or timeout here is fatal."""
+        log.warning("an interrupt stopped the driver mid-step: resynchronizing the %d workers", self.world_size)
+        try:
+            if self._tokens_owed:
+                import numpy as np
+                with defer_sigint():
+                    self._send_tokens(np.zeros(self._owed_rows, dtype=np.int64))
+                    self._tokens_owed = False
+            self._drain(self.timeout_s)
+        except BaseException as e:
+            self._failed(e)
+            raise
+        self._in_flight = 0
+        self._last_sampled_on_worker = False  # the workers' device tokens belong to a dropped step
+        self._epoch += 1
+        self._interrupted = False
+
+    def _failed(self, exc: BaseException) -> None:
+        """A call ended early: an interrupt is resynchronized by the next call; anything
+        else kills the replica's workers."""
+        if is_interrupt(exc):
+            self._interrupted = True
+        else:
+            self._mark_dead(exc)
 
     def _mark_dead(self, exc: BaseException) -> None:
         if self.dead is None:
@@ -269,7 +285,12 @@ class DistributedExecutor(Executor):
 
         ``prev_tokens`` (int64 [N'], the previous step's sampled tokens, any device) and
         ``prev_rows`` (request id -> row there) resolve placeholder input tokens (async
-        scheduling): reading them waits for that step's sampling on the driver's device."""
+        scheduling): reading them waits for that step's sampling on the driver's device.
+
+        This synchronous path leaves no step in flight, so one found here was abandoned by
+        an interrupt (anywhere between its send and its receive): resynchronize first."""
+        if self._in_flight or self._tokens_owed:
+            self._interrupted = True
         return self.execute_deferred(so, prev_tokens, prev_rows).wait()
 
     def execute_deferred(self, so, prev_tokens: torch.Tensor | None = None,
@@ -283,7 +304,7 @@ class DistributedExecutor(Executor):
         verification, penalties, which read the token history). The output then carries
         ``sampled`` instead of logits, and the workers keep the tokens for the next step's
         placeholders."""
-        self.check_health()  # before the params table records entries this step would carry
+        self._ready()  # before the params table records entries this step would carry
         if self._tokens_owed:
             raise RuntimeError("a step was sent before the previous one got its tokens (deliver_tokens)")
         host = prev_tokens.tolist() if prev_tokens is not None else None
@@ -291,22 +312,30 @@ class DistributedExecutor(Executor):
         if len(msg.ph_pos) and not self.accepts_late_tokens:
             raise RuntimeError("this executor needs the previous step's tokens to send a step with placeholders")
         msg.ph_on_device = bool(len(msg.ph_pos)) and self._last_sampled_on_worker
-        if (sample_on_worker and self.samples_on_worker and plan.num_sample_rows
-                and plan.num_sample_rows == len(plan.sample_requests) and not plan.prompt_slices
-                and not any(r.sampling_params.reads_history for r in plan.sample_requests)):
-            # Counts before this step's token (its placeholder is appended after the launch).
-            msg.sample = self._params.encode(plan.sample_requests,
-                                             [len(r.output_token_ids) for r in plan.sample_requests])
-        handle = self._send_step(msg)
-        self._last_sampled_on_worker = msg.sample is not None
-        self.num_steps_sampled_on_worker += self._last_sampled_on_worker
-        return PendingExecute(plan.sample_requests, lambda: self._finish_execute(handle, plan),
+        on_worker = (sample_on_worker and self.samples_on_worker and plan.num_sample_rows
+                     and plan.num_sample_rows == len(plan.sample_requests) and not plan.prompt_slices
+                     and not any(r.sampling_params.reads_history for r in plan.sample_requests))
+        try:
+            with defer_sigint():  # the params table changes only with the message that tells the workers
+                if on_worker:
+                    # Counts before this step's token (its placeholder is appended after the launch).
+                    msg.sample = self._params.encode(plan.sample_requests,
+                                                     [len(r.output_token_ids) for r in plan.sample_requests])
+                handle = self._send_step(msg)
+                self._last_sampled_on_worker = msg.sample is not None
+                self.num_steps_sampled_on_worker += self._last_sampled_on_worker
+                epoch = self._epoch
+        except BaseException as e:
+            if is_interrupt(e):  # (held back to here: the step went out, its handle is lost)
+                self._interrupted = True
+            raise
+        return PendingExecute(plan.sample_requests, lambda: self._finish_execute(handle, plan, epoch),
                               bool(plan.prompt_slices))
 
-    def _finish_execute(self, handle: Any, plan):
+    def _finish_execute(self, handle: Any, plan, epoch: int):
         from kvforge.engine.model_runner import ExecuteOutput
         with span("kvforge.recv_step"):
-            res = self._recv_step(handle)
+            res = self._recv_step(handle, epoch)
         out = res[self.output_rank]
         k = plan.num_sample_rows
         if out[0] == "sampled":
@@ -329,7 +358,7 @@ class DistributedExecutor(Executor):
         return ExecuteOutput(sample, plan.sample_requests, prompt)
 
     def shutdown(self) -> None:
-        self._in_flight, self._tokens_owed = 0, False  # the workers are told to leave either way
+        self._in_flight, self._tokens_owed, self._interrupted = 0, False, False  # the workers leave either way
         if self.dead is None:
             self.dead = RuntimeError("executor was shut down")
             try:

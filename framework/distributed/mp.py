@@ -14,6 +14,10 @@ Liveness: while it waits, the driver watches every worker's pipe *and* process s
 when a timeout expires; a worker whose driver is gone reads EOF and exits. On GPU the
 output rank shares its logits buffer with the driver once (CUDA IPC), so a step moves no
 logits through the pipe.
+
+Interrupts: each message is written and read whole, with SIGINT held back meanwhile
+(:mod:`kvforge.distributed.interrupts`), and the driver counts the replies each rank still
+owes, so after a Ctrl-C :meth:`MultiprocExecutor._drain` can read exactly what is left.
 """
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ from typing import Any
 import torch
 
 from kvforge.distributed.executor_base import DistributedExecutor, WorkerDiedError, WorkerError, WorkerTimeoutError
+from kvforge.distributed.interrupts import defer_sigint
 
 log = logging.getLogger("kvforge.distributed")
 
@@ -151,6 +156,7 @@ class MultiprocExecutor(DistributedExecutor):
         init_method = f"tcp://127.0.0.1:{free_port()}"
         cfg = config.model_dump()
         self.procs, self.conns = [], []
+        self._owed = [0] * self.world_size  # replies each rank still owes (messages sent, answers not read)
         with _without_main_reimport():
             for rank in range(self.world_size):
                 parent, child = ctx.Pipe(duplex=True)
@@ -175,15 +181,35 @@ class MultiprocExecutor(DistributedExecutor):
 
     def _send_all(self, method: str, args: tuple) -> None:
         payload = pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)
-        for rank, conn in enumerate(self.conns):
-            try:
-                conn.send_bytes(payload)
-            except (OSError, BrokenPipeError):
-                raise self._died(rank) from None
+        with defer_sigint():  # every rank gets the message, or the stream is known to be torn
+            for rank, conn in enumerate(self.conns):
+                try:
+                    conn.send_bytes(payload)
+                except (OSError, BrokenPipeError):
+                    raise self._died(rank) from None
+                except BaseException as e:
+                    self._torn(f"writing {method!r} to", rank, e)
+                    raise
+                if method != "tokens":  # the one message without an answer
+                    self._owed[rank] += 1
+
+    def _drain(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while any(self._owed):
+            self._read([r for r, n in enumerate(self._owed) if n], "execute", max(deadline - time.monotonic(), 0.0))
+
+    def _torn(self, what: str, rank: int, exc: BaseException) -> None:
+        self._mark_dead(WorkerError(
+            f"{type(exc).__name__} while {what} worker rank {rank}: the pipe holds part of a message, so the "
+            "driver and the workers cannot be brought back in step"))
 
     def _recv_all(self, handle: None, method: str, timeout: float) -> list[Any]:
+        return self._read(range(self.world_size), method, timeout)
+
+    def _read(self, ranks, method: str, timeout: float) -> list[Any]:
+        """The next reply of each of ``ranks`` (by rank; None for the others)."""
         results: list[Any] = [None] * self.world_size
-        pending = dict(enumerate(self.conns))
+        pending = {r: self.conns[r] for r in ranks}
         by_sentinel = {p.sentinel: r for r, p in enumerate(self.procs)}
         deadline = time.monotonic() + timeout
         while pending:
@@ -197,14 +223,21 @@ class MultiprocExecutor(DistributedExecutor):
                     if method == "shutdown" and by_sentinel[obj] not in pending:
                         continue
                     raise self._died(by_sentinel[obj])
-            for obj in ready:
-                if obj in by_sentinel:
-                    continue
-                rank = self.conns.index(obj)
-                try:
-                    reply = obj.recv()
-                except (EOFError, OSError):
-                    raise self._died(rank) from None
+            replies = []
+            with defer_sigint():  # the ready replies are read whole and counted
+                for obj in ready:
+                    if obj in by_sentinel:
+                        continue
+                    rank = self.conns.index(obj)
+                    try:
+                        replies.append((rank, obj.recv()))
+                    except (EOFError, OSError):
+                        raise self._died(rank) from None
+                    except BaseException as e:
+                        self._torn("reading a reply from", rank, e)
+                        raise
+                    self._owed[rank] -= 1
+            for rank, reply in replies:  # (outside: an error here must not be lost to a held Ctrl-C)
                 if reply[0] == "error":
                     _, etype, emsg, tb = reply
                     dead = self._dead_peer(by_sentinel) if etype != "ValueError" else None

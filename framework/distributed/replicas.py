@@ -1,6 +1,11 @@
 """Replica transports for data parallelism: a replica is a whole LLMEngine in its own
 process, reached either as a Ray actor or as a local process over a pipe. Used by
-:class:`kvforge.distributed.data_parallel.DataParallelEngine`."""
+:class:`kvforge.distributed.data_parallel.DataParallelEngine`.
+
+A transport answers calls in the order they were submitted: ``submit`` sends one,
+``wait`` blocks (interruptibly) until the oldest unread answer is ready and ``take`` reads
+it, so the front end can read an answer and account for it with SIGINT held back
+(:mod:`kvforge.distributed.interrupts`) and never loses one to a Ctrl-C."""
 from __future__ import annotations
 
 import logging
@@ -11,6 +16,7 @@ import time
 import weakref
 from multiprocessing.connection import wait as mp_wait
 
+from kvforge.distributed.interrupts import defer_sigint
 from kvforge.distributed.reply_sender import error_reply
 from kvforge.engine.outputs import RequestOutput
 
@@ -100,6 +106,14 @@ class _RayReplica:
 
     def submit(self, method: str, *args):
         return getattr(self.actor, method).remote(*args)
+
+    def wait(self, handle, timeout: float) -> None:
+        ready, _ = self._ray.wait([handle], num_returns=1, timeout=timeout)
+        if not ready:
+            raise ReplicaDiedError(f"replica did not answer within {timeout:.0f} s")
+
+    def take(self, handle):
+        return self.result(handle, 0)
 
     def result(self, handle, timeout: float):
         from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
@@ -195,6 +209,7 @@ class _ProcReplica:
             self.proc.start()
         child.close()
         self._started = False
+        self._torn: str | None = None  # why the pipe can no longer be trusted (an interrupted write or read)
         # At interpreter exit (before multiprocessing joins its non-daemonic children): close the
         # pipe so the replica reads EOF, stops its own workers and exits.
         self._finalizer = weakref.finalize(self, _stop_process, self.conn, self.proc)
@@ -202,14 +217,26 @@ class _ProcReplica:
     def submit(self, method: str, *args):
         if not self._started:  # the first reply is the build's
             self._started = True
-            self._take(float("inf"))
-        try:
-            self.conn.send_bytes(pickle.dumps((method, args)))
-        except (OSError, BrokenPipeError):
-            raise ReplicaDiedError(f"replica process {self.proc.pid} died") from None
+            self.result(None, float("inf"))
+        self._check_torn()
+        payload = pickle.dumps((method, args))
+        with defer_sigint():
+            try:
+                self.conn.send_bytes(payload)
+            except (OSError, BrokenPipeError):
+                raise ReplicaDiedError(f"replica process {self.proc.pid} died") from None
+            except BaseException as e:
+                self._torn = f"{type(e).__name__} while writing {method!r} to the replica"
+                raise
         return method
 
-    def _take(self, timeout: float):
+    def _check_torn(self) -> None:
+        if self._torn is not None:
+            raise ReplicaDiedError(f"{self._torn}: its pipe holds part of a message, so it cannot be used again")
+
+    def wait(self, handle, timeout: float) -> None:
+        """Until the oldest unread reply is ready. Raises ReplicaDiedError (died, timeout)."""
+        self._check_torn()
         deadline = time.monotonic() + timeout
         while True:
             left = deadline - time.monotonic()
@@ -217,13 +244,21 @@ class _ProcReplica:
                 raise ReplicaDiedError(f"replica did not answer within {timeout:.0f} s")
             ready = mp_wait([self.conn, self.proc.sentinel], timeout=min(left, 1.0))
             if self.conn in ready:
-                try:
-                    reply = self.conn.recv()
-                except (EOFError, OSError):
-                    raise ReplicaDiedError(f"replica process {self.proc.pid} died") from None
-                break
+                return
             if self.proc.sentinel in ready:
                 raise ReplicaDiedError(f"replica process {self.proc.pid} died (exit code {self.proc.exitcode})")
+
+    def take(self, handle):
+        """Read the ready reply: its value, or raise the replica's error (ValueError
+        as itself, others as RuntimeError)."""
+        self._check_torn()
+        try:
+            reply = self.conn.recv()
+        except (EOFError, OSError):
+            raise ReplicaDiedError(f"replica process {self.proc.pid} died") from None
+        except BaseException as e:
+            self._torn = f"{type(e).__name__} while reading a reply from the replica"
+            raise
         if reply[0] == "error":
             _, etype, emsg, tb = reply
             if etype == "ValueError":
@@ -232,7 +267,9 @@ class _ProcReplica:
         return reply[1]
 
     def result(self, handle, timeout: float):
-        return self._take(timeout)
+        self.wait(handle, timeout)
+        with defer_sigint():
+            return self.take(handle)
 
     def kill(self) -> None:
         if self.proc.is_alive():

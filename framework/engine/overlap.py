@@ -38,6 +38,12 @@ With speculative decoding, steps in which the adaptive rule drafts for some requ
 synchronously (the drafter and the rejection sampler need every token on the host); the
 steps in which speculation is off (large batches, low acceptance) overlap as above. The
 engine switches per step (``LLMEngine.step``), draining the in-flight step first.
+
+An interrupt (Ctrl-C in ``LLM.generate``) can stop a call anywhere, with steps sent and
+their tokens unknown. The next call first recovers (:meth:`OverlapStepper._recover`): the
+steps left on the workers are abandoned (the executor resynchronizes them), a step whose
+tokens had reached the host is finished as usual, and a request left waiting for a lost
+token ends with an error (``LLM.generate`` has already aborted its own requests).
 """
 from __future__ import annotations
 
@@ -97,8 +103,19 @@ class OverlapStepper:
         self.engine = engine
         self.inflight: _Inflight | None = None
         self.num_overlapped_steps = 0  # steps launched before the previous step's tokens were read
+        self._interrupted: str | None = None  # what stopped a step() or drain() half way (KeyboardInterrupt)
 
     def step(self) -> list[RequestOutput]:
+        if self._interrupted:
+            self._recover()
+        try:
+            return self._step()
+        except BaseException as err:
+            if not isinstance(err, Exception):  # KeyboardInterrupt: the state is half updated
+                self._interrupted = type(err).__name__
+            raise
+
+    def _step(self) -> list[RequestOutput]:
         e = self.engine
         results, e._pending = e._pending, []
         touched: dict[str, None] = {}
@@ -134,6 +151,7 @@ class OverlapStepper:
         if prev is not None:
             with span("kvforge.process"):
                 self._process(prev, touched)
+            self.inflight = None  # done with: _recover must not process it again
         if so.scheduled:
             placeholder = [PLACEHOLDER_TOKEN_ID]
             sampled = {r.request_id: placeholder for r in launched.requests} if launched else {}
@@ -150,14 +168,53 @@ class OverlapStepper:
     def drain(self) -> None:
         """Finish the in-flight step on the host (its outputs go to the next ``step()``), so
         that every token is known before a synchronous step (speculative verification)."""
+        if self._interrupted:
+            self._recover()
         if self.inflight is None:
             return
         touched: dict[str, None] = {}
-        done = self._complete(self.inflight, touched)
-        if done is not None:
-            self._process(done, touched)
+        try:
+            done = self._complete(self.inflight, touched)
+            if done is not None:
+                self._process(done, touched)
+        except BaseException as err:
+            if not isinstance(err, Exception):
+                self._interrupted = type(err).__name__
+            raise
         self.inflight = None
         self.engine._emit_touched(touched, self.engine._pending)
+
+    def _recover(self) -> None:
+        """Start clean after an interrupt (module docstring): abandon the steps on the
+        workers, finish a step whose tokens are on the host, and end with an error every
+        request still waiting for a token that is lost (its KV blocks return)."""
+        e = self.engine
+        touched: dict[str, None] = {}
+        abandon = getattr(e.runner, "abandon_in_flight", None)
+        if abandon is not None:
+            try:
+                abandon()
+            except Exception:  # noqa: BLE001 - a dead executor fails every later step with its cause
+                pass
+        prev = self.inflight
+        if prev is not None and prev.pending is None and prev.sample is not None:
+            self._process(prev, touched)  # (its requests the caller aborted are skipped)
+        self.inflight = None
+        err = f"engine error: interrupted ({self._interrupted}) before this token was sampled"
+        for parent in list(e.outputs.parents.values()):
+            for child in parent.children:
+                r = child.request
+                if not r.num_pending_tokens:
+                    continue
+                drop_placeholders(r)
+                if not r.is_finished:
+                    e.scheduler.finish_requests([r.request_id], RequestStatus.FINISHED_ERROR)
+                else:  # finished at launch (max_tokens), its last token lost
+                    r.status = RequestStatus.FINISHED_ERROR
+                r.error = err
+                touched[r.parent_id] = None
+        e._emit_touched(touched, e._pending)
+        self._interrupted = None
 
     def _launch(self, so: SchedulerOutput, prev: _Inflight | None, touched: dict[str, None]) -> _Inflight | None:
         e = self.engine
