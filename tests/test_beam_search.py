@@ -48,7 +48,33 @@ def test_search_worked_by_hand():
     assert got[0].tokens == [0, EOS] and got[0].finish_reason == "length"
     # per-prompt budgets (the room max_model_len leaves)
     a, b = search([[0], [0]], BeamSearchParams(beam_width=1, max_tokens=3), step, {EOS}, [1, 3])
-    assert len(a[0].tokens) == 2 and len(b[0].tokens) == 4
+    # (b: EOS ties 3 at step 2 and ranks first, and the live [0, 1, 3] cannot beat it: early stop)
+    assert a[0].tokens == [0, 1] and b[0].tokens == [0, 1, EOS]
+
+
+def test_hugging_face_rules_by_hand():
+    """An EOS candidate counts only if it ranks among the best beam_width of all candidates;
+    a prompt stops once beam_width hypotheses are finished and no live beam can beat them."""
+    # width 1: from 0, 3 (.7) beats EOS (.3): EOS ranks 2nd of the candidates, so it is dropped
+    table = {0: {3: .7, EOS: .3}, 3: {4: .5, 5: .5}, 4: {4: 1.0}, 5: {5: 1.0}}
+    (got,) = search([[0]], BeamSearchParams(beam_width=1, max_tokens=2, length_penalty=0.0), _table_step(table),
+                    {EOS}, [2])
+    assert [s.tokens for s in got] == [[0, 3, 4]]  # ([0, EOS] at log .3 would have won: log .35 < log .3)
+    # width 1: EOS ranks first at step 1 (.6): finished; the live beam (.4) cannot beat it at its
+    # current length (length_penalty 0), so the prompt stops and step 2 never runs
+    calls = []
+
+    def step(beams):
+        calls.append(beams)
+        return _table_step({0: {EOS: .6, 3: .4}, 3: {4: 1.0}})(beams)
+    (got,) = search([[0]], BeamSearchParams(beam_width=1, max_tokens=5, length_penalty=0.0), step, {EOS}, [5])
+    assert [s.tokens for s in got] == [[0, EOS]] and len(calls) == 1
+    # extreme length penalties rank without overflowing
+    for lp in (1000.0, -1000.0, 1e308):
+        (got,) = search([[0]], BeamSearchParams(beam_width=2, max_tokens=3, length_penalty=lp),
+                        _table_step({0: {1: .6, 2: .4}, 1: {EOS: .5, 3: .5}, 2: {4: .9, 3: .1}, 3: {5: 1.0},
+                                     4: {5: 1.0}, 5: {5: 1.0}}), {EOS}, [3])
+        assert len(got) == 2
 
 
 @pytest.mark.parametrize("kw, field", [(dict(beam_width=0, max_tokens=2), "beam_width"),
@@ -95,6 +121,42 @@ def test_matches_hf_beam_search(llm):
     assert llm.llm_engine.allocator.num_free_blocks == llm.llm_engine.allocator.num_blocks
 
 
+def test_matches_hf_beam_search_with_eos(llm):
+    """Prompts that end a few tokens before greedy decoding ends the story, so beams finish on
+    EOS: sequences (EOS included) and their length-normalised scores equal HF's."""
+    from transformers import AutoModelForCausalLM
+
+    from kvforge import SamplingParams
+    rng = fresh_rng("beam-hf-eos")
+    openings = rng.sample(["The bird sang", "In the park", "The little boy saw a", "Sue liked to play with",
+                           "The fox", "Max and his friend", "The old tree"], 2)
+    greedy = llm.generate(openings, SamplingParams(temperature=0, max_tokens=400), use_tqdm=False)
+    eos = sorted(llm.llm_engine.eos_token_ids)
+    hf = AutoModelForCausalLM.from_pretrained(STORIES_MODEL, dtype=torch.float32).eval()
+    stopped = 0
+    for g in greedy:
+        assert g.outputs[0].finish_reason == "stop"
+        ids = g.prompt_token_ids + g.outputs[0].token_ids[:-rng.randint(2, 6)]
+        width, lp, steps = rng.choice([2, 3, 4]), rng.choice([0.0, 0.5, 1.0]), 12
+        tag = f"width {width} length_penalty {lp}"
+        (out,) = llm.beam_search([{"prompt_token_ids": ids}],
+                                 BeamSearchParams(beam_width=width, max_tokens=steps, length_penalty=lp))
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([ids]), num_beams=width, num_return_sequences=width, do_sample=False,
+                              max_new_tokens=steps, early_stopping=False, length_penalty=lp, eos_token_id=eos,
+                              pad_token_id=0, output_scores=True, return_dict_in_generate=True, repetition_penalty=1.0)
+        want = []
+        for row in ref.sequences.tolist():
+            gen = row[len(ids):]
+            end = next((j + 1 for j, t in enumerate(gen) if t in eos), len(gen))  # (HF pads after EOS)
+            want.append(ids + gen[:end])
+        assert [s.tokens for s in out.sequences] == want, tag
+        stopped += any(s.finish_reason == "stop" for s in out.sequences)
+        for s, sc in zip(out.sequences, ref.sequences_scores.tolist()):
+            assert abs(s.cum_logprob / (len(s.tokens) - len(ids)) ** lp - sc) < 1e-4, (tag, s.cum_logprob, sc)
+    assert stopped  # (the EOS rules were exercised: some returned sequence ended on EOS)
+
+
 def test_beams_stop_at_eos_and_keep_order(llm):
     """Prompts that end where greedy decoding ends a story (its EOS was the argmax there): with
     one step, the EOS hypothesis must rank first, finished as "stop"; with more steps every
@@ -125,8 +187,9 @@ def test_beams_stop_at_eos_and_keep_order(llm):
 
 
 def test_bad_input_is_refused_up_front(llm):
-    with pytest.raises(ValueError, match="^beam_width: 11 needs 22 log-probabilities"):
-        llm.beam_search("Once", BeamSearchParams(beam_width=11, max_tokens=2))
+    with pytest.raises(ValueError, match="^beam_width: 7 needs 21 log-probabilities"):  # (3 x 7: two EOS ids)
+        llm.beam_search("Once", BeamSearchParams(beam_width=7, max_tokens=2))
+    assert llm.beam_search([], BeamSearchParams(beam_width=2, max_tokens=2)) == []
     with pytest.raises(ValueError, match="^params: expected BeamSearchParams"):
         llm.beam_search("Once", {"beam_width": 2})
     with pytest.raises(ValueError, match=r"^prompts\[1\]: prompt_token_ids: ids outside"):

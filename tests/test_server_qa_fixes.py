@@ -137,6 +137,15 @@ def test_beam_search_matches_the_offline_llm(server):
                             ({"prompt_logprobs": 1}, "prompt_logprobs"), ({"n": 11}, "n")):
             _err(c.post(C, json={"prompt": "Once", "max_tokens": 2, "use_beam_search": True, **body}), field)
         _err(c.post(H, json={"messages": U, "max_tokens": 2, "use_beam_search": True, "logprobs": True}), "logprobs")
+        for body in ({"stop": ["girl"]}, {"bad_words": ["there"]}, {"allowed_token_ids": [400]}, {"min_tokens": 2},
+                     {"top_p": 0.5}, {"seed": 3}, {"logit_bias": {"5": 1.0}}):  # (not applied: refused, not ignored)
+            field = next(iter(body))
+            err = _err(c.post(C, json={"prompt": "Once", "max_tokens": 2, "use_beam_search": True, "n": 2, **body}),
+                       field)
+            assert "not applied by use_beam_search" in err["message"], err
+        ok = c.post(C, json={"prompt": "Once", "max_tokens": 3, "use_beam_search": True, "n": 2,
+                             "length_penalty": 1e308})  # (an extreme penalty ranks; no overflow)
+        assert ok.status_code == 200 and len(ok.json()["choices"]) == 2, ok.text
     server.wait_idle()
 
 

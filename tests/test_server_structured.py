@@ -43,9 +43,15 @@ def test_bad_constraints_are_400(server):
     with server.client() as c:
         for body, needle in (({"guided_regex": "a", "guided_choice": ["b"]}, "only one output constraint"),
                              ({"guided_regex": "([a-z"}, "structured_outputs.regex: cannot be compiled"),
-                             ({"response_format": {"type": "json_schema"}}, "needs json_schema.schema"),
+                             ({"response_format": {"type": "json_schema"}},
+                              "response_format: type 'json_schema' needs json_schema.schema"),
                              ({"structured_outputs": {"regexp": "a"}}, "unknown field"),
                              ({"guided_choice": ["a"], "use_beam_search": True, "n": 2}, "use_beam_search")):
             r = c.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "Once", "max_tokens": 4, **body})
             assert r.status_code == 400 and needle in r.json()["error"]["message"], (body, r.text)
+            assert "response_format: response_format" not in r.text
+        # prompt_logprobs -1 (the whole vocabulary) reaches the engine's max_logprobs check
+        r = c.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "Once", "max_tokens": 2,
+                                            "prompt_logprobs": -1})
+        assert r.status_code == 400 and "prompt_logprobs: -1 (the whole vocabulary" in r.text, r.text
     server.wait_idle()

@@ -185,3 +185,27 @@ def test_async_engine_compiles_off_the_engine_thread():
     last, engine_thread = asyncio.run(main())
     assert _valid("regex", last.outputs[0].text)
     assert threads[0] is not engine_thread and threads[1] is engine_thread and len(threads) == 3
+
+
+def test_bans_yield_to_a_constraint_that_allows_nothing_else():
+    """min_tokens and bad words never push a constrained row to no token at all (token 0 was
+    sampled then, and the output left its grammar): the grammar's EOS ends the output, and
+    allowed_token_ids keep their tokens; allowed_token_ids with a grammar is refused."""
+    eng = make_engine(dtype="float32")
+    eng.add_request("re", "Once upon a time", SamplingParams(temperature=0, max_tokens=10, min_tokens=5,
+                                                             structured_outputs={"regex": "ab"}))
+    eng.add_request("ch", "Once upon a time", SamplingParams(temperature=1.0, seed=4, max_tokens=10, min_tokens=5,
+                                                             structured_outputs={"choice": ["yes", "no"]}))
+    eng.add_request("bw", "Once upon a time", SamplingParams(temperature=0, max_tokens=6, allowed_token_ids=[400],
+                                                             bad_words=["do do"]))
+    got = run_engine(eng)
+    assert got["re"].outputs[0].text == "ab" and got["re"].outputs[0].finish_reason == "stop"
+    assert got["ch"].outputs[0].text in ("yes", "no")
+    assert got["bw"].outputs[0].token_ids == [400] * 6
+    with pytest.raises(ValueError, match="^allowed_token_ids: cannot be combined with structured_outputs"):
+        SamplingParams(allowed_token_ids=[400], structured_outputs={"choice": ["a"]})
+    so = StructuredOutputsParams(choice=["a"])
+    so.regex = "b"  # changed after it was built: checked again when used
+    with pytest.raises(ValueError, match="got regex, choice"):
+        SamplingParams(structured_outputs=so)
+    assert_no_block_leak(eng)

@@ -6,7 +6,9 @@ Per row, on float32 logits (copied only when step 1-4 apply), in this order:
    then ``logit_bias`` (additive);
 2. ``min_tokens``: while fewer tokens than ``min_tokens`` were generated, EOS (unless
    ``ignore_eos``) and ``stop_token_ids`` are set to -inf; so are the tokens ``bad_words``
-   bans (:mod:`kvforge.engine.bad_words`);
+   bans (:mod:`kvforge.engine.bad_words`). Where these bans would leave a constrained row
+   (grammar, ``allowed_token_ids``) no token at all, they yield for that step: the grammar's
+   EOS ends the output even before min_tokens;
 3. repetition penalty over prompt + output tokens (CTRL / Hugging Face style);
 4. frequency and presence penalties over output tokens (OpenAI formula);
 5. greedy rows (temperature < 1e-5) take the argmax; the others are divided by the
@@ -39,6 +41,7 @@ from kvforge.engine.sampling_ops import (
     apply_repetition_penalty,
     apply_temperature,
     apply_token_mask,
+    apply_token_mask_unless_empty,
     apply_top_k_top_p_min_p,
     exponential_race_sample,
     logprobs_with_ranks,
@@ -191,6 +194,9 @@ class Sampler:
         rep_rows: list[int] = []
         fp_rows: list[int] = []
         grammar_rows: list[int] = []
+        soft_rows: list[int] = []
+        soft_r: list[int] = []
+        soft_c: list[int] = []
         for i, req in enumerate(requests):
             sp = req.sampling_params
             if getattr(req, "grammar", None) is not None:
@@ -218,10 +224,14 @@ class Sampler:
                 if num_generated is not None and num_generated[i] < len(history):
                     history = list(history)[:num_generated[i]]
                 banned |= banned_tokens(sp.bad_words_token_ids, history)
-            for tok in banned:
-                if 0 <= tok < vocab:
-                    mask_r.append(i)
-                    mask_c.append(tok)
+            banned = [t for t in banned if 0 <= t < vocab]
+            if banned and (sp.allowed_token_ids or getattr(req, "grammar", None) is not None):
+                soft_rows.append(i)  # (these bans can meet a constraint that allows nothing else)
+                soft_r.extend([len(soft_rows) - 1] * len(banned))
+                soft_c.extend(banned)
+            else:
+                mask_r.extend([i] * len(banned))
+                mask_c.extend(banned)
             if sp.repetition_penalty != 1.0:
                 rep_rows.append(i)
             if sp.frequency_penalty != 0.0 or sp.presence_penalty != 0.0:
@@ -238,6 +248,9 @@ class Sampler:
             apply_logit_bias(work, long_tensor(bias_r, device), long_tensor(bias_c, device), _float(bias_v, device))
         if mask_r:
             apply_token_mask(work, long_tensor(mask_r, device), long_tensor(mask_c, device))
+        if soft_rows:
+            apply_token_mask_unless_empty(work, long_tensor(soft_rows, device), long_tensor(soft_r, device),
+                                          long_tensor(soft_c, device))
         if rep_rows:
             ids = pad_token_lists([requests[i].all_token_ids for i in rep_rows], vocab, device)
             pen = _float([requests[i].sampling_params.repetition_penalty for i in rep_rows], device)

@@ -28,6 +28,7 @@ __all__ = [
     "apply_logit_bias",
     "apply_token_mask",
     "apply_allowed_tokens",
+    "apply_token_mask_unless_empty",
     "apply_token_bitmask",
     "apply_repetition_penalty",
     "apply_frequency_presence_penalties",
@@ -78,6 +79,24 @@ def apply_token_mask(logits: torch.Tensor, rows: torch.Tensor, cols: torch.Tenso
     """
     # torch.full is a fill on the device; torch.tensor(value, device=cuda) would wait for the stream
     logits.index_put_((rows, cols), torch.full((), _NEG_INF, dtype=logits.dtype, device=logits.device))
+
+
+def apply_token_mask_unless_empty(logits: torch.Tensor, rows: torch.Tensor, local_rows: torch.Tensor,
+                                  cols: torch.Tensor) -> None:
+    """As :func:`apply_token_mask` for ``logits[rows[local_rows[j]], cols[j]]``, but a row whose
+    every entry would be -inf is left as it was: a ban (min_tokens, bad words) yields to a
+    hard constraint (a grammar, ``allowed_token_ids``) that allows nothing else. On the device,
+    no synchronization.
+
+    Args:
+        logits: float32 ``[N, V]``, modified in place.
+        rows: int64 ``[R]`` distinct rows; local_rows, cols: int64 ``[M]``.
+    """
+    sub = logits.index_select(0, rows)
+    banned = sub.clone()
+    banned.index_put_((local_rows, cols), torch.full((), _NEG_INF, dtype=logits.dtype, device=logits.device))
+    empty = torch.isneginf(banned).all(dim=-1, keepdim=True)
+    logits.index_copy_(0, rows, torch.where(empty, sub, banned))
 
 
 def apply_allowed_tokens(logits: torch.Tensor, rows: torch.Tensor, keep_rows: torch.Tensor,

@@ -238,6 +238,9 @@ class SamplingParams:
             raise bad("truncate_prompt_tokens", "must be >= 1, or -1 for max_model_len")
         if self.allowed_token_ids is not None and not self.allowed_token_ids:
             raise bad("allowed_token_ids", "must not be empty (None allows every token)")
+        if self.allowed_token_ids is not None and self.structured_outputs is not None:
+            raise bad("allowed_token_ids", "cannot be combined with structured_outputs (its grammar decides which "
+                                           "tokens may follow)")
         if self.bad_words is not None and any(not w.strip() for w in self.bad_words):
             raise bad("bad_words", "must not contain empty or blank strings")
         # A larger bias overflows float32 logits to inf (then NaN probabilities); OpenAI's API

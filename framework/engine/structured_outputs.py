@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 log = logging.getLogger("kvforge")
@@ -42,8 +42,9 @@ class StructuredOutputsParams:
         grammar: the output is a sentence of this EBNF grammar (XGrammar's GBNF dialect,
             start symbol ``root``).
         json_object: True: the output is any JSON object (``response_format: json_object``).
-        disable_any_whitespace: JSON without free whitespace (compact separators only); otherwise
-            a whitespace run is at most :data:`MAX_WHITESPACE` characters.
+        disable_any_whitespace: JSON with no whitespace but XGrammar's fixed separators
+            (``", "`` and ``": "``, as vLLM's); otherwise a free whitespace run is at most
+            :data:`MAX_WHITESPACE` characters.
 
     Raises:
         ValueError: naming ``structured_outputs.<field>``: none or several set, wrong types.
@@ -80,9 +81,12 @@ class StructuredOutputsParams:
 
     @classmethod
     def coerce(cls, value: Any) -> "StructuredOutputsParams | None":
-        """``value`` as params: None, an instance, or a dict of its fields (an unknown key is named)."""
-        if value is None or isinstance(value, cls):
-            return value
+        """``value`` as params: None, an instance (copied, so checked again: it may have been
+        changed since it was built), or a dict of its fields (an unknown key is named)."""
+        if value is None:
+            return None
+        if isinstance(value, cls):
+            return replace(value)
         if isinstance(value, dict):
             known = {f.name for f in fields(cls)}
             unknown = sorted(map(str, set(value) - known))

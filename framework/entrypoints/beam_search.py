@@ -1,13 +1,16 @@
 """Beam search for the offline API (``LLM.beam_search``), with vLLM's parameter and output names.
 
-Algorithm (Graves 2012 / the form Hugging Face ``generate(num_beams=...)`` runs): every prompt
-keeps ``beam_width`` live beams. Each step asks the engine for one token of every live beam with
-its ``2 * beam_width`` most likely continuations (raw log-probabilities); every beam's candidates
-are scored ``beam.cum_logprob + logprob``, a candidate ending in EOS joins the prompt's finished
-hypotheses, and the ``beam_width`` best of the others live on. When the live beams reach
-``max_tokens`` (or ``max_model_len``) they finish too, and the ``beam_width`` best hypotheses by
-``cum_logprob / num_generated ** length_penalty`` are returned. ``2 * beam_width`` candidates per
-beam guarantee ``beam_width`` non-EOS ones whenever the vocabulary has them.
+Algorithm: beam search as Hugging Face ``generate(num_beams=W, early_stopping=False)`` runs it,
+so that it returns the same sequences. Every prompt keeps W live beams. Each step asks the
+engine for one token of every live beam with its K most likely continuations (raw
+log-probabilities), K = max(2, 1 + number of EOS ids) * W (Hugging Face's ``beams_to_keep``:
+enough for W non-EOS candidates). Over all of a prompt's beams the candidates are ranked by
+``cum_logprob``; of the best K, an EOS candidate ranked among the first W becomes a finished
+hypothesis scored ``cum_logprob / num_generated ** length_penalty`` (the EOS counted), the
+others are dropped, and the W best non-EOS candidates live on. A prompt stops early once it
+has W finished hypotheses and its best live beam, scored at its current length, cannot beat
+the worst of them. At ``max_tokens`` (or ``max_model_len``) the live beams finish too, and
+the W best hypotheses by score are returned.
 
 The engine sees each step as ordinary one-token requests whose prompt is the beam so far, so
 beams sharing a prefix reuse its KV blocks when prefix caching is on (vLLM's design); without it
@@ -93,9 +96,24 @@ class BeamSearchOutput:
 StepFn = Callable[[list[list[int]]], list[dict[int, Logprob]]]
 
 
+def candidates_per_beam(params: BeamSearchParams, num_eos: int) -> int:
+    """K, the log-probabilities each beam asks for: max(2, 1 + EOS ids) * beam_width (EOS ids
+    count only without ``ignore_eos``)."""
+    return max(2, 1 + (0 if params.ignore_eos else num_eos)) * params.beam_width
+
+
+def length_score(cum_logprob: float, num_generated: int, length_penalty: float) -> float:
+    """``cum_logprob / num_generated ** length_penalty``, computed in the log domain so that no
+    penalty overflows (an extreme one gives -0.0 or -inf, which still rank)."""
+    if cum_logprob >= 0:
+        return 0.0
+    e = math.log(-cum_logprob) - length_penalty * math.log(max(1, num_generated))
+    return -math.exp(e) if e < 709 else -math.inf
+
+
 def score(seq: BeamSearchSequence, prompt_len: int, length_penalty: float) -> float:
-    """``cum_logprob / num_generated ** length_penalty`` (EOS counts as generated)."""
-    return seq.cum_logprob / max(1, len(seq.tokens) - prompt_len) ** length_penalty
+    """:func:`length_score` of a sequence (EOS counts as generated)."""
+    return length_score(seq.cum_logprob, len(seq.tokens) - prompt_len, length_penalty)
 
 
 def search(prompts: Sequence[list[int]], params: BeamSearchParams, step: StepFn, eos_token_ids: set[int],
@@ -126,7 +144,8 @@ def search_steps(prompts: Sequence[list[int]], params: BeamSearchParams, eos_tok
     """:func:`search` as a generator, for callers whose step is asynchronous (the server): it
     yields each step's beams (token lists), takes their candidates through ``send`` and
     returns the result (``StopIteration.value``)."""
-    width = params.beam_width
+    width, lp = params.beam_width, params.length_penalty
+    keep = candidates_per_beam(params, len(eos_token_ids))
     live = [[BeamSearchSequence(list(p))] for p in prompts]
     done: list[list[BeamSearchSequence]] = [[] for _ in prompts]
     for t in range(max(max_new_tokens, default=0)):
@@ -134,24 +153,31 @@ def search_steps(prompts: Sequence[list[int]], params: BeamSearchParams, eos_tok
         if not owners:
             break
         cands = yield [b.tokens for _, b in owners]
-        pool: list[list[BeamSearchSequence]] = [[] for _ in prompts]
+        pool: dict[int, list[tuple[float, BeamSearchSequence, int, dict]]] = {}
         for (i, beam), entry in zip(owners, cands):
-            for tok, lp in entry.items():
-                child = BeamSearchSequence(beam.tokens + [tok], beam.logprobs + [entry],
-                                           beam.cum_logprob + lp.logprob)
+            pool.setdefault(i, []).extend((beam.cum_logprob + lp_.logprob, beam, tok, entry)
+                                          for tok, lp_ in entry.items())
+        for i, ranked in pool.items():
+            ranked.sort(key=lambda c: c[0], reverse=True)  # (stable: ties keep the beams' order)
+            running = []
+            for rank, (cum, beam, tok, entry) in enumerate(ranked[:keep]):
+                child = BeamSearchSequence(beam.tokens + [tok], beam.logprobs + [entry], cum)
                 if tok in eos_token_ids and not params.ignore_eos:
-                    child.finish_reason, child.stop_reason = "stop", tok if tok in stop_ids else None
-                    done[i].append(child)
-                else:
-                    pool[i].append(child)
-        for i in {i for i, _ in owners}:
-            pool[i].sort(key=lambda s: s.cum_logprob, reverse=True)
-            live[i] = pool[i][:width]
+                    if rank < width:
+                        child.finish_reason, child.stop_reason = "stop", tok if tok in stop_ids else None
+                        done[i].append(child)
+                elif len(running) < width:
+                    running.append(child)
+            live[i] = running
+            if len(done[i]) >= width and running:  # Hugging Face's early stop (early_stopping=False)
+                worst = sorted(score(s, len(prompts[i]), lp) for s in done[i])[-width]
+                if not length_score(running[0].cum_logprob, t + 1, lp) > worst:
+                    live[i] = []
     for i, beams in enumerate(live):
         for b in beams:
             b.finish_reason = "length"
         plen = len(prompts[i])
-        done[i] = sorted(done[i] + beams, key=lambda s: score(s, plen, params.length_penalty), reverse=True)[:width]
+        done[i] = sorted(done[i] + beams, key=lambda s: score(s, plen, lp), reverse=True)[:width]
     return done
 
 
@@ -161,3 +187,51 @@ def generated_text(tokenizer: Any, seq: BeamSearchSequence, prompt_len: int, inc
     if seq.finish_reason == "stop" and not include_stop_str:
         ids = ids[:-1]
     return tokenizer.decode(ids, skip_special_tokens=not include_stop_str)
+
+
+def run_offline(llm: Any, prompts: Any, params: BeamSearchParams, use_tqdm: bool) -> list[BeamSearchOutput]:
+    """``LLM.beam_search``: validate everything, then run :func:`search` with steps of
+    ``llm.generate`` (one-token requests; its lock, abort-on-interrupt and validation)."""
+    from tqdm.auto import trange
+
+    from kvforge.engine.sampling_params import SamplingParams
+    from kvforge.engine.tokenizer import eos_token_ids, extra_eos_token_ids
+    if not isinstance(params, BeamSearchParams):
+        raise ValueError(f"params: expected BeamSearchParams, got {type(params).__name__}")
+    engine, tok = llm.llm_engine, llm.get_tokenizer()
+    eos = eos_token_ids(tok, engine.config.model.model)  # (as the engine's own set)
+    stop_ids = set(extra_eos_token_ids(tok, eos))
+    k = candidates_per_beam(params, len(eos))
+    cap = engine.config.model.max_logprobs
+    if 0 <= cap < k:
+        raise ValueError(f"beam_width: {params.beam_width} needs {k} log-probabilities per step, over "
+                         f"model.max_logprobs ({cap}); raise it or narrow the beam")
+    prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+    ids = []
+    for i, p in enumerate(prompts):
+        try:
+            engine.prepare_request(f"beam-check-{i}", p, SamplingParams(max_tokens=1))  # (queues nothing)
+        except ValueError as e:
+            raise ValueError(f"prompts[{i}]: {e}" if len(prompts) > 1 else str(e)) from None
+        given = p.get("prompt_token_ids") if isinstance(p, dict) else None
+        ids.append(list(given) if given is not None else tok.encode(p["prompt"] if isinstance(p, dict) else p))
+    if not ids:
+        return []
+    room = [min(params.max_tokens, engine.max_model_len - len(t)) for t in ids]
+    step_params = SamplingParams(max_tokens=1, logprobs=k, temperature=params.temperature, detokenize=False)
+    bar = trange(max(room), desc="Beam search steps", disable=not use_tqdm, dynamic_ncols=True)
+
+    def step(beams: list[list[int]]) -> list[dict]:
+        outs = llm.generate([{"prompt_token_ids": b} for b in beams], step_params, use_tqdm=False)
+        bar.update(1)
+        return [o.outputs[0].logprobs[0] for o in outs]
+
+    try:
+        found = search(ids, params, step, set(eos), room, stop_ids)
+    finally:
+        bar.close()
+    for seqs in found:
+        for s in seqs:
+            shown = s.tokens if params.include_stop_str_in_output or s.finish_reason != "stop" else s.tokens[:-1]
+            s.text = tok.decode(shown, skip_special_tokens=not params.include_stop_str_in_output)
+    return [BeamSearchOutput(seqs) for seqs in found]

@@ -114,57 +114,17 @@ class LLM:
         """Beam search (as vLLM's ``LLM.beam_search``); one :class:`BeamSearchOutput` per prompt,
         in order, its ``beam_width`` sequences best first (:mod:`kvforge.entrypoints.beam_search`).
 
-        Each step runs every live beam as a one-token request asking ``2 * beam_width``
-        log-probabilities, so ``model.max_logprobs`` must allow that; turn prefix caching on
-        (``enable_prefix_caching=True``) so that steps reuse the beams' KV blocks.
+        Each step runs every live beam as a one-token request asking K = max(2, 1 + EOS ids) *
+        beam_width log-probabilities, so ``model.max_logprobs`` must allow K; turn prefix caching
+        on (``enable_prefix_caching=True``) so that steps reuse the beams' KV blocks. No prompts:
+        no outputs.
 
         Raises:
-            ValueError: a bad prompt, ``params`` not a BeamSearchParams, or a beam_width whose
-                ``2 * beam_width`` exceeds ``model.max_logprobs`` (nothing runs then).
+            ValueError: a bad prompt, ``params`` not a BeamSearchParams, or a beam_width whose K
+                exceeds ``model.max_logprobs`` (nothing runs then).
         """
-        from tqdm.auto import trange
-
-        from kvforge.entrypoints.beam_search import BeamSearchOutput, BeamSearchParams, search
-        if not isinstance(params, BeamSearchParams):
-            raise ValueError(f"params: expected BeamSearchParams, got {type(params).__name__}")
-        engine = self.llm_engine
-        cap = engine.config.model.max_logprobs
-        if 0 <= cap < 2 * params.beam_width:
-            raise ValueError(f"beam_width: {params.beam_width} needs {2 * params.beam_width} log-probabilities per "
-                             f"step, over model.max_logprobs ({cap}); raise it or narrow the beam")
-        prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
-        ids = []
-        for i, p in enumerate(prompts):
-            try:
-                engine.prepare_request(f"beam-check-{i}", p, SamplingParams(max_tokens=1))  # (queues nothing)
-            except ValueError as e:
-                raise ValueError(f"prompts[{i}]: {e}" if len(prompts) > 1 else str(e)) from None
-            given = p.get("prompt_token_ids") if isinstance(p, dict) else None
-            ids.append(list(given) if given is not None else
-                       self.get_tokenizer().encode(p["prompt"] if isinstance(p, dict) else p))
-        room = [min(params.max_tokens, engine.max_model_len - len(t)) for t in ids]
-        step_params = SamplingParams(max_tokens=1, logprobs=2 * params.beam_width, temperature=params.temperature,
-                                     detokenize=False)
-        bar = trange(max(room), desc="Beam search steps", disable=not use_tqdm, dynamic_ncols=True)
-
-        def step(beams: list[list[int]]) -> list[dict]:
-            outs = self.generate([{"prompt_token_ids": b} for b in beams], step_params, use_tqdm=False)
-            bar.update(1)
-            return [o.outputs[0].logprobs[0] for o in outs]
-
-        from kvforge.engine.tokenizer import eos_token_ids, extra_eos_token_ids
-        eos = eos_token_ids(self.get_tokenizer(), engine.config.model.model)  # (as the engine's own set)
-        stop_ids = set(extra_eos_token_ids(self.get_tokenizer(), eos))
-        try:
-            found = search(ids, params, step, set(eos), room, stop_ids)
-        finally:
-            bar.close()
-        tok = self.get_tokenizer()
-        for seqs in found:
-            for s in seqs:
-                shown = s.tokens if params.include_stop_str_in_output or s.finish_reason != "stop" else s.tokens[:-1]
-                s.text = tok.decode(shown, skip_special_tokens=not params.include_stop_str_in_output)
-        return [BeamSearchOutput(seqs) for seqs in found]
+        from kvforge.entrypoints.beam_search import run_offline
+        return run_offline(self, prompts, params, use_tqdm)
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

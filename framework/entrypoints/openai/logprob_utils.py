@@ -20,8 +20,10 @@ def prompt_logprobs_json(tokenizer: Any, entries: list[dict[int, Logprob] | None
                          prompt_ids: list[int], top: int) -> list[dict[str, dict] | None]:
     """vLLM's ``prompt_logprobs`` response field: per prompt token, None (the first) or
     ``{token_id: {"logprob", "rank", "decoded_token"}}`` holding the token itself and the
-    ``top`` most likely ones (``entries`` may hold more, e.g. for ``echo`` logprobs)."""
+    ``top`` most likely ones (``entries`` may hold more, e.g. for ``echo`` logprobs; -1: all)."""
     out: list[dict[str, dict] | None] = []
+    if top == -1:
+        top = 1 << 62
     for i, tid in enumerate(prompt_ids):
         entry = entries[i] if entries is not None and i < len(entries) else None
         if not entry:

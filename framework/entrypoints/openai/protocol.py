@@ -47,6 +47,12 @@ class StreamOptions(_Strict):
     continuous_usage_stats: bool = False
 
 
+#: Sampling fields beam search does not apply (refused when set, not ignored).
+_IGNORED_BY_BEAM_SEARCH = ("top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                           "logit_bias", "seed", "stop", "stop_token_ids", "min_tokens", "bad_words",
+                           "allowed_token_ids")
+
+
 class _SamplingFields(_Request):
     """Fields shared by completions and chat completions."""
 
@@ -67,7 +73,7 @@ class _SamplingFields(_Request):
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(None, gt=0.0)
     min_tokens: int = Field(0, ge=0)
-    prompt_logprobs: int | None = Field(None, ge=0)  # top log-probabilities per prompt token (cap: max_logprobs)
+    prompt_logprobs: int | None = Field(None, ge=-1)  # per prompt token (-1: the vocabulary; cap: max_logprobs)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
@@ -138,6 +144,11 @@ class _SamplingFields(_Request):
                               and getattr(self, "logprobs") is not False)):  # (0 asks for logprobs too)
                 if on:
                     raise ValueError(f"{name}: not available with use_beam_search")
+            fields = type(self).model_fields
+            for name in _IGNORED_BY_BEAM_SEARCH:  # set to something: it would be silently ignored
+                if name in self.model_fields_set and getattr(self, name) != fields[name].default:
+                    raise ValueError(f"{name}: not applied by use_beam_search (it ranks the beams' raw "
+                                     "log-probabilities); leave it unset")
         if not math.isfinite(self.length_penalty):
             raise ValueError("length_penalty: must be a finite number")
         given = [n for n in ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
@@ -249,7 +260,7 @@ class ResponseFormat(_Strict):
     @model_validator(mode="after")
     def _needs_schema(self) -> "ResponseFormat":
         if self.type == "json_schema" and (self.json_schema is None or self.json_schema.json_schema is None):
-            raise ValueError("response_format: type 'json_schema' needs json_schema.schema")
+            raise ValueError("type 'json_schema' needs json_schema.schema")  # (pydantic prefixes the field)
         return self
 
 

@@ -15,7 +15,7 @@ from kvforge.engine.outputs import CompletionOutput, RequestOutput
 from kvforge.engine.request_choices import EXTRA_ARGS_KEY
 from kvforge.engine.sampling_params import SamplingParams
 from kvforge.engine.tokenizer import eos_token_ids, extra_eos_token_ids
-from kvforge.entrypoints.beam_search import BeamSearchParams, generated_text, search_steps
+from kvforge.entrypoints.beam_search import BeamSearchParams, candidates_per_beam, generated_text, search_steps
 from kvforge.entrypoints.openai.errors import OpenAIError
 from kvforge.entrypoints.openai.request_fields import engine_prompt
 
@@ -36,17 +36,18 @@ async def run_beam_search(ctx: ServerContext, raw: Request, rid: str, prompts: l
     """
     from kvforge.entrypoints.openai import serving_common as sc
     width = req.n
-    if 0 <= ctx.max_logprobs < 2 * width:
-        raise OpenAIError(f"n: beam search with n={width} needs {2 * width} log-probabilities per step, over "
-                          f"max_logprobs ({ctx.max_logprobs}); start the server with a larger --max-logprobs",
-                          400, param="n")
     params = BeamSearchParams(beam_width=width, max_tokens=max(max_tokens), ignore_eos=req.ignore_eos,
                               temperature=req.temperature or 0.0, length_penalty=req.length_penalty,
                               include_stop_str_in_output=req.include_stop_str_in_output)
-    step_params = SamplingParams(max_tokens=1, logprobs=2 * width, temperature=params.temperature, detokenize=False,
-                                 extra_args={EXTRA_ARGS_KEY: req.kvforge} if req.kvforge is not None else {})
     eos = eos_token_ids(ctx.tokenizer, ctx.model_path)
     stop_ids = set(extra_eos_token_ids(ctx.tokenizer, eos))
+    k = candidates_per_beam(params, len(eos))
+    if 0 <= ctx.max_logprobs < k:
+        raise OpenAIError(f"n: beam search with n={width} needs {k} log-probabilities per step, over "
+                          f"max_logprobs ({ctx.max_logprobs}); start the server with a larger --max-logprobs",
+                          400, param="n")
+    step_params = SamplingParams(max_tokens=1, logprobs=k, temperature=params.temperature, detokenize=False,
+                                 extra_args={EXTRA_ARGS_KEY: req.kvforge} if req.kvforge is not None else {})
     steps = search_steps(prompts, params, set(eos), max_tokens, stop_ids)
 
     async def drive():

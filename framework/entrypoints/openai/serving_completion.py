@@ -139,7 +139,7 @@ async def create_completion(ctx: sc.ServerContext, req: CompletionRequest, raw: 
                                            "max_tokens")
         asked = [v for v in (req.logprobs if req.echo else None, req.prompt_logprobs) if v is not None]
         params = sc.sampling_params(req, max_tokens, None if scoring else req.logprobs,
-                                    max(asked) if asked else None)
+                                    (-1 if -1 in asked else max(asked)) if asked else None)
         sub = rid if len(prompts) == 1 else f"{rid}-{i}"
         items.append((sub, sc.engine_prompt(ids, text, req.cache_salt), params))
     echoes = await ctx.run_tokenizer(_echo_info, ctx, prompts, req.logprobs is not None) if req.echo else None
