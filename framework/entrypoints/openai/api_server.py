@@ -63,7 +63,8 @@ def _draining_server(config: Any, engine: AsyncLLMEngine, drain_timeout: float |
 
 def build_app(engine: AsyncLLMEngine, served_model_names: list[str] | None = None,
               api_key: str | None = None, chat_template: str | None = None,
-              drain_timeout: float | None = 30.0, trust_request_chat_template: bool = False) -> FastAPI:
+              drain_timeout: float | None = 30.0, trust_request_chat_template: bool = False,
+              tool_call_parser: str | None = None) -> FastAPI:
     """The FastAPI app serving ``engine`` (started on app startup, drained on shutdown).
 
     Args:
@@ -73,6 +74,7 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str] | None = Non
         chat_template: Jinja chat template text overriding the tokenizer's.
         drain_timeout: seconds the engine waits for in-flight requests at shutdown.
         trust_request_chat_template: render a chat request's own ``chat_template`` (else a 400).
+        tool_call_parser: parser of ``tool_choice: auto`` answers (``hermes``); None refuses auto.
 
     Raises:
         ValueError: ``chat_template`` is empty or has a Jinja syntax error (naming ``chat_template``).
@@ -88,7 +90,7 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str] | None = Non
                         served_model_names=names, max_model_len=core.max_model_len,
                         vocab_size=core.vocab_size, chat_template=chat_template, model_path=cfg.model,
                         api_key=api_key, max_logprobs=cfg.max_logprobs,
-                        trust_request_chat_template=trust_request_chat_template)
+                        trust_request_chat_template=trust_request_chat_template, tool_call_parser=tool_call_parser)
     _check_tokenizer_template(ctx)
 
     @asynccontextmanager
@@ -215,7 +217,8 @@ def run_server(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     graceful shutdown).
 
     Raises:
-        ValueError: a bad ``--chat-template`` (checked before the model loads) or engine config.
+        ValueError: a bad ``--chat-template`` or tool-choice flags (checked before the model loads)
+            or engine config.
     """
     import os
     import signal
@@ -224,12 +227,16 @@ def run_server(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
 
     from kvforge.config import EngineConfig
 
+    if args.enable_auto_tool_choice != bool(args.tool_call_parser):  # (before the model loads)
+        raise ValueError("--enable-auto-tool-choice and --tool-call-parser go together: the parser reads the "
+                         "tool calls out of 'auto' answers")
     chat_template = read_chat_template(args.chat_template) if args.chat_template else None
     api_key = args.api_key or os.environ.get("KVFORGE_API_KEY") or None
     from kvforge.engine.executor import create_engine  # LLMEngine, or data-parallel replicas
     engine = AsyncLLMEngine(create_engine(EngineConfig.from_sources(args.config, overrides)))
     app = build_app(engine, args.served_model_name, api_key, chat_template, args.drain_timeout,
-                    trust_request_chat_template=args.trust_request_chat_template)
+                    trust_request_chat_template=args.trust_request_chat_template,
+                    tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
     # uvicorn's own grace outlasts the drain: the requests still running at its deadline get the
     # engine's 503 while their connections are open, not a cancelled handler's bare 500
     grace = None if args.drain_timeout is None else args.drain_timeout + _GRACE_MARGIN_S

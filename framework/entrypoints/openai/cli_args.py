@@ -58,6 +58,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="render a chat request's own chat_template (refused with a 400 by default: "
                         "a template is code the server runs)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="let chat requests use tool_choice 'auto' (the default with tools): answers are parsed "
+                        "for tool calls by --tool-call-parser")
+    p.add_argument("--tool-call-parser", choices=["hermes"], default=None,
+                   help="tool-call format of the model's answers: hermes (<tool_call>{json}</tool_call>; Qwen2.5, "
+                        "Hermes); needed by --enable-auto-tool-choice")
     p.add_argument("--drain-timeout", type=seconds, default=30.0,
                    help="seconds to wait for in-flight requests on shutdown (default 30)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])

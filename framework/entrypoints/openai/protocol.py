@@ -287,13 +287,17 @@ class ChatCompletionRequest(_SamplingFields):
             raise ValueError("top_logprobs: requires logprobs to be true")
         if self.continue_final_message and self.add_generation_prompt:
             raise ValueError("continue_final_message: cannot be combined with add_generation_prompt=true")
-        # vLLM refuses "auto" unless a tool-call parser is configured; this server has none, so an
-        # explicit "auto" would silently come back as plain text
-        if self.tool_choice == "auto":
-            raise ValueError("tool_choice: 'auto' needs a tool-call parser, which this server does not have; "
-                             "use 'none' or leave tool_choice unset")
-        if self.tool_choice not in (None, "none"):
-            raise ValueError("tool_choice: only 'none' is supported")
+        from kvforge.entrypoints.openai.tool_calls import check_tools
+        check_tools(self.tools, self.tool_choice)  # ("auto" needs the server's parser: the handler checks)
+        if self.tools and self.tool_choice not in (None, "none", "auto"):
+            others = [n for n in ("response_format", "structured_outputs", "guided_json", "guided_regex",
+                                  "guided_choice", "guided_grammar") if getattr(self, n) is not None
+                      and not (n == "response_format" and self.response_format.type == "text")]
+            if others:
+                raise ValueError(f"{others[0]}: cannot be combined with tool_choice {self.tool_choice!r:.60} "
+                                 "(it constrains the output itself)")
+            if self.use_beam_search:
+                raise ValueError("tool_choice: not available with use_beam_search")
         return self
 
     @property

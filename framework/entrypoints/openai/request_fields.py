@@ -103,9 +103,14 @@ def sampling_params(req: _SamplingFields, max_tokens: int, logprobs: int | None,
 
 def structured_outputs(req: _SamplingFields) -> dict[str, Any] | None:
     """The request's output constraint as ``StructuredOutputsParams`` fields (the protocol
-    allows at most one source): ``response_format`` json_object / json_schema, vLLM's
+    allows at most one source): a forced tool call (``tool_choice``, :mod:`.tool_calls`),
+    ``response_format`` json_object / json_schema, vLLM's
     ``structured_outputs`` object or its older ``guided_json`` / ``guided_regex`` /
     ``guided_choice`` / ``guided_grammar``."""
+    from kvforge.entrypoints.openai.tool_calls import constraint
+    forced = constraint(req)  # (a named or required tool call)
+    if forced is not None:
+        return forced
     rf = req.response_format
     if rf is not None and rf.type == "json_object":
         return {"json_object": True}

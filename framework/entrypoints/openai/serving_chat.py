@@ -20,6 +20,7 @@ from fastapi import Request
 from kvforge.engine.outputs import Logprob, RequestOutput
 from kvforge.entrypoints.openai import chat_utils
 from kvforge.entrypoints.openai import serving_common as sc
+from kvforge.entrypoints.openai import tool_calls
 from kvforge.entrypoints.openai.errors import OpenAIError
 from kvforge.entrypoints.openai.serving_beam import run_beam_search
 from kvforge.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
@@ -100,6 +101,9 @@ async def create_chat_completion(ctx: sc.ServerContext, req: ChatCompletionReque
     """Handle one chat completions request; returns a JSON or SSE response."""
     ctx.check_model(req.model)
     rid = sc.request_id(raw, req.request_id, "chatcmpl")
+    if req.tools and req.tool_choice == "auto" and ctx.tool_call_parser is None:  # (vLLM's rule)
+        raise OpenAIError("tool_choice: 'auto' needs the server started with --enable-auto-tool-choice and "
+                          "--tool-call-parser", 400, param="tool_choice")
     prompt = await ctx.run_render(render_chat, ctx, req.messages, req.add_generation_prompt,
                                   req.continue_final_message, request_template(ctx, req),
                                   req.tools if req.tool_choice != "none" else None, req.chat_template_kwargs)
@@ -137,12 +141,20 @@ def _full_response(ctx: sc.ServerContext, req: ChatCompletionRequest, rid: str, 
                    ids: list[int], echo: str) -> dict[str, Any]:
     """The non-streamed chat.completion body (built off the event loop: ``ctx.json_response``)."""
     choices = []
+    how = tool_calls.mode(req, ctx.tool_call_parser)
     for c in out.outputs:
         logprobs = None
         if req.logprobs:
             logprobs = {"content": _logprobs_content(ctx, c.token_ids, c.logprobs or [], req.top_logprobs or 0)}
-        choices.append({"index": c.index, "message": {"role": "assistant", "content": echo + c.text},
-                        "logprobs": logprobs, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+        message: dict[str, Any] = {"role": "assistant", "content": echo + c.text}
+        reason = c.finish_reason
+        if how is not None:
+            content, calls = tool_calls.extract(how, c.text, req)
+            if calls:
+                message = {"role": "assistant", "content": content, "tool_calls": calls}
+                reason = tool_calls.finish_reason(how, calls, reason)
+        choices.append({"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": reason,
+                        "stop_reason": c.stop_reason})
     body = {"id": rid, "object": "chat.completion", "created": sc.now(), "model": ctx.response_model(req.model),
             "system_fingerprint": None, "choices": choices,
             "usage": sc.usage(len(ids), sum(len(c.token_ids) for c in out.outputs))}
@@ -160,6 +172,8 @@ async def _stream(ctx: sc.ServerContext, req: ChatCompletionRequest, rid: str, n
     continuous = bool(opts and opts.continuous_usage_stats)
     trackers = [sc.ChoiceDelta(params) for _ in range(req.n)]
     completion_tokens = 0
+    how = tool_calls.mode(req, ctx.tool_call_parser)
+    buffers: dict[int, list] = {}  # choice -> [text, token ids, logprobs] held for tool-call parsing
 
     def chunk(choices: list[dict], usage: dict | None = None) -> str:
         return sc.stream_chunk(rid, "chat.completion.chunk", created, ctx.response_model(req.model),
@@ -183,13 +197,26 @@ async def _stream(ctx: sc.ServerContext, req: ChatCompletionRequest, rid: str, n
                 text, new_ids, new_lps, fin = tr.update(c)
                 if not (text or new_ids or fin):
                     continue
+                reason = c.finish_reason if fin else None
+                delta: dict[str, Any] = {"content": text} if (text or not fin) else {}
+                if how is not None:  # tool calls: held until the choice ends, then parsed whole
+                    held = buffers.setdefault(c.index, ["", [], []])
+                    held[0] += text
+                    held[1].extend(new_ids)
+                    held[2].extend(new_lps or [])
+                    if not fin:
+                        continue
+                    text, new_ids, new_lps = held
+                    content, calls = tool_calls.extract(how, text, req)
+                    delta = {"content": content if calls else text}
+                    if calls:
+                        delta["tool_calls"] = [{"index": j, **call} for j, call in enumerate(calls)]
+                        reason = tool_calls.finish_reason(how, calls, reason)
                 logprobs = None
                 if req.logprobs:
                     logprobs = {"content": _logprobs_content(ctx, new_ids, new_lps or [], req.top_logprobs or 0)}
-                delta = {"content": text} if (text or not fin) else {}
                 choices.append({"index": c.index, "delta": delta, "logprobs": logprobs,
-                                "finish_reason": c.finish_reason if fin else None,
-                                "stop_reason": c.stop_reason if fin else None})
+                                "finish_reason": reason, "stop_reason": c.stop_reason if fin else None})
             if choices:
                 yield chunk(choices, sc.usage(num_prompt, completion_tokens) if continuous else None)
         if include_usage:

@@ -40,6 +40,8 @@ class ServerContext:
         max_logprobs: the engine's ``model.max_logprobs`` (most log-probabilities per token).
         trust_request_chat_template: ``--trust-request-chat-template``: render a request's own
             ``chat_template`` (refused with a 400 otherwise, as in vLLM).
+        tool_call_parser: with ``--enable-auto-tool-choice``, the parser of ``tool_choice: auto``
+            answers (:mod:`.tool_calls`); None refuses ``auto``.
         executor: the one thread that uses ``tokenizer`` (a fast tokenizer is not shared across threads).
         max_prompt_chars: text prompts longer than this are refused before they are tokenized.
         render_executor: threads for chat-template rendering (pure Python Jinja, no tokenizer
@@ -56,6 +58,7 @@ class ServerContext:
     api_key: str | None = None
     max_logprobs: int = 20
     trust_request_chat_template: bool = False
+    tool_call_parser: str | None = None
     executor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, "kvforge-tokenize"))
     render_executor: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(4, "kvforge-chat-template"))

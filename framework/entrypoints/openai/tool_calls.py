@@ -1,0 +1,130 @@
+"""Tool calling on ``/v1/chat/completions`` (OpenAI's ``tools`` / ``tool_choice``, vLLM's rules).
+
+* ``tool_choice: {"type": "function", "function": {"name": N}}``: the output is constrained
+  (structured outputs) to a JSON value of N's ``parameters`` schema and returned as one call
+  of N (its ``arguments``).
+* ``tool_choice: "required"``: constrained to a non-empty JSON array of
+  ``{"name": <a tool>, "parameters": <its schema>}``; each item is a call
+  (finish_reason ``tool_calls``).
+* ``tool_choice: "auto"`` (the default when tools are given, as vLLM's, once the server runs
+  with ``--enable-auto-tool-choice --tool-call-parser hermes``): generation is free and the
+  Hermes format (Nous Research's Hermes function-calling template, used by Qwen2.5 and
+  Hermes models) is parsed: each ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
+  block becomes a call, the text around them the content.
+* ``"none"``, or tools without a parser: plain text.
+
+Forced calls are compact JSON (``disable_any_whitespace``): arguments are read by programs, and
+free whitespace is where a constrained model can loop until max_tokens. A streamed answer
+with tool calls carries them in one delta when the choice finishes (the arguments are not
+streamed piecewise).
+"""
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from typing import Any
+
+#: ``--tool-call-parser`` values.
+PARSERS = ("hermes",)
+
+_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+def check_tools(tools: list[dict[str, Any]] | None, tool_choice: Any) -> None:
+    """The request's ``tools`` and ``tool_choice`` are well formed (called by the protocol).
+
+    Raises:
+        ValueError: naming ``tools[i]`` or ``tool_choice``.
+    """
+    names = []
+    for i, t in enumerate(tools or []):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(fn, dict) \
+                or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise ValueError(f"tools[{i}]: expected {{'type': 'function', 'function': {{'name': ..., "
+                             "'parameters': {...}}}")
+        if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
+            raise ValueError(f"tools[{i}].function.parameters: must be a JSON schema object")
+        names.append(fn["name"])
+    if tool_choice in (None, "none", "auto"):
+        return
+    if tool_choice == "required":
+        if not names:
+            raise ValueError("tool_choice: 'required' needs tools")
+        return
+    fn = tool_choice.get("function") if isinstance(tool_choice, dict) else None
+    if not isinstance(fn, dict) or tool_choice.get("type") != "function" or not isinstance(fn.get("name"), str):
+        raise ValueError("tool_choice: expected 'none', 'auto', 'required' or {'type': 'function', "
+                         "'function': {'name': ...}}")
+    if fn["name"] not in names:
+        raise ValueError(f"tool_choice: function {fn['name'][:80]!r} is not among the tools")
+
+
+def _schema(fn: dict[str, Any]) -> dict[str, Any]:
+    return fn.get("parameters") or {"type": "object"}
+
+
+def mode(req: Any, parser: str | None) -> str | None:
+    """How the request's output becomes tool calls: ``named``, ``required``, ``auto`` (parsed)
+    or None (plain text)."""
+    if not req.tools or req.tool_choice == "none":
+        return None
+    if req.tool_choice == "required":
+        return "required"
+    if isinstance(req.tool_choice, dict):
+        return "named"
+    return "auto" if parser else None  # (unset: auto with a parser, else plain text)
+
+
+def constraint(req: Any) -> dict[str, Any] | None:
+    """The structured-outputs fields that force a named or required tool call, else None."""
+    if not getattr(req, "tools", None) or getattr(req, "tool_choice", None) in (None, "none", "auto"):
+        return None
+    fns = [t["function"] for t in req.tools]
+    if req.tool_choice == "required":
+        items = [{"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
+                  "properties": {"name": {"enum": [f["name"]]}, "parameters": _schema(f)}} for f in fns]
+        return {"json": {"type": "array", "minItems": 1, "items": {"anyOf": items}}, "disable_any_whitespace": True}
+    name = req.tool_choice["function"]["name"]
+    return {"json": _schema(next(f for f in fns if f["name"] == name)), "disable_any_whitespace": True}
+
+
+def _call(name: str, arguments: Any) -> dict[str, Any]:
+    args = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    return {"id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function",
+            "function": {"name": name, "arguments": args}}
+
+
+def extract(how: str, text: str, req: Any) -> tuple[str | None, list[dict[str, Any]]]:
+    """(content, tool_calls) of one finished choice's text under mode ``how``. Text that does
+    not parse (a constrained output cut by max_tokens, a malformed Hermes block) stays content."""
+    if how == "named":
+        return None, [_call(req.tool_choice["function"]["name"], text)]
+    if how == "required":
+        try:
+            items = json.loads(text)
+            return None, [_call(item["name"], item["parameters"]) for item in items]
+        except (ValueError, TypeError, KeyError):
+            return text, []
+    calls, kept, last = [], [], 0
+    for m in _HERMES.finditer(text):
+        try:
+            body = json.loads(m.group(1))
+            call = _call(body["name"], body.get("arguments", {}))
+        except (ValueError, TypeError, KeyError):
+            continue
+        if not isinstance(body["name"], str):
+            continue
+        kept.append(text[last:m.start()])
+        last = m.end()
+        calls.append(call)
+    kept.append(text[last:])
+    content = "".join(kept).strip()
+    return (content or None) if calls else text, calls
+
+
+def finish_reason(how: str | None, calls: list, reason: str | None) -> str | None:
+    """OpenAI's: ``tool_calls`` when the model chose to call (required, auto); a named call keeps
+    the engine's reason (``stop``)."""
+    return "tool_calls" if calls and how in ("required", "auto") and reason == "stop" else reason
