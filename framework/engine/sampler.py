@@ -37,9 +37,9 @@ from kvforge.engine.sampling_ops import (
     apply_allowed_tokens,
     apply_frequency_presence_penalties,
     apply_logit_bias,
-    apply_token_bitmask,
     apply_repetition_penalty,
     apply_temperature,
+    apply_token_bitmask,
     apply_token_mask,
     apply_token_mask_unless_empty,
     apply_top_k_top_p_min_p,
@@ -168,8 +168,9 @@ class Sampler:
     @staticmethod
     def needs_logits_processing(requests, num_generated: list[int] | None = None) -> bool:
         """Whether :meth:`_apply_logits_processors` would change anything for ``requests``
-        (allowed tokens, a logit bias, bad words, an unmet min_tokens, penalties); callers that build per-position
-        views for it (speculative verification, drafting) skip that work when not."""
+        (allowed tokens, a grammar, a logit bias, bad words, an unmet min_tokens, penalties);
+        callers that build per-position views for it (speculative verification, drafting) skip
+        that work when not."""
         for i, r in enumerate(requests):
             sp = r.sampling_params
             done = len(r.output_token_ids) if num_generated is None else num_generated[i]
