@@ -18,7 +18,8 @@ def _requests(rng, kind):
     prompts = random_story_prompts(rng, 4)
     out = []
     for i, p in enumerate(prompts):
-        sp = SamplingParams(temperature=0 if i % 2 else 0.8, seed=rng.randrange(1 << 30), max_tokens=rng.randint(12, 30),
+        sp = SamplingParams(temperature=0 if i % 2 else 0.8, seed=rng.randrange(1 << 30),
+                            max_tokens=rng.randint(12, 30),
                             n=2 if i == 1 else 1, logprobs=1, prompt_logprobs=1 if i == 0 else None,
                             stop=[" the"] if i == 2 else None, output_kind=kind)
         out.append((f"r{i}", p, sp))

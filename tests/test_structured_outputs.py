@@ -50,7 +50,8 @@ CONSTRAINTS = {"json": dict(json=SCHEMA, disable_any_whitespace=True), "regex": 
 @pytest.mark.parametrize("kw, msg", [
     ({}, "^structured_outputs: set exactly one"), (dict(json=SCHEMA, regex="a"), "got json, regex"),
     (dict(choice=[]), "^structured_outputs.choice: must be a non-empty list"),
-    (dict(choice=["a", 3]), "^structured_outputs.choice"), (dict(regex=""), "^structured_outputs.regex: must be a non-empty string"),
+    (dict(choice=["a", 3]), "^structured_outputs.choice"),
+    (dict(regex=""), "^structured_outputs.regex: must be a non-empty string"),
     (dict(json_object="yes"), "^structured_outputs.json_object: must be True"),
     (dict(json=3), "^structured_outputs.json: must be a JSON schema"),
 ])

@@ -143,7 +143,8 @@ class GrammarCompiler:
             elif kind == "regex":
                 compiled = self._compiler.compile_regex(params.regex)
             elif kind == "choice":  # (JSON string literals are valid GBNF literals)
-                compiled = self._compiler.compile_grammar("root ::= " + " | ".join(json.dumps(c) for c in params.choice))
+                alternatives = " | ".join(json.dumps(c) for c in params.choice)
+                compiled = self._compiler.compile_grammar("root ::= " + alternatives)
             else:
                 compiled = self._compiler.compile_grammar(params.grammar)
         except Exception as e:  # noqa: BLE001 - XGrammar raises RuntimeError / ValueError with its parser's text
