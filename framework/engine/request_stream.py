@@ -28,8 +28,7 @@ class RequestStream:
     than the engine gets fewer items: cumulative ones skip to the newest, DELTA ones are
     merged (:meth:`RequestOutput.add`), so no text is lost. The last item has
     ``finished == True``. Iterating raises :class:`EngineError` if the engine failed under the
-    request. Not thread-safe: use it
-    on the loop that created it.
+    request. Not thread-safe: use it on the loop that created it.
     """
 
     def __init__(self, request_id: str, owner: "AsyncLLMEngine", loop: asyncio.AbstractEventLoop,
