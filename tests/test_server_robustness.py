@@ -51,7 +51,7 @@ BAD = [
     (H, {"messages": U, "logprobs": True, "top_logprobs": 50}, "top_logprobs"),
     (H, {"messages": U, "max_completion_tokens": 0}, "max_completion_tokens"),
     (H, {"messages": U, "max_completion_tokens": 10000}, "max_completion_tokens"),
-    (H, {"messages": U, "response_format": {"type": "json_object"}}, "response_format"),
+    (H, {"messages": U, "response_format": {"type": "xml"}}, "response_format.type"),
     (H, {"messages": U, "tool_choice": "required"}, "tool_choice"), (H, {"messages": U, "logprobs": "yes"}, "logprobs"),
     (H, {"messages": U, "model": "other"}, "model"), (T, {}, "prompt"), (D, {"tokens": "abc"}, "tokens"),
     (D, {}, "tokens"),
