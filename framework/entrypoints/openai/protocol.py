@@ -10,7 +10,6 @@ Responses are plain dicts built by the serving modules.
 from __future__ import annotations
 
 import math
-
 import re
 from typing import Any, Literal
 

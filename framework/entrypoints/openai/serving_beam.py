@@ -31,7 +31,8 @@ async def run_beam_search(ctx: ServerContext, raw: Request, rid: str, prompts: l
     generating at most ``max_tokens[i]``; returns one finished RequestOutput per prompt.
 
     Raises:
-        OpenAIError: 400 when ``2 * n`` log-probabilities per step exceed ``max_logprobs``; as
+        OpenAIError: 400 when the K = max(2, 1 + EOS ids) * n log-probabilities a step asks per
+            beam exceed ``max_logprobs``; as
             the engine's request errors; 499 when the client disconnects.
     """
     from kvforge.entrypoints.openai import serving_common as sc
@@ -55,8 +56,8 @@ async def run_beam_search(ctx: ServerContext, raw: Request, rid: str, prompts: l
         try:
             beams = next(steps)
             while True:
-                items = [(f"{rid}-beam{n}-{k}", engine_prompt(b, None, req.cache_salt), step_params)
-                         for k, b in enumerate(beams)]
+                items = [(f"{rid}-beam{n}-{j}", engine_prompt(b, None, req.cache_salt), step_params)
+                         for j, b in enumerate(beams)]
                 outs = await sc.final_outputs(await sc.add_all(ctx, items, req.priority))
                 n += 1
                 beams = steps.send([o.outputs[0].logprobs[0] for o in outs])
