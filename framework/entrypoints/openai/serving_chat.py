@@ -101,7 +101,7 @@ async def create_chat_completion(ctx: sc.ServerContext, req: ChatCompletionReque
     """Handle one chat completions request; returns a JSON or SSE response."""
     ctx.check_model(req.model)
     rid = sc.request_id(raw, req.request_id, "chatcmpl")
-    if req.tools and req.tool_choice == "auto" and ctx.tool_call_parser is None:  # (vLLM's rule)
+    if req.tool_choice == "auto" and ctx.tool_call_parser is None:  # (vLLM's rule; asked for, it would be ignored)
         raise OpenAIError("tool_choice: 'auto' needs the server started with --enable-auto-tool-choice and "
                           "--tool-call-parser", 400, param="tool_choice")
     prompt = await ctx.run_render(render_chat, ctx, req.messages, req.add_generation_prompt,
