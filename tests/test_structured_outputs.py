@@ -210,3 +210,29 @@ def test_bans_yield_to_a_constraint_that_allows_nothing_else():
     with pytest.raises(ValueError, match="got regex, choice"):
         SamplingParams(structured_outputs=so)
     assert_no_block_leak(eng)
+
+
+@pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2, async_scheduling=True), dict(data_parallel_size=2)],
+                         ids=["tp2-async", "dp2"])
+def test_distributed_engines_agree(layout):
+    """A constraint crosses to worker processes (DP replicas build their own matchers; TP samples
+    constrained rows on the driver): outputs equal the single-process engine's, beam search too."""
+    from helpers import STORIES_MODEL
+    from kvforge import LLM, BeamSearchParams
+    from test_distributed import _shutdown
+    rng = fresh_rng("structured-distributed")
+    prompts = random_story_prompts(rng, 2)
+    params = [SamplingParams(temperature=0.8, seed=rng.randrange(1 << 30), max_tokens=40,
+                             structured_outputs=CONSTRAINTS["regex"]),
+              SamplingParams(temperature=0, max_tokens=12, bad_words=["Lily", "park"])]
+    outs = {}
+    for label, kw in (("one", {}), ("many", layout)):
+        llm = LLM(model=STORIES_MODEL, dtype="float32", num_gpu_blocks=64, **kw)
+        try:
+            got = llm.generate(prompts, params, use_tqdm=False)
+            beams = llm.beam_search(prompts[:1], BeamSearchParams(beam_width=2, max_tokens=4))
+            outs[label] = ([o.outputs[0].token_ids for o in got], [s.tokens for s in beams[0].sequences])
+        finally:
+            _shutdown(llm)
+    assert outs["many"] == outs["one"]
+    assert _valid("regex", llm.get_tokenizer().decode(outs["many"][0][0], skip_special_tokens=True))
