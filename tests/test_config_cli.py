@@ -380,3 +380,12 @@ def test_flag_help_comes_from_the_config_field(capsys):
     f = EngineConfig.model_fields["cache"].annotation.model_fields["block_size"]
     assert f"--block-size BLOCK_SIZE cache.block_size: {f.description} (default {f.default}, > 0)" in text
     assert "--max-num-seqs MAX_NUM_SEQS scheduler.max_num_seqs" in text
+
+
+def test_null_for_a_field_that_takes_no_null_is_refused(capsys):
+    """``--max-num-seqs null`` quietly meant the default; a field without a null value refuses it
+    (a nullable one, ``--max-model-len null``, is its default None)."""
+    from kvforge.entrypoints.cli import main
+    assert main(["generate", "--model", STORIES_MODEL, "--max-num-seqs", "null", "--max-tokens", "2", "Once"]) == 2
+    assert "--max-num-seqs: null is not a value of scheduler.max_num_seqs" in capsys.readouterr().err
+    assert main(["generate", "--model", STORIES_MODEL, "--max-model-len", "null", "--max-tokens", "2", "Once"]) == 0

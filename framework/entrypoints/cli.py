@@ -26,14 +26,24 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "JSON where they can be: a list is '[1,2,4]')")
 
 
-def _flag_help(path: str) -> str:
-    """``--flag`` help from the config field at ``path``: where it goes, what it means, its
-    default and bounds (argparse reads ``%`` as a format character, so it is doubled)."""
+def _field(path: str) -> Any:
+    """The pydantic field of the config at a dotted ``path``."""
     model: Any = EngineConfig
     *sections, name = path.split(".")
     for sec in sections:
         model = model.model_fields[sec].annotation
-    f = model.model_fields[name]
+    return model.model_fields[name]
+
+
+def _nullable(path: str) -> bool:
+    import typing
+    return type(None) in typing.get_args(_field(path).annotation)
+
+
+def _flag_help(path: str) -> str:
+    """``--flag`` help from the config field at ``path``: where it goes, what it means, its
+    default and bounds (argparse reads ``%`` as a format character, so it is doubled)."""
+    f = _field(path)
     default = f.get_default(call_default_factory=True)
     text = f"{path}" + (f": {f.description}" if f.description else "")
     text += f" (default {'none' if default is None else repr(default)}{_bounds(f)})"
@@ -53,6 +63,10 @@ def engine_overrides(args: argparse.Namespace) -> dict[str, Any]:
     for k, v in vars(args).items():
         if k.startswith("cfg_") and v is not None:
             out[k[4:]] = _parse_value(v) if v not in ("auto",) else v
+            if out[k[4:]] is None and not _nullable(FLAT_FIELDS[k[4:]]):  # (None would mean "not given")
+                flag = "--" + k[4:].replace("_", "-")
+                raise ValueError(f"{flag}: null is not a value of {FLAT_FIELDS[k[4:]]}; leave the flag out for "
+                                 "its default")
     flags = {FLAT_FIELDS.get(k, k): k for k in out}  # path -> the flag that set it
     for item in args.set:
         if "=" not in item:
