@@ -104,8 +104,8 @@ def test_sampled_outputs_obey_the_constraint(kind):
 
 @pytest.mark.parametrize("mode", ["async", "ngram", "self", "preempt"])
 def test_constrained_output_unchanged_by_engine_mode(mode):
-    """Greedy constrained outputs equal the plain engine's, with speculation (constrained requests
-    do not draft; the others do), async scheduling and preemption."""
+    """Greedy constrained outputs equal the plain engine's, with speculation (constrained
+    requests draft too: a draft the grammar refuses is rejected), async scheduling and preemption."""
     rng = fresh_rng("structured-modes")
     prompts = random_story_prompts(rng, 4)
     reqs = [(f"r{i}", p, SamplingParams(temperature=0, max_tokens=80, ignore_eos=i % 2 == 1,
@@ -126,8 +126,11 @@ def test_constrained_output_unchanged_by_engine_mode(mode):
         assert b.token_ids == a.token_ids, (mode, rid)
         if sp.structured_outputs is not None:
             assert _valid(sp.structured_outputs.kind, b.text), b.text
-    if mode in ("ngram", "self"):
+    if mode in ("ngram", "self"):  # constrained requests draft too, each position masked past its drafts
         assert eng.stats()["spec_num_drafts"] > 0
+        drafted = [outs[mode][rid].metrics.get("spec_num_draft_tokens", 0) for rid, _, sp in reqs
+                   if sp.structured_outputs is not None]
+        assert sum(drafted) > 0, drafted
     if mode == "preempt":
         assert eng.stats()["num_preemptions"] > 0
 
@@ -236,3 +239,43 @@ def test_distributed_engines_agree(layout):
             _shutdown(llm)
     assert outs["many"] == outs["one"]
     assert _valid("regex", llm.get_tokenizer().decode(outs["many"][0][0], skip_special_tokens=True))
+
+
+def test_draft_positions_mask_past_their_drafts():
+    """fill_bitmask on DraftPosition items: the mask after k drafts equals a matcher advanced by
+    them by hand; a position behind a refused draft allows everything; the matcher is left
+    where it was."""
+    from kvforge.engine.structured_outputs import DraftPosition, fill_bitmask
+    eng = make_engine(dtype="float32")
+    compiled = eng._grammars.compile(StructuredOutputsParams(regex=REGEX))
+    m, ref = eng._grammars.matcher(compiled), eng._grammars.matcher(compiled)
+
+    def allowed(mask, row):
+        return [t for t in range(eng.vocab_size) if (int(mask[row, t // 32]) >> (t % 32)) & 1]
+
+    rng = fresh_rng("draft-positions")
+    before = fill_bitmask([m], eng.vocab_size)
+    drafts = []
+    for _ in range(3):  # a random valid draft of three tokens
+        drafts.append(rng.choice(allowed(fill_bitmask([ref], eng.vocab_size), 0)))
+        assert ref.accept_token(drafts[-1])
+    bad = [t for t in range(eng.vocab_size) if t not in allowed(before, 0)][0]
+    mask = fill_bitmask([DraftPosition(m, drafts[:j]) for j in range(4)] + [DraftPosition(m, [bad, drafts[0]])],
+                        eng.vocab_size)
+    assert torch.equal(mask[3], fill_bitmask([ref], eng.vocab_size)[0]) and torch.equal(mask[0], before[0])
+    assert allowed(mask, 4) == list(range(eng.vocab_size))
+    assert torch.equal(fill_bitmask([m], eng.vocab_size), before)  # (rolled back)
+
+
+def test_sampled_constrained_requests_speculate_validly():
+    rng = fresh_rng("structured-spec-sampled")
+    eng = make_engine(dtype="float32", **DRAFTERS["ngram"], **{"speculative.adaptive": False})
+    for i, p in enumerate(random_story_prompts(rng, 3)):
+        eng.add_request(f"s{i}", p, SamplingParams(temperature=1.0, seed=rng.randrange(1 << 30), n=2, max_tokens=80,
+                                                    structured_outputs=CONSTRAINTS["json"]))
+    got = run_engine(eng)
+    for out in got.values():
+        for c in out.outputs:
+            assert c.finish_reason == "stop" and _valid("json", c.text), c.text
+    assert sum(o.metrics.get("spec_num_draft_tokens", 0) for o in got.values()) > 0
+    assert_no_block_leak(eng)

@@ -86,8 +86,12 @@ class SequenceView:
 
     @property
     def grammar(self):
-        # a constrained request never drafts (spec_decode.chosen_drafter), so it is seen with no drafts
-        return self.request.grammar if not self.extra else None
+        """The request's grammar matcher, seen past the drafts (structured outputs)."""
+        m = self.request.grammar
+        if m is None or not self.extra:
+            return m
+        from kvforge.engine.structured_outputs import DraftPosition
+        return DraftPosition(m, self.extra)
 
 
 def process_logits(logits: torch.Tensor, views: Sequence[SequenceView], vocab_size: int) -> torch.Tensor:

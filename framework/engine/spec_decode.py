@@ -40,10 +40,8 @@ def chosen_drafter(request: Request, default: str | None) -> str | None:
     """The drafter ``request`` speculates with: its per-request choice
     ``extra_args={"kvforge": {"drafter": NAME}}`` (validated when it was added,
     :mod:`kvforge.engine.request_choices`), else ``default`` (``speculative.method``).
-    None (the choice ``"none"``, or a request with structured outputs) = no speculation."""
+    None (the choice ``"none"``) = no speculation."""
     from kvforge.engine.request_choices import NO_DRAFTER, get_choice
-    if request.sampling_params.structured_outputs is not None:  # (drafts would need masks per position)
-        return None
     name = get_choice(request, "drafter", default)
     return None if name == NO_DRAFTER else name
 

@@ -11,7 +11,9 @@ owns the rest: the sampler sets the other tokens' logits to -inf
 kept token back to the matcher (:func:`advance`).
 
 Constrained requests sample with their tokens on the host (``SamplingParams.reads_history``:
-the next mask needs the last token) and never speculate (:func:`kvforge.engine.spec_decode.chosen_drafter`).
+the next mask needs the last token). They speculate like any request: each draft position is
+masked by the matcher advanced over the drafts before it (:class:`DraftPosition`), so the
+rejection sampler refuses a draft the grammar refuses and samples its replacement within it.
 """
 from __future__ import annotations
 
@@ -157,18 +159,43 @@ class GrammarCompiler:
         return self._xgr().GrammarMatcher(compiled)
 
 
+class DraftPosition:
+    """A constrained sequence seen ``len(extra)`` draft tokens ahead (speculative verification
+    and drafting score several positions of one sequence in one pass): its mask is the
+    matcher's after those tokens."""
+
+    __slots__ = ("matcher", "extra")
+
+    def __init__(self, matcher: Any, extra: list[int]) -> None:
+        self.matcher, self.extra = matcher, extra
+
+
 def fill_bitmask(matchers: list[Any], vocab_size: int) -> Any:
     """int32 ``[len(matchers), ceil(vocab_size / 32)]`` (CPU): row i's bit j of word w allows
-    token ``32 * w + j`` (XGrammar's layout)."""
+    token ``32 * w + j`` (XGrammar's layout). An item may be a :class:`DraftPosition`: its
+    drafts are accepted, the mask filled, and the drafts rolled back; a position behind a draft
+    the grammar refuses gets every token (it cannot be reached: that draft's own mask rejects it)."""
     import xgrammar
     mask = xgrammar.allocate_token_bitmask(len(matchers), vocab_size)
     for i, m in enumerate(matchers):
-        if m.is_terminated():  # complete and past its EOS (ignore_eos): only stop tokens may follow
+        extra: Any = ()
+        if isinstance(m, DraftPosition):
+            m, extra = m.matcher, m.extra
+        accepted = 0
+        for t in extra:
+            if m.is_terminated() or not m.accept_token(int(t)):
+                break
+            accepted += 1
+        if accepted < len(extra):
+            mask[i] = -1
+        elif m.is_terminated():  # complete and past its EOS (ignore_eos): only stop tokens may follow
             mask[i] = 0
             for t in m.stop_token_ids:
                 mask[i, t // 32] |= 1 << (t % 32) if t % 32 < 31 else -(1 << 31)
         else:
             m.fill_next_token_bitmask(mask, i)
+        if accepted:
+            m.rollback(accepted)
     return mask
 
 
