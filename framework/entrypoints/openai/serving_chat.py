@@ -174,6 +174,7 @@ async def _stream(ctx: sc.ServerContext, req: ChatCompletionRequest, rid: str, n
     completion_tokens = 0
     how = tool_calls.mode(req, ctx.tool_call_parser)
     buffers: dict[int, list] = {}  # choice -> [text, token ids, logprobs] held for tool-call parsing
+    #                                (named calls: marks a choice whose call was announced)
 
     def chunk(choices: list[dict], usage: dict | None = None) -> str:
         return sc.stream_chunk(rid, "chat.completion.chunk", created, ctx.response_model(req.model),
@@ -199,7 +200,19 @@ async def _stream(ctx: sc.ServerContext, req: ChatCompletionRequest, rid: str, n
                     continue
                 reason = c.finish_reason if fin else None
                 delta: dict[str, Any] = {"content": text} if (text or not fin) else {}
-                if how is not None:  # tool calls: held until the choice ends, then parsed whole
+                if how == "named":  # the output is the call's arguments: stream them as they come
+                    started = c.index in buffers
+                    buffers.setdefault(c.index, [])
+                    if not text and started:
+                        delta = {}
+                    else:
+                        call: dict[str, Any] = {"index": 0, "function": {"arguments": text}}
+                        if not started:  # (the first delta names the call, as OpenAI's)
+                            first_call = tool_calls.extract(how, text, req)[1][0]
+                            call = {"index": 0, "id": first_call["id"], "type": "function",
+                                    "function": {"name": first_call["function"]["name"], "arguments": text}}
+                        delta = {"tool_calls": [call]}
+                elif how is not None:  # tool calls: held until the choice ends, then parsed whole
                     held = buffers.setdefault(c.index, ["", [], []])
                     held[0] += text
                     held[1].extend(new_ids)

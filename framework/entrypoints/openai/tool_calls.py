@@ -14,9 +14,9 @@
 * ``"none"``, or tools without a parser: plain text.
 
 Forced calls are compact JSON (``disable_any_whitespace``): arguments are read by programs, and
-free whitespace is where a constrained model can loop until max_tokens. A streamed answer
-with tool calls carries them in one delta when the choice finishes (the arguments are not
-streamed piecewise).
+free whitespace is where a constrained model can loop until max_tokens. Streamed, a named call's
+arguments arrive piece by piece (the first delta carries its id and name, as OpenAI's); required
+and auto calls come in one delta when the choice finishes (they are parsed whole).
 """
 from __future__ import annotations
 
