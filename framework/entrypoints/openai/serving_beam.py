@@ -14,7 +14,6 @@ from fastapi import Request
 from kvforge.engine.outputs import CompletionOutput, RequestOutput
 from kvforge.engine.request_choices import EXTRA_ARGS_KEY
 from kvforge.engine.sampling_params import SamplingParams
-from kvforge.engine.tokenizer import eos_token_ids, extra_eos_token_ids
 from kvforge.entrypoints.beam_search import BeamSearchParams, candidates_per_beam, generated_text, search_steps
 from kvforge.entrypoints.openai.errors import OpenAIError
 from kvforge.entrypoints.openai.request_fields import engine_prompt
@@ -40,8 +39,7 @@ async def run_beam_search(ctx: ServerContext, raw: Request, rid: str, prompts: l
     params = BeamSearchParams(beam_width=width, max_tokens=max(max_tokens), ignore_eos=req.ignore_eos,
                               temperature=req.temperature or 0.0, length_penalty=req.length_penalty,
                               include_stop_str_in_output=req.include_stop_str_in_output)
-    eos = eos_token_ids(ctx.tokenizer, ctx.model_path)
-    stop_ids = set(extra_eos_token_ids(ctx.tokenizer, eos))
+    eos, stop_ids = ctx.eos_ids
     k = candidates_per_beam(params, len(eos))
     if 0 <= ctx.max_logprobs < k:
         raise OpenAIError(f"n: beam search with n={width} needs {k} log-probabilities per step, over "
@@ -49,7 +47,7 @@ async def run_beam_search(ctx: ServerContext, raw: Request, rid: str, prompts: l
                           400, param="n")
     step_params = SamplingParams(max_tokens=1, logprobs=k, temperature=params.temperature, detokenize=False,
                                  extra_args={EXTRA_ARGS_KEY: req.kvforge} if req.kvforge is not None else {})
-    steps = search_steps(prompts, params, set(eos), max_tokens, stop_ids)
+    steps = search_steps(prompts, params, eos, max_tokens, stop_ids)
 
     async def drive():
         n = 0

@@ -208,9 +208,7 @@ async def _stream(ctx: sc.ServerContext, req: ChatCompletionRequest, rid: str, n
                     else:
                         call: dict[str, Any] = {"index": 0, "function": {"arguments": text}}
                         if not started:  # (the first delta names the call, as OpenAI's)
-                            first_call = tool_calls.extract(how, text, req)[1][0]
-                            call = {"index": 0, "id": first_call["id"], "type": "function",
-                                    "function": {"name": first_call["function"]["name"], "arguments": text}}
+                            call = {"index": 0, **tool_calls.named_call(req, text)}
                         delta = {"tool_calls": [call]}
                 elif how is not None:  # tool calls: held until the choice ends, then parsed whole
                     held = buffers.setdefault(c.index, ["", [], []])

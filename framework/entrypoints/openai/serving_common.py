@@ -4,6 +4,7 @@ requests, streaming deltas, SSE framing, disconnect handling (the request-field 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -17,7 +18,7 @@ from kvforge.engine.async_engine import AsyncLLMEngine, EngineClosedError, Engin
 from kvforge.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from kvforge.engine.request_choices import EXTRA_ARGS_KEY
 from kvforge.engine.sampling_params import SamplingParams
-from kvforge.engine.tokenizer import check_text, max_token_chars
+from kvforge.engine.tokenizer import check_text, eos_token_ids, extra_eos_token_ids, max_token_chars
 from kvforge.entrypoints.openai.errors import OpenAIError
 from kvforge.entrypoints.openai.logprob_utils import (LOGPROB_FLOOR, clamp, prompt_logprobs_json,  # noqa: F401
                                                       sorted_top, token_bytes, token_text)
@@ -68,6 +69,13 @@ class ServerContext:
 
     def __post_init__(self) -> None:
         self.max_prompt_chars = 4 * self.max_model_len * max_token_chars(self.tokenizer)
+
+    @functools.cached_property
+    def eos_ids(self) -> tuple[frozenset[int], frozenset[int]]:
+        """(every EOS id, those that are stop ids rather than the tokenizer's own EOS): read from
+        the tokenizer and ``generation_config.json`` once, as the engine reads them."""
+        eos = eos_token_ids(self.tokenizer, self.model_path)
+        return eos, extra_eos_token_ids(self.tokenizer, eos)
 
     @property
     def model_name(self) -> str:

@@ -96,11 +96,16 @@ def _call(name: str, arguments: Any) -> dict[str, Any]:
             "function": {"name": name, "arguments": args}}
 
 
+def named_call(req: Any, arguments: str) -> dict[str, Any]:
+    """The call a named ``tool_choice`` forces, with ``arguments`` (JSON text) and a fresh id."""
+    return _call(req.tool_choice["function"]["name"], arguments)
+
+
 def extract(how: str, text: str, req: Any) -> tuple[str | None, list[dict[str, Any]]]:
     """(content, tool_calls) of one finished choice's text under mode ``how``. Text that does
     not parse (a constrained output cut by max_tokens, a malformed Hermes block) stays content."""
     if how == "named":
-        return None, [_call(req.tool_choice["function"]["name"], text)]
+        return None, [named_call(req, text)]
     if how == "required":
         try:
             items = json.loads(text)
