@@ -3,6 +3,7 @@
     python benchmarks/bench_attention.py [--dtype bfloat16] [--block-size 16] [--block-m 64] [--block-n 0]
     python benchmarks/bench_attention.py --sweep-prefill   # prefill tile / warps / stages grid
     python benchmarks/bench_attention.py --block-m 128 --prefill-block-n 128 --prefill-warps 8 --prefill-stages 3
+    python benchmarks/bench_attention.py --kv-cache-dtype fp8   # E4M3 cache (scales 1.0): half the KV bytes
 
 Cases (each checked against ``torch_ref`` before it is timed):
   * decode: 64 requests x 4096-token context, Hq=32, Hkv=8, D=128, paged block 16.
@@ -24,6 +25,7 @@ import torch
 import triton
 
 from kvforge.interfaces import AttentionInputs, AttentionLayer
+from kvforge.layers.kv_cache_dtype import resolve_kv_cache_dtype
 from kvforge_plugins.attention.torch_ref import TorchRefBackend
 from kvforge_plugins.attention.triton_paged import TritonPagedBackend, TritonPagedSettings
 
@@ -32,7 +34,7 @@ PEAK_TFLOPS = 799.0    # dense bf16/fp16 reference figure, TFLOP/s
 DEV = torch.device("cuda")
 
 
-def make_step(reqs, hq, hkv, d, block_size, dtype, seed=0):
+def make_step(reqs, hq, hkv, d, block_size, dtype, seed=0, kv_dtype=None):
     """Random step over a shuffled paged cache: (inputs, q, k, v, cache), prefixes filled."""
     rng = random.Random(seed)
     need = [-(-(c + n) // block_size) for c, n in reqs]
@@ -48,7 +50,7 @@ def make_step(reqs, hq, hkv, d, block_size, dtype, seed=0):
         slots.append(blocks[pos // block_size] * block_size + pos % block_size)
         qsl.append(qsl[-1] + n)
         i += m
-    cache = torch.randn((2, nb, block_size, hkv, d), dtype=dtype, device=DEV)
+    cache = torch.randn((2, nb, block_size, hkv, d), dtype=dtype, device=DEV).to(kv_dtype or dtype)
     t = qsl[-1]
     ctx = torch.tensor([c for c, _ in reqs], dtype=torch.int32)
     qlen = torch.tensor([n for _, n in reqs], dtype=torch.int32)
@@ -137,6 +139,10 @@ def main() -> None:
     ap.add_argument("--prefill-block-n", type=int, default=0, help="prefill kernel K/V tile (0 = --block-n's)")
     ap.add_argument("--prefill-warps", type=int, default=0, help="prefill kernel num_warps (0 = auto)")
     ap.add_argument("--prefill-stages", type=int, default=0, help="prefill kernel num_stages (0 = auto)")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e5m2"],
+                    help="what the cache stores (cache.kv_cache_dtype); bandwidth counts its bytes")
+    ap.add_argument("--fp8-dot-dtype", default="float16", choices=["float16", "model"],
+                    help="TritonPagedSettings.fp8_dot_dtype (bf16 over an FP8 cache)")
     ap.add_argument("--sweep-prefill", action="store_true",
                     help="time the prefill cases over block_m x block_n x warps x stages, then exit")
     a = ap.parse_args()
@@ -147,18 +153,22 @@ def main() -> None:
     backend = TritonPagedBackend(TritonPagedSettings(prefill_block_m=a.block_m, kv_block_n=a.block_n,
                                                      prefill_block_n=a.prefill_block_n,
                                                      prefill_num_warps=a.prefill_warps,
-                                                     prefill_num_stages=a.prefill_stages))
+                                                     prefill_num_stages=a.prefill_stages,
+                                                     fp8_dot_dtype=a.fp8_dot_dtype))
     hq, hkv, d, bs = 32, 8, 128, a.block_size
-    layer = AttentionLayer(0, hq, hkv, d, d ** -0.5)
-    elem = torch.empty((), dtype=dtype).element_size()
-    print(f"{torch.cuda.get_device_name()}  dtype={a.dtype} block_size={bs} Hq={hq} Hkv={hkv} D={d}")
+    kv_dtype = resolve_kv_cache_dtype(a.kv_cache_dtype, dtype)
+    layer = AttentionLayer(0, hq, hkv, d, d ** -0.5, kv_scale=torch.ones(2, device=DEV))
+    elem = torch.empty((), dtype=kv_dtype).element_size()
+    print(f"{torch.cuda.get_device_name()}  dtype={a.dtype} kv_cache_dtype={a.kv_cache_dtype} block_size={bs} "
+          f"Hq={hq} Hkv={hkv} D={d} block_n={a.block_n} fp8_dot_dtype={a.fp8_dot_dtype}")
+    mk = lambda reqs: make_step(reqs, hq, hkv, d, bs, dtype, kv_dtype=kv_dtype)  # noqa: E731
     if a.sweep_prefill:
         sweep_prefill(layer, hq, hkv, d, bs, dtype, tol)
         return
 
     reqs = [(4095, 1)] * 64
     print("decode 64 x 4096")
-    step = make_step(reqs, hq, hkv, d, bs, dtype)
+    step = mk(reqs)
     check(backend, layer, step, tol)
     kv_bytes = sum(c + n for c, n in reqs) * hkv * d * 2 * elem
     for graph in (False, True):
@@ -169,7 +179,7 @@ def main() -> None:
 
     for name, reqs in (("prefill 8 x 2048", [(0, 2048)] * 8), ("extend 8 x 512 over 1536 cached", [(1536, 512)] * 8)):
         print(name)
-        step = make_step(reqs, hq, hkv, d, bs, dtype)
+        step = mk(reqs)
         check(backend, layer, step, tol)
         t = time_forward(backend, layer, step)
         tflops = 4 * d * hq * causal_pairs(reqs) / t / 1e12
@@ -177,7 +187,7 @@ def main() -> None:
 
     reqs = [(1023, 1)] * 6 + [(0, 256), (512, 128)]
     print("small mixed batch (6 decodes x 1024 + 2 prefills): torch_ref vs triton_paged")
-    step = make_step(reqs, hq, hkv, d, bs, dtype)
+    step = mk(reqs)
     check(backend, layer, step, tol)
     t_tri = time_forward(backend, layer, step)
     ref = TorchRefBackend()

@@ -73,6 +73,9 @@ class CacheConfig(_Section):
     kv_cache_memory_bytes: int | None = Field(
         None, gt=0, description="KV cache budget in bytes (default: GPU utilization target, or 1 GiB on CPU).")
     enable_prefix_caching: bool = False
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = Field(
+        "auto", description="What the KV cache stores: auto (the model's dtype), fp8 / fp8_e4m3 (E4M3) or "
+        "fp8_e5m2, with per-layer K/V scales from the checkpoint (else 1.0); half the bytes of bf16.")
     swap_space_bytes: int = Field(0, ge=0, description="CPU memory for swapped-out KV blocks (preemption_mode swap).")
     settings: dict[str, Any] = Field(default_factory=dict)
 

@@ -116,6 +116,8 @@ def test_validate_reasons(monkeypatch):
     assert any("block_size 8" in r for r in TritonPagedBackend.validate(_req(block=8), cuda))
     bad_kv = AttentionRequirements(torch.float16, 64, 8, 2, 16, torch.float32)
     assert any("kv_cache_dtype" in r for r in TritonPagedBackend.validate(bad_kv, cuda))
+    for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):
+        assert TritonPagedBackend.validate(AttentionRequirements(torch.float16, 64, 8, 2, 16, fp8), cuda) == []
 
 
 def test_registered_and_auto_choice(monkeypatch):
@@ -127,7 +129,7 @@ def test_registered_and_auto_choice(monkeypatch):
     reg = load_registry()
     spec = reg.get("attention", "triton_paged")
     assert spec.capabilities == {"priority": 10, "dtypes": ("float16", "bfloat16", "float32"), "cuda_graphs": True,
-                                 "mixed_cuda_graphs": True}
+                                 "mixed_cuda_graphs": True, "kv_cache_dtypes": ("fp8_e4m3", "fp8_e5m2")}
     assert spec.settings_model is TritonPagedSettings
     assert choose_attention(reg, "auto", _req(), torch.device("cpu"))[0].name == "triton_paged"
     spec, rejected = choose_attention(reg, "auto", _req(head=8), torch.device("cpu"))

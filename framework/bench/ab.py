@@ -132,6 +132,7 @@ def check_real_arm(config, registry, facts=None, longest: int = 0) -> None:
     from kvforge.engine.builder import _kv_block_bytes, build_quant_config, load_hf_config
     from kvforge.engine.resolve import resolve_device, resolve_dtype
     from kvforge.engine.capabilities import check_capabilities
+    from kvforge.layers.kv_cache_dtype import resolve_kv_cache_dtype
     hf_config = load_hf_config(config.model.model)
     dtype, device = resolve_dtype(config.model.dtype, hf_config), resolve_device(config.model.device)
     check_capabilities(config, registry, hf_config, dtype, device)
@@ -143,7 +144,8 @@ def check_real_arm(config, registry, facts=None, longest: int = 0) -> None:
     if c.num_gpu_blocks is not None:
         blocks, knob = c.num_gpu_blocks, "cache.num_gpu_blocks"
     else:  # the engine's block: K and V of every layer, in the dtype it resolves
-        block_bytes = _kv_block_bytes(hf_config, facts.head_dim, facts.num_kv_heads, c.block_size, dtype)
+        block_bytes = _kv_block_bytes(hf_config, facts.head_dim, facts.num_kv_heads, c.block_size,
+                                      resolve_kv_cache_dtype(c.kv_cache_dtype, dtype))
         blocks, knob = c.kv_cache_memory_bytes // block_bytes, "cache.kv_cache_memory_bytes"
         if blocks < 1:
             raise ValueError(f"{knob}: {c.kv_cache_memory_bytes} bytes hold no KV block of {block_bytes} bytes "
@@ -192,7 +194,8 @@ def run_ab(args: argparse.Namespace) -> dict[str, Any]:
             check_trace_fits(trace, limit)
             c = cfg.model_copy(deep=True)
             c.scheduler.max_num_batched_tokens = c.scheduler.max_num_batched_tokens or max(2048, limit)
-            cpu_blocks = c.cache.swap_space_bytes // facts.kv_block_bytes(c.cache.block_size, c.model.dtype)
+            cpu_blocks = c.cache.swap_space_bytes // facts.kv_block_bytes(c.cache.block_size, c.model.dtype,
+                                                                          c.cache.kv_cache_dtype)
             build_scheduler(c, registry, 1, limit, cpu_blocks)  # a dry build: block ids only, no tensors
             if mode in ("real", "both"):  # the engine's whole capability check, model-side kinds too
                 check_real_arm(c, registry, facts, longest)

@@ -114,10 +114,12 @@ class ModelFacts:
     dtype: str
     special_ids: frozenset[int]
 
-    def kv_block_bytes(self, block_size: int, dtype: str = "auto") -> int:
-        """Bytes of one KV block over all layers (K and V), as the engine's builder computes it."""
+    def kv_block_bytes(self, block_size: int, dtype: str = "auto", kv_cache_dtype: str = "auto") -> int:
+        """Bytes of one KV block over all layers (K and V), as the engine's builder computes it
+        (``kv_cache_dtype``: ``cache.kv_cache_dtype``; the FP8 ones store one byte a value)."""
         d = self.dtype if dtype == "auto" else dtype
-        return 2 * self.num_hidden_layers * block_size * self.num_kv_heads * self.head_dim * _DTYPE_BYTES.get(d, 4)
+        elem = _DTYPE_BYTES.get(d, 4) if kv_cache_dtype == "auto" else 1
+        return 2 * self.num_hidden_layers * block_size * self.num_kv_heads * self.head_dim * elem
 
 
 def model_facts(model_dir: str) -> ModelFacts:

@@ -66,8 +66,9 @@ class ModelShape:
 def loaded_weight_bytes(model: Any) -> int:
     """Bytes of weights one forward step of a loaded model reads: every parameter and buffer
     (packed quantized weights, scales, zero points, norms), each storage once, less input
-    embedding tables that are not also the LM head (a lookup reads a few rows) and rotary
-    cos/sin tables (a step reads its positions' rows, not max_position_embeddings of them).
+    embedding tables that are not also the LM head (a lookup reads a few rows), rotary
+    cos/sin tables (a step reads its positions' rows, not max_position_embeddings of them) and
+    attention layers' FP8 KV scales (``kv_scale``: 8 bytes a layer, attention's, not a GEMM's).
     Modules are told apart by class name (``*Embedding``, ``Rotary*``), so model plugins'
     own classes count alike."""
     sizes = {t.data_ptr(): t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]}
@@ -78,6 +79,9 @@ def loaded_weight_bytes(model: Any) -> int:
         if "Rotary" in name:
             for t in m.buffers(recurse=False):
                 sizes.pop(t.data_ptr(), None)
+        kv_scale = m._buffers.get("kv_scale")
+        if kv_scale is not None:
+            sizes.pop(kv_scale.data_ptr(), None)
         elif "Embedding" in name and m is not head:
             for t in m.parameters(recurse=False):
                 if t.data_ptr() not in head_ptrs:

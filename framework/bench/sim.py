@@ -52,7 +52,7 @@ def sim_num_blocks(config: EngineConfig, facts: ModelFacts, cost_model: CostMode
     c = config.cache
     if c.num_gpu_blocks is not None:
         return c.num_gpu_blocks
-    block_bytes = facts.kv_block_bytes(c.block_size, config.model.dtype)
+    block_bytes = facts.kv_block_bytes(c.block_size, config.model.dtype, c.kv_cache_dtype)
     budget = c.kv_cache_memory_bytes or cost_model.meta.get("engine", {}).get("kv_cache_memory_bytes") \
         or _CPU_DEFAULT_KV_BYTES
     cap = config.scheduler.max_num_seqs * (-(-limit // c.block_size)) + 1
@@ -106,7 +106,8 @@ def simulate(trace: Trace, prompts: list[list[int]], config: EngineConfig, regis
         config.scheduler.max_num_batched_tokens = max(2048, limit)
     num_blocks = sim_num_blocks(config, facts, cost_model, limit)
     num_cpu_blocks = config.cache.swap_space_bytes // facts.kv_block_bytes(config.cache.block_size,
-                                                                          config.model.dtype)
+                                                                          config.model.dtype,
+                                                                          config.cache.kv_cache_dtype)
     scheduler, allocator = build_scheduler(config, registry, num_blocks, limit, num_cpu_blocks)
     sched_spec = registry.get("scheduler", config.scheduler.name)
     who = describe(sched_spec)  # a broken step is refused as the engine does

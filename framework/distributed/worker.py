@@ -113,7 +113,8 @@ class Worker:
         stack = build_model_stack(registry, hf_config, model_spec, cfg.model.model, dtype=self.dtype, device=device,
                                   block_size=cfg.cache.block_size, attention=cfg.attention,
                                   quant_method=cfg.quantization.method, quant_settings=cfg.quantization.settings,
-                                  load_format=cfg.model.load_format, seed=cfg.model.seed)
+                                  load_format=cfg.model.load_format, seed=cfg.model.seed,
+                                  kv_cache_dtype=cfg.cache.kv_cache_dtype)
         self.model, self.backend, self.stack = stack.model, stack.backend, stack
         if self.state.expert_parallel and not self.state.ep_asked:  # (it would only turn CUDA graphs off)
             raise ValueError(f"enable_expert_parallel: model {arch!r} ({model_spec.name}) has no layer that splits "
@@ -121,7 +122,7 @@ class Worker:
         self.attn_spec = stack.attn_spec
         # This rank's attention layers (a pipeline stage has only some) and their local KV heads.
         self.layers = {m.layer.layer_idx: m.layer for m in self.model.modules() if isinstance(m, PagedAttention)}
-        elem = torch.empty((), dtype=self.dtype).element_size()
+        elem = torch.empty((), dtype=stack.kv_dtype).element_size()
         bs = cfg.cache.block_size
         self.block_bytes = sum(2 * bs * L.num_kv_heads * L.head_size * elem for L in self.layers.values())
         num_blocks = _num_blocks(cfg, device, max(self.block_bytes, 1), self.max_model_len)
@@ -149,10 +150,10 @@ class Worker:
                 self.kv_caches.append(torch.empty(0, dtype=self.dtype, device=self.device))
                 continue
             shape = self.backend.kv_cache_shape(num_blocks + 1, bs, L.num_kv_heads, L.head_size)
-            self.kv_caches.append(torch.zeros(shape, dtype=self.dtype, device=self.device))
+            self.kv_caches.append(torch.zeros(shape, dtype=self.stack.kv_dtype, device=self.device))
             if num_cpu_blocks:
                 cshape = self.backend.kv_cache_shape(num_cpu_blocks, bs, L.num_kv_heads, L.head_size)
-                self.cpu_caches.append(torch.zeros(cshape, dtype=self.dtype, device="cpu",
+                self.cpu_caches.append(torch.zeros(cshape, dtype=self.stack.kv_dtype, device="cpu",
                                                    pin_memory=self.device.type == "cuda"))
         self.num_blocks = num_blocks
         par = cfg.parallel

@@ -14,6 +14,7 @@ from kvforge.engine.capabilities import check_capabilities
 from kvforge.engine.resolve import choose_attention, resolve_device, resolve_dtype, validate_plugin_settings
 from kvforge.interfaces import (AttentionBackend, AttentionRequirements, KVAllocator, Model, ModelContext,
                                 QuantizationConfig, Scheduler, SchedulerContext)
+from kvforge.layers.kv_cache_dtype import is_fp8, resolve_kv_cache_dtype, warn_default_kv_scales
 from kvforge.plugin_manager import PluginSpec, Registry, build_plugin
 
 log = logging.getLogger("kvforge")
@@ -147,15 +148,16 @@ class ModelStack:
     device: torch.device
     num_kv_heads: int
     head_dim: int
+    kv_dtype: torch.dtype  # what the KV cache stores (cache.kv_cache_dtype resolved)
 
     def kv_block_bytes(self, block_size: int) -> int:
         """Bytes of K and V cache of all layers for one block of ``block_size`` tokens."""
-        return _kv_block_bytes(self.hf_config, self.head_dim, self.num_kv_heads, block_size, self.dtype)
+        return _kv_block_bytes(self.hf_config, self.head_dim, self.num_kv_heads, block_size, self.kv_dtype)
 
     def kv_caches(self, num_blocks: int, block_size: int) -> list[torch.Tensor]:
         """One zeroed cache tensor per layer, in the backend's layout."""
         shape = self.backend.kv_cache_shape(num_blocks, block_size, self.num_kv_heads, self.head_dim)
-        return [torch.zeros(shape, dtype=self.dtype, device=self.device)
+        return [torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
                 for _ in range(self.hf_config.num_hidden_layers)]
 
 
@@ -217,13 +219,15 @@ def build_quant_config(registry: Registry, hf_config, quant_method: str, quant_s
 def build_model_stack(registry: Registry, hf_config, model_spec: PluginSpec, model_dir: str, *,
                       dtype: torch.dtype, device: torch.device, block_size: int, attention,
                       quant_method: str, quant_settings: dict[str, Any], load_format: str, seed: int,
-                      num_layers: int | None = None, share_from: Model | None = None) -> ModelStack:
+                      kv_cache_dtype: str = "auto", num_layers: int | None = None,
+                      share_from: Model | None = None) -> ModelStack:
     """Pick the quantizer and attention backend for ``hf_config``, build the model on
     ``device`` and fill its weights (used for the target and for draft models).
 
     Args:
         attention: the :class:`~kvforge.config.AttentionConfig` section (backend name or ``auto``).
         quant_method: a quantizer name or ``auto`` (the checkpoint's ``quantization_config``).
+        kv_cache_dtype: ``cache.kv_cache_dtype`` (``auto``: the model's dtype, or an FP8 name).
         num_layers: keep only the first N decoder layers (a truncated draft); checkpoint
             tensors of later layers are skipped.
         share_from: reuse this model's parameters by name instead of loading weights.
@@ -240,7 +244,8 @@ def build_model_stack(registry: Registry, hf_config, model_spec: PluginSpec, mod
     num_heads = hf_config.num_attention_heads
     num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
-    req = AttentionRequirements(dtype, head_dim, num_heads, num_kv_heads, block_size, dtype,
+    kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, dtype)
+    req = AttentionRequirements(dtype, head_dim, num_heads, num_kv_heads, block_size, kv_dtype,
                                 getattr(hf_config, "sliding_window", None))
     attn_spec, rejected = choose_attention(registry, attention.backend, req, device, attention.settings)
     attn_settings = validate_plugin_settings(attn_spec, attention.settings, "attention.settings")
@@ -277,7 +282,10 @@ def build_model_stack(registry: Registry, hf_config, model_spec: PluginSpec, mod
                 m.method.process_weights_after_loading(m)
     else:
         load_weights(model, model_dir, load_format, seed)
-    return ModelStack(hf_config, model, backend, attn_spec, quant_spec, dtype, device, num_kv_heads, head_dim)
+    if is_fp8(kv_dtype):
+        warn_default_kv_scales(model, kv_cache_dtype)
+    return ModelStack(hf_config, model, backend, attn_spec, quant_spec, dtype, device, num_kv_heads, head_dim,
+                      kv_dtype)
 
 
 def build_engine_parts(config: EngineConfig, registry: Registry) -> EngineParts:
@@ -351,14 +359,15 @@ def build_engine_parts(config: EngineConfig, registry: Registry) -> EngineParts:
                               block_size=config.cache.block_size, attention=config.attention,
                               quant_method=config.quantization.method,
                               quant_settings=config.quantization.settings,
-                              load_format=config.model.load_format, seed=config.model.seed)
+                              load_format=config.model.load_format, seed=config.model.seed,
+                              kv_cache_dtype=config.cache.kv_cache_dtype)
     model, backend, attn_spec, quant_spec = stack.model, stack.backend, stack.attn_spec, stack.quant_spec
     num_kv_heads, head_dim = stack.num_kv_heads, stack.head_dim
     from kvforge.engine.drafter_builder import build_drafter
     drafters = {name: build_drafter(config, registry, spec, settings, stack, max_model_len)
                 for name, (spec, settings) in drafter_specs.items()}
 
-    block_bytes = _kv_block_bytes(hf_config, head_dim, num_kv_heads, config.cache.block_size, dtype)
+    block_bytes = stack.kv_block_bytes(config.cache.block_size)
     draft_block_bytes = sum(d.kv_cache_block_bytes(config.cache.block_size) for d in drafters.values())
     num_blocks = _num_blocks(config, device, block_bytes + draft_block_bytes, max_model_len)
     max_model_len = fit_max_model_len(config, max_model_len, num_blocks, device, draft_block_bytes,
@@ -367,10 +376,10 @@ def build_engine_parts(config: EngineConfig, registry: Registry) -> EngineParts:
                                           config.cache)
     # One extra block past the allocator's range: the scratch block padded CUDA-graph rows write to.
     shape = backend.kv_cache_shape(num_blocks + 1, config.cache.block_size, num_kv_heads, head_dim)
-    kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(hf_config.num_hidden_layers)]
+    kv_caches = [torch.zeros(shape, dtype=stack.kv_dtype, device=device) for _ in range(hf_config.num_hidden_layers)]
     num_cpu_blocks = config.cache.swap_space_bytes // block_bytes
     cpu_caches = [torch.zeros(backend.kv_cache_shape(num_cpu_blocks, config.cache.block_size, num_kv_heads, head_dim),
-                              dtype=dtype, device="cpu", pin_memory=device.type == "cuda")
+                              dtype=stack.kv_dtype, device="cpu", pin_memory=device.type == "cuda")
                   for _ in range(hf_config.num_hidden_layers)] if num_cpu_blocks else []
     scheduler: Scheduler = build_plugin(sched_spec, config.scheduler, allocator, sched_settings,
                                         SchedulerContext(max_model_len, num_cpu_blocks))
@@ -382,8 +391,8 @@ def build_engine_parts(config: EngineConfig, registry: Registry) -> EngineParts:
                "attention": attn_spec.name, "quantizer": quant_spec.name}
     if config.speculative.method is not None:
         choices["drafter"] = config.speculative.method
-    log.info("kvforge engine: %s on %s %s, %d KV blocks of %d tokens", choices, device, dtype, num_blocks,
-             config.cache.block_size)
+    log.info("kvforge engine: %s on %s %s, %d KV blocks of %d tokens (%s)", choices, device, dtype, num_blocks,
+             config.cache.block_size, stack.kv_dtype)
     return EngineParts(config, hf_config, device, dtype, model, backend, allocator, scheduler, kv_caches,
                        cpu_caches, max_model_len, choices, use_graphs, drafters=drafters,
                        attn_capabilities=dict(attn_spec.capabilities))

@@ -33,6 +33,7 @@ log = logging.getLogger("kvforge")
 
 _DTYPE_NAMES = ("float32", "float16", "bfloat16")
 _DEVICE_TYPES = ("cpu", "cuda")
+_KV_DTYPE_NAMES = ("fp8_e4m3", "fp8_e5m2")
 
 #: kind -> capability key -> (type check name, meaning). Documented in docs/plugins.md.
 KNOWN_CAPABILITIES: dict[str, dict[str, tuple[str, str]]] = {
@@ -45,6 +46,8 @@ KNOWN_CAPABILITIES: dict[str, dict[str, tuple[str, str]]] = {
         "mixed_cuda_graphs": ("bool", "small mixed prefill/decode steps can be captured in CUDA graphs "
                                       "(implements graph_metadata / update_graph_metadata)"),
         "spec_decode": ("bool", "False: cannot verify draft tokens (multi-token decode rows); refuses drafters"),
+        "kv_cache_dtypes": ("kv_dtypes", "FP8 KV caches it reads and writes with per-layer scales ('fp8_e4m3', "
+                                         "'fp8_e5m2'); undeclared: none, cache.kv_cache_dtype must be auto"),
     },
     "kv_allocator": {
         "prefix_caching": ("bool", "implements get_computed_tokens (automatic prefix caching)"),
@@ -99,6 +102,8 @@ def _type_ok(kind: str, value: Any) -> bool:
         return seq(lambda v: v in _DTYPE_NAMES)
     if kind == "devices":
         return seq(lambda v: v in _DEVICE_TYPES)
+    if kind == "kv_dtypes":
+        return seq(lambda v: v in _KV_DTYPE_NAMES)
     return True
 
 
@@ -134,7 +139,8 @@ def validate_declarations(spec: "PluginSpec") -> None:
             continue
         kind, meaning = known[key]
         if not _type_ok(kind, value):
-            allowed = {"dtypes": f" from {_DTYPE_NAMES}", "devices": f" from {_DEVICE_TYPES}"}.get(kind, "")
+            allowed = {"dtypes": f" from {_DTYPE_NAMES}", "devices": f" from {_DEVICE_TYPES}",
+                       "kv_dtypes": f" from {_KV_DTYPE_NAMES}"}.get(kind, "")
             raise ValueError(f"{describe(spec)} declares capability {key}={value!r}, which must be of type "
                              f"{kind}{allowed} ({meaning})")
 
@@ -166,7 +172,9 @@ def resolve_specs(config: "EngineConfig", registry: "Registry", hf_config, dtype
     num_heads = hf_config.num_attention_heads
     num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
-    req = AttentionRequirements(dtype, head_dim, num_heads, num_kv_heads, config.cache.block_size, dtype,
+    from kvforge.layers.kv_cache_dtype import resolve_kv_cache_dtype
+    req = AttentionRequirements(dtype, head_dim, num_heads, num_kv_heads, config.cache.block_size,
+                                resolve_kv_cache_dtype(config.cache.kv_cache_dtype, dtype),
                                 getattr(hf_config, "sliding_window", None))
     specs["attention"], _ = choose_attention(registry, config.attention.backend, req, device,
                                              config.attention.settings)

@@ -12,6 +12,7 @@ from kvforge.engine.decode_inputs import DecodeInputBuilder
 from kvforge.engine.request import Request
 from kvforge.engine.step_inputs import build_attention_inputs
 from kvforge.interfaces import AttentionBackend, ForwardMetadata, KVAllocator, Model, SchedulerOutput
+from kvforge.layers.kv_cache_dtype import is_fp8
 
 
 @dataclass
@@ -47,6 +48,8 @@ def swap_blocks(kv_caches: list[torch.Tensor], cpu_caches: list[torch.Tensor], b
     dst_ids = torch.tensor([p[1] for p in pairs], dtype=torch.int64)
     for dev_cache, cpu_cache in zip(kv_caches, cpu_caches):
         src, dst = (dev_cache, cpu_cache) if to_cpu else (cpu_cache, dev_cache)
+        if is_fp8(src.dtype):  # index_copy_ has no FP8 kernel (CPU): copy the bytes
+            src, dst = src.view(torch.uint8), dst.view(torch.uint8)
         blocks = src.index_select(block_dim, src_ids.to(src.device))
         dst.index_copy_(block_dim, dst_ids.to(dst.device), blocks.to(dst.device))
 

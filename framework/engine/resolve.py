@@ -57,6 +57,18 @@ def resolve_dtype(name: str, hf_config) -> torch.dtype:
     return d if d in _DTYPES.values() else torch.float32
 
 
+def kv_dtype_reasons(spec: PluginSpec, req: AttentionRequirements) -> list[str]:
+    """Why ``spec`` cannot hold an FP8 KV cache (``req.kv_cache_dtype``): it must declare the
+    dtype in its ``kv_cache_dtypes`` capability, since a backend unaware of FP8 would write the
+    cache without its scales. Empty when the cache holds the model's dtype."""
+    from kvforge.layers.kv_cache_dtype import CAPABILITY_NAMES
+    name = CAPABILITY_NAMES.get(req.kv_cache_dtype)
+    if name is None or name in (spec.capabilities.get("kv_cache_dtypes") or ()):
+        return []
+    return [f"cache.kv_cache_dtype {name} unsupported (it declares kv_cache_dtypes="
+            f"{tuple(spec.capabilities.get('kv_cache_dtypes') or ())!r})"]
+
+
 def choose_attention(registry: Registry, name: str, req: AttentionRequirements, device: torch.device,
                      settings: dict[str, Any] | None = None) -> tuple[PluginSpec, dict[str, list[str]]]:
     """Pick the backend named ``name``, or for ``auto`` the highest-priority one whose
@@ -73,7 +85,7 @@ def choose_attention(registry: Registry, name: str, req: AttentionRequirements, 
     if name != "auto":
         spec = registry.get("attention", name)
         checked = validate_plugin_settings(spec, settings or {}, "attention.settings")
-        reasons = validate_backend(spec, replace(req, settings=checked), device)
+        reasons = kv_dtype_reasons(spec, req) or validate_backend(spec, replace(req, settings=checked), device)
         if reasons:
             raise ValueError(f"attention.backend {name!r} cannot run here: {'; '.join(reasons)}")
         return spec, {}
@@ -86,7 +98,7 @@ def choose_attention(registry: Registry, name: str, req: AttentionRequirements, 
         except ValueError as e:
             rejected[n] = [str(e)]
             continue
-        reasons = validate_backend(spec, replace(req, settings=checked), device)
+        reasons = kv_dtype_reasons(spec, req) or validate_backend(spec, replace(req, settings=checked), device)
         (rejected.__setitem__(n, reasons) if reasons else ok.append(spec))
     if not ok:
         detail = "; ".join(f"{n}: {', '.join(r)}" for n, r in rejected.items()) or "none registered"

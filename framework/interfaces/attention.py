@@ -8,7 +8,7 @@ flattened with no padding (varlen), as in FlashAttention-2's varlen API.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -23,6 +23,9 @@ class AttentionRequirements:
     ``settings``: the backend's own ``attention.settings``, validated by its settings model
     (an instance of it, defaults filled in; None for a backend that takes no settings), so
     ``validate`` can refuse settings this device or model cannot honour.
+    ``kv_cache_dtype``: what the cache stores: ``dtype``, or ``torch.float8_e4m3fn`` /
+    ``torch.float8_e5m2`` (``cache.kv_cache_dtype``; :mod:`kvforge.layers.kv_cache_dtype`). An
+    FP8 cache reaches only backends declaring it (``kv_cache_dtypes`` capability).
     """
 
     dtype: torch.dtype
@@ -37,7 +40,14 @@ class AttentionRequirements:
 
 @dataclass(frozen=True)
 class AttentionLayer:
-    """Static per-layer facts. ``scale`` is the softmax scale (usually head_size**-0.5)."""
+    """Static per-layer facts. ``scale`` is the softmax scale (usually head_size**-0.5).
+
+    ``kv_scale``: float32 [2] on the model's device, the per-tensor K and V scales of an FP8
+    cache (stored = x / scale; :mod:`kvforge.layers.kv_cache_dtype`), set by
+    :class:`~kvforge.layers.attention.PagedAttention`; None means 1.0. Backends read it only
+    when the cache tensor is FP8; its values may change after capture (kernels read it
+    from device memory).
+    """
 
     layer_idx: int
     num_heads: int
@@ -45,6 +55,7 @@ class AttentionLayer:
     head_size: int
     scale: float
     sliding_window: int | None = None
+    kv_scale: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass

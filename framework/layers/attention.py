@@ -1,18 +1,65 @@
 """Attention layer: holds the per-layer facts and calls the chosen backend."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from kvforge.interfaces import AttentionBackend, AttentionLayer, ForwardMetadata
 
+#: checkpoint tensor name endings that carry an FP8 KV cache scale -> which scales they set
+#: (llm-compressor / vLLM ``self_attn.k_scale``; older exports' ``k_proj.output_scale``; the
+#: deprecated single ``kv_scale`` for both)
+KV_SCALE_NAMES = {
+    "k_scale": (0,), "v_scale": (1,), "kv_scale": (0, 1),
+    "k_proj.output_scale": (0,), "v_proj.output_scale": (1,),
+}
+
+
+def kv_scale_target(name: str) -> tuple[str, str] | None:
+    """For a checkpoint tensor carrying an FP8 KV cache scale (``model.layers.3.self_attn.k_scale``),
+    the path of the attention module it belongs to and its :data:`KV_SCALE_NAMES` key
+    (``("model.layers.3.self_attn", "k_scale")``); None for any other tensor."""
+    for suffix in KV_SCALE_NAMES:
+        if name.endswith("." + suffix):
+            return name[: -len(suffix) - 1], suffix
+    return None
+
 
 class PagedAttention(torch.nn.Module):
-    """q [T, Hq*D], k/v [T, Hkv*D] -> [T, Hq*D] via ``backend.forward`` over this layer's paged cache."""
+    """q [T, Hq*D], k/v [T, Hkv*D] -> [T, Hq*D] via ``backend.forward`` over this layer's paged cache.
+
+    Holds ``kv_scale`` (float32 [2] buffer: the K and V scales of an FP8 KV cache, 1.0 until
+    a checkpoint sets them) and hands it to the backend in ``layer.kv_scale``.
+    """
 
     def __init__(self, backend: AttentionBackend, layer: AttentionLayer) -> None:
         super().__init__()
         self.backend = backend
-        self.layer = layer
+        self.register_buffer("kv_scale", torch.ones(2, dtype=torch.float32), persistent=False)
+        self.layer = replace(layer, kv_scale=self.kv_scale)
+
+    def _apply(self, fn, recurse=True):
+        # .to() / .half() replace buffers: keep the scales float32 and the layer's view current.
+        super()._apply(fn, recurse)
+        self._buffers["kv_scale"] = self._buffers["kv_scale"].float()
+        self.layer = replace(self.layer, kv_scale=self.kv_scale)
+        return self
+
+    def load_kv_scale(self, suffix: str, tensor: torch.Tensor) -> None:
+        """Set the K and/or V scale from a checkpoint tensor ending in ``suffix`` (a key of
+        :data:`KV_SCALE_NAMES`).
+
+        Raises:
+            ValueError: the tensor is not one value, or not finite and > 0.
+        """
+        if tensor.numel() != 1:
+            raise ValueError(f"a KV cache scale must hold one value, got shape {tuple(tensor.shape)}")
+        value = float(tensor.float().reshape(()))
+        if not value > 0 or value == float("inf"):
+            raise ValueError(f"a KV cache scale must be finite and > 0, got {value}")
+        for i in KV_SCALE_NAMES[suffix]:
+            self.kv_scale[i] = value
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: ForwardMetadata) -> torch.Tensor:
         L = self.layer

@@ -13,22 +13,38 @@ import torch
 
 from kvforge import hookimpl
 from kvforge.interfaces import AttentionBackend, AttentionInputs, AttentionLayer, AttentionRequirements
+from kvforge.layers.kv_cache_dtype import dequantize_kv, is_fp8, quantize_kv
 
 KVFORGE_HOOK_API = "1"
 
 
-def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Scatter ``k``/``v`` [T, Hkv, D] into ``kv_cache`` [2, NB, BS, Hkv, D] at flat slots [T] (int64)."""
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
+             kv_scale: torch.Tensor | None = None) -> None:
+    """Scatter ``k``/``v`` [T, Hkv, D] into ``kv_cache`` [2, NB, BS, Hkv, D] at flat slots [T] (int64).
+
+    An FP8 cache stores ``k / kv_scale[0]`` and ``v / kv_scale[1]`` (float32 [2]; None: 1.0),
+    saturated and rounded to nearest even (:func:`kvforge.layers.kv_cache_dtype.quantize_kv`).
+    """
     nb, bs, hkv, d = kv_cache.shape[1:]
-    kv_cache[0].view(nb * bs, hkv, d).index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
-    kv_cache[1].view(nb * bs, hkv, d).index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+    one = torch.ones((), dtype=torch.float32, device=k.device)
+    ks, vs = (one, one) if kv_scale is None else (kv_scale[0], kv_scale[1])
+    # index_copy_ has no FP8 kernel on every device: scatter through a same-sized integer view.
+    flat = kv_cache.view(torch.uint8) if is_fp8(kv_cache.dtype) else kv_cache
+    for i, (x, s) in enumerate(((k, ks), (v, vs))):
+        q = quantize_kv(x, s, kv_cache.dtype)
+        flat[i].view(nb * bs, hkv, d).index_copy_(0, slot_mapping, q.view(flat.dtype))
 
 
-def gather_kv(kv_cache: torch.Tensor, blocks: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Read one request's K and V, each [seq_len, Hkv, D], from its block ids [nblocks]."""
+def gather_kv(kv_cache: torch.Tensor, blocks: torch.Tensor, seq_len: int,
+              kv_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Read one request's K and V, each [seq_len, Hkv, D], from its block ids [nblocks]; an FP8
+    cache's values come back dequantized (float32, times ``kv_scale`` [2])."""
     hkv, d = kv_cache.shape[3:]
     k = kv_cache[0, blocks].reshape(-1, hkv, d)[:seq_len]
     v = kv_cache[1, blocks].reshape(-1, hkv, d)[:seq_len]
+    if is_fp8(kv_cache.dtype):
+        k = dequantize_kv(k, None if kv_scale is None else kv_scale[0])
+        v = dequantize_kv(v, None if kv_scale is None else kv_scale[1])
     return k, v
 
 
@@ -78,7 +94,7 @@ class TorchRefBackend(AttentionBackend):
         return inputs
 
     def forward(self, layer: AttentionLayer, q, k, v, kv_cache, metadata: AttentionInputs):
-        write_kv(kv_cache, k, v, metadata.slot_mapping)
+        write_kv(kv_cache, k, v, metadata.slot_mapping, layer.kv_scale)
         out = torch.empty_like(q)
         start = 0
         for i, qlen in enumerate(metadata.query_lens_cpu):
@@ -92,7 +108,7 @@ class TorchRefBackend(AttentionBackend):
         qlen, ctx = inputs.query_lens_cpu[i], inputs.context_lens_cpu[i]
         seq_len = ctx + qlen
         blocks = inputs.block_table[i, : -(-seq_len // inputs.block_size)].long()
-        ks, vs = gather_kv(kv_cache, blocks, seq_len)
+        ks, vs = gather_kv(kv_cache, blocks, seq_len, layer.kv_scale)
         out[start:start + qlen] = ref_attention(q[start:start + qlen], ks, vs, ctx, layer.scale,
                                                 layer.sliding_window).to(q.dtype)
 
@@ -100,4 +116,4 @@ class TorchRefBackend(AttentionBackend):
 @hookimpl
 def kvforge_register_attention_backends(register) -> None:
     register("torch_ref", TorchRefBackend, priority=0, dtypes=("float32", "float16", "bfloat16"),
-             devices=("cpu", "cuda"), cuda_graphs=False, spec_decode=True)
+             devices=("cpu", "cuda"), cuda_graphs=False, spec_decode=True, kv_cache_dtypes=("fp8_e4m3", "fp8_e5m2"))

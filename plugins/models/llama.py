@@ -19,7 +19,7 @@ import torch
 from kvforge import hookimpl
 from kvforge.distributed import parallel_state as ps
 from kvforge.interfaces import AttentionLayer, ForwardMetadata, Model, ModelContext
-from kvforge.layers.attention import PagedAttention
+from kvforge.layers.attention import PagedAttention, kv_scale_target
 from kvforge.layers.layernorm import RMSNorm
 from kvforge.layers.linear import FusedLinear
 from kvforge.layers.parallel_linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -236,6 +236,8 @@ class LlamaForCausalLM(Model):
                 continue
             if "." not in name:  # (every tensor of the architecture lives in a module)
                 raise ValueError(f"checkpoint tensor {name!r} does not belong to {type(self).__name__}")
+            if self._load_kv_scale(name, tensor):
+                continue
             module_path, pname = name.rsplit(".", 1)
             parent, _, proj = module_path.rpartition(".")
             shard = None
@@ -267,6 +269,24 @@ class LlamaForCausalLM(Model):
             param.data.copy_(tensor)
             loaded.add(name)
         return loaded
+
+    def _load_kv_scale(self, name: str, tensor: torch.Tensor) -> bool:
+        """Set an FP8 KV cache scale (``...self_attn.k_scale`` and the names in
+        ``KV_SCALE_NAMES``) on its layer's PagedAttention; False for any other tensor."""
+        target = kv_scale_target(name)
+        if target is None:
+            return False
+        try:
+            attn = self.get_submodule(target[0] + ".attn")
+        except AttributeError:
+            attn = None
+        if not isinstance(attn, PagedAttention):
+            raise ValueError(f"checkpoint tensor {name!r} does not belong to {type(self).__name__}")
+        try:
+            attn.load_kv_scale(target[1], tensor)
+        except ValueError as e:
+            raise ValueError(f"checkpoint tensor {name!r}: {e}") from None
+        return True
 
     def expected_weights(self) -> set[str]:
         """Names ``load_weights`` must have reported for a complete checkpoint."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from typing import Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -34,6 +35,7 @@ KVFORGE_HOOK_API = "1"
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SUPPORTED_BLOCK_SIZES = (16, 32, 64, 128)
 MIN_HEAD, MAX_HEAD = 16, 256
+KV_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def _pow2(x: int) -> bool:
@@ -61,9 +63,16 @@ class TritonPagedSettings(BaseModel):
     prefill_num_warps: int = Field(0, ge=0, le=16, description="prefill kernel warps: 0 (by tile size) or a power "
                                                                "of two up to 16")
     prefill_num_stages: int = Field(0, ge=0, le=6, description="prefill kernel pipeline stages: 0 (2) or 1-6")
+    decode_num_warps: int = Field(0, ge=0, le=16, description="decode kernel warps: 0 (by head size) or a power "
+                                                              "of two up to 16")
+    decode_num_stages: int = Field(0, ge=0, le=6, description="decode kernel pipeline stages: 0 (3) or 1-6")
     split_kv_target_tiles: int = Field(16, ge=0, description="split long key ranges when a step has fewer "
                                                              "prefill tiles than this (0: never)")
     split_kv_min_keys: int = Field(512, ge=16, description="shortest key range a split leaves (>= 16)")
+    fp8_dot_dtype: Literal["float16", "model"] = Field(
+        "float16", description="over an FP8 KV cache, a bf16 model's attention dots run in float16 (one "
+                               "conversion instruction per two values on sm_89+; the query must lie within "
+                               "+-65504) or in the model dtype")
 
     @field_validator("prefill_block_m")
     @classmethod
@@ -72,7 +81,7 @@ class TritonPagedSettings(BaseModel):
             raise ValueError("must be a power of two in [16, 256]")
         return v
 
-    @field_validator("prefill_num_warps")
+    @field_validator("prefill_num_warps", "decode_num_warps")
     @classmethod
     def _check_warps(cls, v: int) -> int:
         if v != 0 and not _pow2(v):
@@ -115,8 +124,9 @@ class TritonPagedBackend(AttentionBackend):
             reasons.append(f"dtype {req.dtype} unsupported (float16, bfloat16, float32)")
         elif req.dtype == torch.bfloat16 and not on_cuda:
             reasons.append("bfloat16 tl.dot is wrong in Triton's CPU interpreter")
-        if req.kv_cache_dtype != req.dtype:
-            reasons.append(f"kv_cache_dtype {req.kv_cache_dtype} must equal the model dtype {req.dtype}")
+        if req.kv_cache_dtype not in (req.dtype, *KV_FP8_DTYPES):
+            reasons.append(f"kv_cache_dtype {req.kv_cache_dtype} unsupported (the model dtype {req.dtype}, "
+                           "float8_e4m3fn or float8_e5m2)")
         if not _pow2(req.head_size) or not MIN_HEAD <= req.head_size <= MAX_HEAD:
             reasons.append(f"head_size {req.head_size} unsupported (power of two in [{MIN_HEAD}, {MAX_HEAD}])")
         if req.block_size not in SUPPORTED_BLOCK_SIZES:
@@ -151,14 +161,16 @@ class TritonPagedBackend(AttentionBackend):
         """
         md = metadata
         inp = md.inputs
-        self._cache.reshape_and_cache(k, v, kv_cache, inp.slot_mapping)
+        self._cache.reshape_and_cache(k, v, kv_cache, inp.slot_mapping, layer.kv_scale)
         if q.stride(-1) != 1:
             q = q.contiguous()
         if out is None:
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         self._decode.paged_decode(q, kv_cache, out, inp.block_table, inp.seq_lens, inp.query_start_loc,
                                   md.decode_rows, md.num_decodes, layer.scale, layer.sliding_window,
-                                  self.settings.kv_block_n, count=md.decode_count)
+                                  self.settings.kv_block_n, count=md.decode_count, kv_scale=layer.kv_scale,
+                                  fp16_dots=self.settings.fp8_dot_dtype == "float16",
+                                  num_warps=self.settings.decode_num_warps, num_stages=self.settings.decode_num_stages)
         self.forward_prefill(layer, q, kv_cache, md, out)
         return out
 
@@ -173,7 +185,8 @@ class TritonPagedBackend(AttentionBackend):
                                     layer.sliding_window, st.prefill_block_n or st.kv_block_n, count=md.tile_count,
                                     merges=md.merges, num_merges=md.num_merges, merge_count=md.merge_count,
                                     scratch=self._scratch_for(q, md.block_m) if md.num_merges else None,
-                                    num_warps=st.prefill_num_warps, num_stages=st.prefill_num_stages)
+                                    num_warps=st.prefill_num_warps, num_stages=st.prefill_num_stages,
+                                    kv_scale=layer.kv_scale, fp16_dots=st.fp8_dot_dtype == "float16")
 
     def _scratch_for(self, q: torch.Tensor, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Split-KV partial outputs / log-sum-exps, one buffer per shape shared by every layer
@@ -190,4 +203,5 @@ class TritonPagedBackend(AttentionBackend):
 @hookimpl
 def kvforge_register_attention_backends(register) -> None:
     register("triton_paged", TritonPagedBackend, settings_model=TritonPagedSettings, priority=10,
-             dtypes=("float16", "bfloat16", "float32"), cuda_graphs=True, mixed_cuda_graphs=True)
+             dtypes=("float16", "bfloat16", "float32"), cuda_graphs=True, mixed_cuda_graphs=True,
+             kv_cache_dtypes=("fp8_e4m3", "fp8_e5m2"))

@@ -18,6 +18,10 @@ separate programs (the per-step plan in ``metadata.py`` decides). Such a program
 stores its normalized partial output and log-sum-exp (base 2) in a scratch slot, and
 ``_merge_kernel`` combines a tile's slots by their log-sum-exp (the flash-decoding
 merge, Dao et al. 2023; FlashInfer's split-KV prefill, Ye et al. 2025).
+
+An FP8 cache is widened to the query's dtype as it is read; the K scale joins the softmax
+scale and the V scale multiplies each (partial) output, and ``fp16_dots`` applies, as in
+``decode_kernel.py``.
 """
 from __future__ import annotations
 
@@ -25,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .decode_kernel import LOG2E, dot_precision
+from .decode_kernel import LOG2E, compute_dtype, dot_precision, fp8_scale_arg
 
 
 @triton.jit
@@ -73,13 +77,13 @@ def _key_blocks(acc, l_i, m_i, q, cache_ptr, bt_row, head_off, stride_ckv, strid
 @triton.jit(do_not_specialize=["num_tiles", "stride_bt"])
 def _paged_prefill_kernel(
     q_ptr, out_ptr, cache_ptr, block_table_ptr, qsl_ptr, ctx_ptr, tiles_ptr, num_tiles, count_ptr,
-    part_ptr, lse_ptr,
+    part_ptr, lse_ptr, kv_scale_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_ckv, stride_cb, stride_cs, stride_ch, stride_bt,
     scale_log2, window,
     GROUP: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr,
-    COUNT_ON_DEVICE: tl.constexpr,
+    COUNT_ON_DEVICE: tl.constexpr, KV_FP8: tl.constexpr, CDT: tl.constexpr,
 ):
     tile = tl.program_id(0)
     h = tl.program_id(1)
@@ -103,11 +107,13 @@ def _paged_prefill_kernel(
     qpos = ctx + offs_m
     rows = (q_start + offs_m).to(tl.int64)
     q = tl.load(q_ptr + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
-                mask=m_mask[:, None], other=0.0)
+                mask=m_mask[:, None], other=0.0).to(CDT)  # the dots' dtype (fp16_dots)
 
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_D], dtype=tl.float32)
+    if KV_FP8:
+        scale_log2 = scale_log2 * tl.load(kv_scale_ptr)
 
     hi = tl.minimum(tl.minimum(ctx + q_len, ctx + m0 + BLOCK_M), k_hi)  # <= one past the last query position
     lo = k_lo
@@ -131,6 +137,8 @@ def _paged_prefill_kernel(
     empty = l_i == 0.0  # every key of this range masked for the row (only in split ranges)
     l_safe = tl.where(empty, 1.0, l_i)
     o = acc / l_safe[:, None]
+    if KV_FP8:
+        o = o * tl.load(kv_scale_ptr + 1)
     if slot < 0:
         tl.store(out_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=m_mask[:, None])
@@ -187,7 +195,8 @@ def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, bl
                   count: torch.Tensor | None = None, merges: torch.Tensor | None = None, num_merges: int = 0,
                   merge_count: torch.Tensor | None = None,
                   scratch: tuple[torch.Tensor, torch.Tensor] | None = None,
-                  num_warps: int = 0, num_stages: int = 0) -> None:
+                  num_warps: int = 0, num_stages: int = 0, kv_scale: torch.Tensor | None = None,
+                  fp16_dots: bool = True) -> None:
     """Attention for the prefill/extend work items listed in ``tiles``.
 
     With ``count`` (int32 [1] on the device) ``num_tiles`` is a capacity and only the first
@@ -195,7 +204,8 @@ def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, bl
 
     Args:
         q: [T, Hq, D] fp16/bf16/fp32, last dim contiguous; out: same shape/dtype (written rows only).
-        kv_cache: [2, num_blocks, block_size, Hkv, D], already holding this step's K/V.
+        kv_cache: [2, num_blocks, block_size, Hkv, D], already holding this step's K/V; q's
+            dtype, or FP8 holding K / kv_scale[0], V / kv_scale[1] (kv_scale: float32 [2], None: 1.0).
         block_table: int32 [B, max_blocks]; query_start_loc: int32 [B + 1]; context_lens: int32 [B].
         tiles: int32 [5, num_tiles], one column per work item: request index, first query
             offset in the request, key range [k_lo, k_hi) (positions; clipped to the causal
@@ -220,15 +230,16 @@ def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, bl
     if num_merges and (scratch is None or scratch[0].shape[1:] != (hq, block_m, d)):
         raise ValueError(f"split tiles need a float32 scratch of shape [S, {hq}, {block_m}, {d}]")
     part, lse = scratch if scratch is not None else (out, out)  # unused without split items
+    kv_fp8, kv_scale = fp8_scale_arg(kv_cache, kv_scale)
     _paged_prefill_kernel[(num_tiles, hq)](
         q, out, kv_cache, block_table, query_start_loc, context_lens, tiles, num_tiles,
-        context_lens if count is None else count, part, lse,
+        context_lens if count is None else count, part, lse, context_lens if kv_scale is None else kv_scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_table.stride(0),
         scale * LOG2E, sliding_window or 0,
         GROUP=hq // hkv, HEAD_D=d, BLOCK_SIZE=bs, BLOCK_M=block_m, BLOCK_N=block_n,
         HAS_WINDOW=sliding_window is not None, DOT_PREC=dot_precision(q.dtype),
-        COUNT_ON_DEVICE=count is not None,
+        COUNT_ON_DEVICE=count is not None, KV_FP8=kv_fp8, CDT=compute_dtype(q.dtype, kv_fp8, fp16_dots),
         num_warps=num_warps or (4 if d * block_m <= 64 * 128 else 8), num_stages=num_stages or 2,
     )
     if num_merges:
