@@ -11,12 +11,15 @@ says what went wrong:
 - a scheduler whose finish_requests keeps the blocks  -> scheduler suite (abort, stop string);
 - a scheduler that stops only on length (no EOS, no stop_token_ids) -> scheduler suite;
 - an attention kernel with an off-by-one causal mask  -> attention suite;
+- an FP8 KV cache written and read without its scales -> attention suite;
 - a rejection sampler without the correction step     -> drafter suite;
 - a fused SwiGLU that swaps gate and up               -> quantizer suite;
 - a fused pre-norm that leaves out the norm's weight    -> quantizer suite;
 - a fused pre-norm that drops the rotation asked of it  -> quantizer suite.
 """
 from __future__ import annotations
+
+from dataclasses import replace
 
 import sys
 import types
@@ -143,6 +146,15 @@ class OffByOneMaskBackend(TorchRefBackend):
         return out
 
 
+class UnscaledFP8Backend(TorchRefBackend):
+    """torch_ref, declaring FP8 caches, but it writes and reads them without the layer's scales."""
+
+    name = "fp8_unscaled"
+
+    def forward(self, layer, q, k, v, kv_cache, metadata):
+        return super().forward(replace(layer, kv_scale=None), q, k, v, kv_cache, metadata)  # the bug
+
+
 class SwappedSwiGLUMethod(UnquantizedLinearMethod):
     """unquantized, plus a fused SwiGLU that computes silu(up) * gate."""
 
@@ -228,7 +240,8 @@ def registry():
                       {}),
                      (("length_only_stop", queue_factory(LengthOnlyStopScheduler), QueueSettings), {})])
     attn = _plugin("planted_attn", "kvforge_register_attention_backends",
-                   [(("off_by_one", OffByOneMaskBackend), {"priority": -1})])
+                   [(("off_by_one", OffByOneMaskBackend), {"priority": -1}),
+                    (("fp8_unscaled", UnscaledFP8Backend), {"priority": -1, "kv_cache_dtypes": ("fp8_e4m3",)})])
     quant = _plugin("planted_quant", "kvforge_register_quantizers",
                     [(("swapped_swiglu", SwappedSwiGLUConfig), {}), (("unweighted_norm", UnweightedNormConfig), {}),
                      (("unrotated", UnrotatedConfig), {})])
@@ -301,6 +314,14 @@ def test_chunked_prefill_itself_passes_the_stop_and_abort_check(registry):
 def test_off_by_one_mask_is_caught(registry):
     _fails(attention_suite.check_mixed_batch_numerics, Target("attention", "off_by_one", registry),
            "differs from torch_ref")
+
+
+def test_fp8_cache_without_scales_is_caught(registry):
+    attention_suite.check_fp8_kv_cache(Target("attention", "torch_ref", registry))
+    _fails(attention_suite.check_fp8_kv_cache, Target("attention", "fp8_unscaled", registry),
+           "differs from torch_ref", "kv_cache=float8_e4m3fn")
+    with pytest.raises(pytest.skip.Exception, match="declares no kv_cache_dtypes"):
+        attention_suite.check_fp8_kv_cache(Target("attention", "off_by_one", registry))
 
 
 def test_swapped_fused_swiglu_is_caught(registry):

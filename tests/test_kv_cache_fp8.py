@@ -54,21 +54,23 @@ def test_cache_dtype_and_capacity(name):
     assert 4 * b <= n <= 4 * b + 3, (n, b)  # (the budget is cut into whole blocks)
 
 
-@pytest.mark.parametrize("name,bound", [("fp8_e4m3", 0.25), ("fp8_e5m2", 0.4)])
+@pytest.mark.parametrize("name,bound", [("fp8_e4m3", 0.12), ("fp8_e5m2", 0.25)])
 def test_logits_close_to_model_dtype_cache(name, bound):
     """Prompt logits over an FP8 cache (prefill in two chunks, so the second reads FP8 blocks)
-    against the fp32 cache. Measured max rel error: E4M3 ~0.10, E5M2 ~0.20 (scales 1.0); top-1
-    agreement 0.89-0.96."""
+    against the fp32 cache. Per position: max |diff| / max |ref logit|; its median over the
+    positions, 40 random prompt sets (scales 1.0): E4M3 0.043-0.065, E5M2 0.073-0.143; top-1
+    agreement 0.85-1.0 / 0.82-1.0. The worst single position has a heavy tail (E5M2 up to 0.58),
+    so it is not bounded here; a cache read back wrong gives errors near 1."""
     rng = fresh_rng(name)
     prompts = _prompts(rng)
     chunks = [[len(p) // 2, len(p) - len(p) // 2] for p in prompts]
     ref = prompt_logits(_engine(), prompts, chunks)
     got = prompt_logits(_engine(kv_cache_dtype=name), prompts, chunks)
-    worst = max(rel_err(g, r) for g, r in zip(got, ref))
+    per_pos = torch.cat([(g - r).abs().amax(-1) / r.abs().amax(-1) for g, r in zip(got, ref)])
     agree = sum(int((g.argmax(-1) == r.argmax(-1)).sum()) for g, r in zip(got, ref)) / sum(map(len, prompts))
-    assert worst <= bound, f"{name}: rel err {worst:.3f} > {bound}"
-    assert agree >= 0.8, f"{name}: top-1 agreement {agree:.3f}"
-    assert worst > 1e-3, "the FP8 cache changed nothing: is it storing the model dtype?"
+    assert per_pos.median() <= bound, f"{name}: median per-position rel err {per_pos.median():.3f} > {bound}"
+    assert agree >= 0.7, f"{name}: top-1 agreement {agree:.3f}"
+    assert per_pos.max() > 1e-3, "the FP8 cache changed nothing: is it storing the model dtype?"
 
 
 def _checkpoint_with(tmp_path, extra: dict[str, torch.Tensor]) -> str:
@@ -114,7 +116,8 @@ def test_scales_read_from_checkpoint(tmp_path, caplog):
     ref = prompt_logits(_engine(), prompts)
     a, b = prompt_logits(scaled, prompts), prompt_logits(unit, prompts)
     assert max(rel_err(x, y) for x, y in zip(a, b)) > 1e-3, "the checkpoint's scales changed nothing"
-    assert max(rel_err(x, r) for x, r in zip(a, ref)) <= 0.25
+    per_pos = torch.cat([(x - r).abs().amax(-1) / r.abs().amax(-1) for x, r in zip(a, ref)])
+    assert per_pos.median() <= 0.12, f"median per-position rel err {per_pos.median():.3f} with the scales"
     assert _engine(model=path).runner.kv_caches[0].dtype == torch.float32  # auto: the scales are unused
 
 
@@ -192,3 +195,18 @@ def test_prefix_cache_hits_read_fp8_blocks():
     assert sum(bool(o.num_cached_tokens) for o in got.values()) == len(reqs) - 1, "no prefix cache hit"
     for rid, _, _ in reqs:
         assert_outputs_match([got[rid].outputs[0]], [ref[rid].outputs[0]], f"{rid} with prefix caching")
+
+
+def test_bench_roofline_counts_the_cache_bytes():
+    """`kvforge bench`'s roofline reads one byte a cached value from an FP8 engine: the decode
+    KV bytes halve against a 2-byte cache, the weights' bytes stay."""
+    from kvforge.bench.roofline import ModelShape, kv_cache_bytes, roofline
+    assert kv_cache_bytes(_engine(kv_cache_dtype="fp8_e5m2")) == 1
+    assert kv_cache_bytes(_engine()) == 4  # stories260K runs in float32 here
+    rng = fresh_rng()
+    shape = ModelShape.from_hf_config(dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8,
+                                           num_key_value_heads=2, intermediate_size=512, vocab_size=1000))
+    ins, outs = [rng.randint(10, 200) for _ in range(8)], [rng.randint(2, 50) for _ in range(8)]
+    two, one = (roofline(shape, ins, outs, 2, 4, kv_dtype_bytes=b) for b in (2, 1))
+    assert one["decode_kv_bytes"] * 2 == two["decode_kv_bytes"] > 0
+    assert one["step_weight_bytes"] == two["step_weight_bytes"]

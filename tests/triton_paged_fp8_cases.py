@@ -123,8 +123,9 @@ def test_fp8_engine_triton_paged_equals_torch_ref(tiny_model):
     Bounds: the backends' fp32 sums differ by ~1e-6, and a later layer's K or V value that sits
     at a rounding boundary then lands on the neighbouring FP8 value (a 6% step), so the logits
     may part by more than fp32 rounding: rel 2e-2 (measured up to 3e-3; a lost scale gives
-    O(1)), greedy ties within 0.05 log-prob. Against HF: rel 0.5 (measured 0.26-0.32 over six
-    random models; E4M3 keeps 3 mantissa bits)."""
+    O(1)), greedy ties within 0.05 log-prob. Against HF, per position max |diff| / max |ref|, its
+    median over a prompt's positions <= 0.2 (measured 0.058-0.107 over 40 prompts of 20 random
+    models; E4M3 keeps 3 mantissa bits; a cache read back wrong gives errors near 1)."""
     import random
 
     from helpers import assert_outputs_match, prompt_logits, rel_err
@@ -159,4 +160,5 @@ def test_fp8_engine_triton_paged_equals_torch_ref(tiny_model):
     with torch.no_grad():
         for p, got in zip(prompts, runs["triton_paged"][0][0]):
             ref = hf(torch.tensor([p])).logits[0].float()
-            assert rel_err(got, ref) <= 0.5, f"{tag}: rel err {rel_err(got, ref):.3g} against HF (fp32 cache)"
+            per_pos = (got - ref).abs().amax(-1) / ref.abs().amax(-1)
+            assert per_pos.median() <= 0.2, f"{tag}: median per-position rel err {per_pos.median():.3g} against HF"

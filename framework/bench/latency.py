@@ -54,7 +54,7 @@ def cmd_latency(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
 
     from kvforge.bench.args import check_output_path
     from kvforge.bench.peaks import resolve_peaks
-    from kvforge.bench.roofline import ModelShape, roofline, step_weight_bytes_for
+    from kvforge.bench.roofline import ModelShape, kv_cache_bytes, roofline, step_weight_bytes_for
     from kvforge.bench.throughput import detokenize_ok, report_header, synchronize, write_json
     from kvforge.engine.sampling_params import SamplingParams
     from kvforge.entrypoints.cli import engine_overrides
@@ -110,7 +110,7 @@ def cmd_latency(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
     wbytes, wsource = step_weight_bytes_for(llm, shape, dtype_bytes)
     peaks_source = resolve_peaks(args, engine.parts.device, engine.parts.dtype)
     roof = roofline(shape, [args.input_len] * args.batch_size, [args.output_len] * args.batch_size, dtype_bytes,
-                    max_num_seqs, args.peak_tflops, args.mem_bw_tbps, wbytes)
+                    max_num_seqs, args.peak_tflops, args.mem_bw_tbps, wbytes, kv_cache_bytes(engine))
     steps = roof["decode_steps"]
     floor = {"prefill_s": roof["prefill_s"], "tpot_s": roof["decode_s"] / steps if steps else None,
              "tpot_weights_read_s": wbytes / (args.mem_bw_tbps * 1e12),

@@ -102,9 +102,16 @@ def step_weight_bytes_for(llm: Any, shape: ModelShape, dtype_bytes: int) -> tupl
     return loaded_weight_bytes(model), "measured (the loaded quantized model's tensors)"
 
 
+def kv_cache_bytes(engine: Any) -> int:
+    """Bytes of one cached K or V value in ``engine`` (its ``cache.kv_cache_dtype`` resolved)."""
+    from kvforge.layers.kv_cache_dtype import resolve_kv_cache_dtype
+    return resolve_kv_cache_dtype(engine.config.cache.kv_cache_dtype, engine.parts.dtype).itemsize
+
+
 def roofline(shape: ModelShape, input_lens: Sequence[int], output_lens: Sequence[int], dtype_bytes: int,
              max_num_seqs: int, peak_tflops: float = H200_PEAK_TFLOPS,
-             mem_bw_tbps: float = H200_MEM_BW_TBPS, weight_bytes: int | None = None) -> dict[str, float]:
+             mem_bw_tbps: float = H200_MEM_BW_TBPS, weight_bytes: int | None = None,
+             kv_dtype_bytes: int | None = None) -> dict[str, float]:
     """Floor time (seconds) of an offline workload: prefill compute-bound, decode at the roofline.
 
     A prompt of n tokens produces the first output token; the other ``output_len - 1`` are decode steps.
@@ -113,7 +120,7 @@ def roofline(shape: ModelShape, input_lens: Sequence[int], output_lens: Sequence
     * prefill FLOPs = sum over prompts of 2*P*n + 2*V*H (LM head on the last position only)
       + attention 2*L*Hq*D*n*(n+1) (causal QK^T and PV); ``prefill_s = FLOPs / peak``.
     * decode, token j (1..out-1) of a prompt of n: context c = n + j; FLOPs = 2*(P + V*H) + 4*L*Hq*D*c;
-      KV bytes read = c * 2*L*Hkv*D*dtype_bytes.
+      KV bytes read = c * 2*L*Hkv*D*kv_dtype_bytes (default ``dtype_bytes``; 1 for an FP8 cache).
     * decode steps >= max(max(out) - 1, ceil(decode tokens / max_num_seqs)); each step reads all
       weights once: ``weight_bytes`` (bytes; default :meth:`ModelShape.step_weight_bytes`, pass
       :func:`step_weight_bytes_for` for a quantized model).
@@ -128,7 +135,7 @@ def roofline(shape: ModelShape, input_lens: Sequence[int], output_lens: Sequence
     peak, bw = peak_tflops * 1e12, mem_bw_tbps * 1e12
     h, L, hq, d = shape.hidden_size, shape.num_layers, shape.num_heads, shape.head_dim
     p = L * shape.layer_matmul_params
-    kv_tok = shape.kv_bytes_per_token(dtype_bytes)
+    kv_tok = shape.kv_bytes_per_token(dtype_bytes if kv_dtype_bytes is None else kv_dtype_bytes)
     pre_flops = dec_flops = kv_bytes = 0.0
     dec_tokens = 0
     for n, m in zip(input_lens, output_lens):

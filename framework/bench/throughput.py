@@ -35,7 +35,7 @@ from typing import Any
 
 from kvforge.bench.args import check_output_path, nonneg_int, positive_float, positive_int
 from kvforge.bench.peaks import resolve_peaks
-from kvforge.bench.roofline import ModelShape, add_roofline_flags, roofline, step_weight_bytes_for
+from kvforge.bench.roofline import ModelShape, add_roofline_flags, kv_cache_bytes, roofline, step_weight_bytes_for
 
 # ---------------------------------------------------------------------------------------- reporting
 
@@ -212,7 +212,8 @@ def cmd_throughput(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
     wbytes, wsource = step_weight_bytes_for(llm, shape, dtype_bytes)
     peaks_source = resolve_peaks(args, device, engine.parts.dtype)
     roof = roofline(shape, [r.prompt_len for r in reqs], [r.output_len for r in reqs], dtype_bytes,
-                    engine.config.scheduler.max_num_seqs, args.peak_tflops, args.mem_bw_tbps, wbytes)
+                    engine.config.scheduler.max_num_seqs, args.peak_tflops, args.mem_bw_tbps, wbytes,
+                    kv_cache_bytes(engine))
     roof["step_weight_bytes_source"] = wsource
     roof["peaks_source"] = peaks_source
     if args.roofline_req_s:

@@ -23,6 +23,11 @@ declares the capability ``devices`` without this run's device type (skipped).
 
 Tolerances, ``|out - ref| <= atol + rtol * |ref|`` with ref in float32:
 float32 1e-4 (2e-4 on CUDA), float16 2e-3, bfloat16 1.6e-2.
+
+FP8 KV caches: for each dtype a backend declares in ``kv_cache_dtypes``, the mixed batch
+runs again over a cache of that dtype with fresh random per-layer K/V scales
+(``AttentionLayer.kv_scale``); ``torch_ref`` writes and reads the same FP8 values, so the same
+tolerances apply. A backend declaring none is skipped there.
 """
 from __future__ import annotations
 
@@ -121,15 +126,17 @@ def _reads_shared(row: _Row, rows: list[_Row], shared: bool) -> bool:
 
 
 def _run(backend, rows: list[_Row], shared: bool, num_blocks: int, bs: int, heads, window: int | None,
-         in_dtype, run_dtype, device, seed: int, layers: int = 2):
+         in_dtype, run_dtype, device, seed: int, layers: int = 2, kv_dtype=None, scales=None):
     """Both steps through ``backend``: inputs drawn in ``in_dtype`` (from ``seed``) and cast to
-    ``run_dtype``; returns ``(step, layer, output float32 on CPU, inputs)`` for every step and layer."""
+    ``run_dtype``; returns ``(step, layer, output float32 on CPU, inputs)`` for every step and layer.
+    ``kv_dtype``: the cache's dtype (default ``run_dtype``); ``scales``: per layer K/V scales
+    (float32 [2]) of an FP8 cache."""
     import torch
     from kvforge.interfaces import AttentionLayer
     hq, hkv, d = heads
     gen = torch.Generator().manual_seed(seed)
-    caches = [torch.full(backend.kv_cache_shape(num_blocks, bs, hkv, d), float("nan"), dtype=run_dtype,
-                         device=device) for _ in range(layers)]
+    caches = [torch.full(backend.kv_cache_shape(num_blocks, bs, hkv, d), float("nan"), device=device)
+              .to(kv_dtype or run_dtype) for _ in range(layers)]
     outs = []
     for step, first in enumerate((True, False)):
         # Step 1 fills contexts, except the shared reader's (the writer fills it in step 2).
@@ -140,7 +147,8 @@ def _run(backend, rows: list[_Row], shared: bool, num_blocks: int, bs: int, head
         t = int(inputs.query_start_loc[-1])
         meta = backend.build_metadata(inputs)
         for li in range(layers):
-            layer = AttentionLayer(li, hq, hkv, d, d ** -0.5, window)
+            layer = AttentionLayer(li, hq, hkv, d, d ** -0.5, window,
+                                   kv_scale=None if scales is None else scales[li].to(device))
             q, k, v = (torch.randn(t, h, d, generator=gen).to(in_dtype).to(device=device, dtype=run_dtype)
                        for h in (hq, hkv, hkv))
             out = backend.forward(layer, q, k, v, caches[li], meta)
@@ -149,14 +157,15 @@ def _run(backend, rows: list[_Row], shared: bool, num_blocks: int, bs: int, head
 
 
 def _compare(target: Target, shape, bs: int, heads, dtype, window: int | None, tag: str, device, seed: int,
-             rejected: list[str]) -> bool:
-    """Run one grid point against torch_ref; False if the backend's validate() rejects it."""
+             rejected: list[str], kv_dtype=None) -> bool:
+    """Run one grid point against torch_ref; False if the backend's validate() rejects it.
+    ``kv_dtype``: an FP8 cache dtype (default: the model dtype's cache)."""
     import torch
     from kvforge.interfaces import AttentionRequirements
     hq, hkv, d = heads
     from kvforge.engine.builder import validate_plugin_settings
     from kvforge.plugin_manager import validate_backend
-    req = AttentionRequirements(dtype, d, hq, hkv, bs, dtype, window,
+    req = AttentionRequirements(dtype, d, hq, hkv, bs, kv_dtype or dtype, window,
                                 validate_plugin_settings(target.spec, dict(target.settings), "attention.settings"))
     reasons = validate_backend(target.spec, req, device)
     if reasons:
@@ -164,14 +173,17 @@ def _compare(target: Target, shape, bs: int, heads, dtype, window: int | None, t
                         f"{'; '.join(reasons)}")
         return False
     shared = shape is MIXED
-    rows, num_blocks = _rows(shape, bs, torch.Generator().manual_seed(seed), shared)
+    gen = torch.Generator().manual_seed(seed)
+    rows, num_blocks = _rows(shape, bs, gen, shared)
+    scales = [2.0 ** (torch.rand(2, generator=gen) * 4 - 2) for _ in range(2)] if kv_dtype is not None else None
     got = _run(_build_backend(target.spec, target.settings), rows, shared, num_blocks, bs, heads, window,
-               dtype, dtype, device, seed + 1)
+               dtype, dtype, device, seed + 1, kv_dtype=kv_dtype, scales=scales)
     ref = _run(_build_backend(target.registry.get("attention", "torch_ref"), {}), rows, shared, num_blocks, bs,
-               heads, window, dtype, torch.float32, device, seed + 1)
+               heads, window, dtype, torch.float32, device, seed + 1, kv_dtype=kv_dtype, scales=scales)
     atol, rtol = _tol(dtype, device.type == "cuda")
     for (step, li, out, inputs), (_, _, want, _) in zip(got, ref):
-        where = (f"{tag}: {str(dtype).removeprefix('torch.')} block_size={bs} heads(q,kv,d)={heads} window={window} "
+        where = (f"{tag}: {str(dtype).removeprefix('torch.')} kv_cache={str(kv_dtype or dtype).removeprefix('torch.')} "
+                 f"block_size={bs} heads(q,kv,d)={heads} window={window} "
                  f"step {step + 1} layer {li}, rows (context_len, query_len)="
                  f"{list(zip(inputs.context_lens_cpu, inputs.query_lens_cpu))}")
         if out.shape != want.shape:
@@ -190,7 +202,7 @@ def _compare(target: Target, shape, bs: int, heads, dtype, window: int | None, t
 
 
 def _grid(target: Target, shape, what: str, window: int | None = None, heads_list=None,
-          block_sizes=None) -> tuple[int, list[str]]:
+          block_sizes=None, kv_dtype=None) -> tuple[int, list[str]]:
     import pytest
     rng, tag = target.rng(what)
     device = target.torch_device()
@@ -206,7 +218,7 @@ def _grid(target: Target, shape, what: str, window: int | None = None, heads_lis
         for bs in block_sizes or BLOCK_SIZES:
             for heads in heads_list or HEADS:
                 ran += _compare(target, shape, bs, heads, dtype, window, tag, device, rng.randrange(1 << 30),
-                                rejected)
+                                rejected, kv_dtype)
     return ran, rejected
 
 
@@ -238,4 +250,19 @@ def check_sliding_window(target: Target) -> None:
         pytest.skip(f"{target}: validate() rejects sliding windows here: {rejected[:1]}")
 
 
-CHECKS = [check_mixed_batch_numerics, check_decode_only_and_prefill_only, check_sliding_window]
+def check_fp8_kv_cache(target: Target) -> None:
+    """The mixed batch over each FP8 cache dtype the backend declares (``kv_cache_dtypes``),
+    with random per-layer scales, against torch_ref over the same FP8 cache."""
+    import pytest
+
+    from kvforge.layers.kv_cache_dtype import FP8_KV_DTYPES
+    declared = target.capabilities.get("kv_cache_dtypes") or ()
+    if not declared:
+        pytest.skip(f"{target} declares no kv_cache_dtypes (FP8 KV caches are optional)")
+    for name in declared:
+        ran, rejected = _grid(target, MIXED, f"fp8-cache {name}", heads_list=[(8, 2, 32)], block_sizes=[16],
+                              kv_dtype=FP8_KV_DTYPES[name])
+        _require_some(target, ran, rejected, f"FP8 cache ({name})")
+
+
+CHECKS = [check_mixed_batch_numerics, check_decode_only_and_prefill_only, check_sliding_window, check_fp8_kv_cache]
