@@ -76,8 +76,18 @@ class CacheConfig(_Section):
     kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = Field(
         "auto", description="What the KV cache stores: auto (the model's dtype), fp8 / fp8_e4m3 (E4M3) or "
         "fp8_e5m2, with per-layer K/V scales from the checkpoint (else 1.0); half the bytes of bf16.")
+    calculate_kv_scales: bool = Field(
+        False, description="Set each layer's FP8 K/V scales from the first step's K and V (their largest "
+        "magnitude lands at half the format's range) instead of the checkpoint's or 1.0.")
     swap_space_bytes: int = Field(0, ge=0, description="CPU memory for swapped-out KV blocks (preemption_mode swap).")
     settings: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _check_scales(self) -> "CacheConfig":
+        if self.calculate_kv_scales and self.kv_cache_dtype == "auto":
+            raise ValueError("calculate_kv_scales: only used with an FP8 cache (set kv_cache_dtype fp8, fp8_e4m3 "
+                             "or fp8_e5m2)")
+        return self
 
 
 class SchedulerConfig(_Section):

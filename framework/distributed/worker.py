@@ -68,6 +68,7 @@ class Worker:
         self.device_index = device_index
         self.init_method = init_method
         self.graphs = None
+        self.calibrating = False  # cache.calculate_kv_scales: the next forward runs eagerly
         self.out_buf: torch.Tensor | None = None
         self._slot = 0  # out_buf slot of the next step (two alternate: the driver may still read one)
         # Set by a transport that delivers a step's placeholder tokens apart from the step
@@ -114,7 +115,8 @@ class Worker:
                                   block_size=cfg.cache.block_size, attention=cfg.attention,
                                   quant_method=cfg.quantization.method, quant_settings=cfg.quantization.settings,
                                   load_format=cfg.model.load_format, seed=cfg.model.seed,
-                                  kv_cache_dtype=cfg.cache.kv_cache_dtype)
+                                  kv_cache_dtype=cfg.cache.kv_cache_dtype,
+                                  calculate_kv_scales=cfg.cache.calculate_kv_scales)
         self.model, self.backend, self.stack = stack.model, stack.backend, stack
         if self.state.expert_parallel and not self.state.ep_asked:  # (it would only turn CUDA graphs off)
             raise ValueError(f"enable_expert_parallel: model {arch!r} ({model_spec.name}) has no layer that splits "
@@ -166,6 +168,10 @@ class Worker:
             self.graphs = CudaGraphRunner(self.model, self.backend, self.kv_caches, max_batch, self.max_model_len, bs,
                                           scratch_block=num_blocks, device=self.device, buckets=sizes)
             self.graphs.capture()
+        self.calibrating = False
+        if cfg.cache.calculate_kv_scales:  # the first real step sets the FP8 KV scales, eagerly
+            from kvforge.layers.attention import arm_kv_scale_calibration
+            self.calibrating = arm_kv_scale_calibration(self.model) > 0
         if self.is_output_rank and self.state.pp_size == 1:
             from kvforge.distributed.worker_sampling import WorkerSampler
             self.sampler = WorkerSampler(self.hf_config.vocab_size, self.device, cfg.model.seed)
@@ -212,11 +218,12 @@ class Worker:
             mb = mbs[0]
             hidden = None
             with span("kvforge.forward"):
-                if self.graphs is not None and mb.inputs.max_query_len == 1:
+                if self.graphs is not None and mb.inputs.max_query_len == 1 and not self.calibrating:
                     hidden = self.graphs.run(mb.input_ids, mb.positions, mb.inputs)
                 if hidden is None:
                     meta = ForwardMetadata(self.backend.build_metadata(mb.inputs), self.kv_caches)
                     hidden = self.model(mb.input_ids, mb.positions, meta)
+                    self.calibrating = False
                 if n_rows:
                     logits = self.model.compute_logits(hidden[mb.row_idx])
         else:

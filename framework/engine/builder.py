@@ -219,8 +219,8 @@ def build_quant_config(registry: Registry, hf_config, quant_method: str, quant_s
 def build_model_stack(registry: Registry, hf_config, model_spec: PluginSpec, model_dir: str, *,
                       dtype: torch.dtype, device: torch.device, block_size: int, attention,
                       quant_method: str, quant_settings: dict[str, Any], load_format: str, seed: int,
-                      kv_cache_dtype: str = "auto", num_layers: int | None = None,
-                      share_from: Model | None = None) -> ModelStack:
+                      kv_cache_dtype: str = "auto", calculate_kv_scales: bool = False,
+                      num_layers: int | None = None, share_from: Model | None = None) -> ModelStack:
     """Pick the quantizer and attention backend for ``hf_config``, build the model on
     ``device`` and fill its weights (used for the target and for draft models).
 
@@ -228,6 +228,7 @@ def build_model_stack(registry: Registry, hf_config, model_spec: PluginSpec, mod
         attention: the :class:`~kvforge.config.AttentionConfig` section (backend name or ``auto``).
         quant_method: a quantizer name or ``auto`` (the checkpoint's ``quantization_config``).
         kv_cache_dtype: ``cache.kv_cache_dtype`` (``auto``: the model's dtype, or an FP8 name).
+        calculate_kv_scales: the scales will come from the first step (no warning about 1.0).
         num_layers: keep only the first N decoder layers (a truncated draft); checkpoint
             tensors of later layers are skipped.
         share_from: reuse this model's parameters by name instead of loading weights.
@@ -282,7 +283,7 @@ def build_model_stack(registry: Registry, hf_config, model_spec: PluginSpec, mod
                 m.method.process_weights_after_loading(m)
     else:
         load_weights(model, model_dir, load_format, seed)
-    if is_fp8(kv_dtype):
+    if is_fp8(kv_dtype) and not calculate_kv_scales:
         warn_default_kv_scales(model, kv_cache_dtype)
     return ModelStack(hf_config, model, backend, attn_spec, quant_spec, dtype, device, num_kv_heads, head_dim,
                       kv_dtype)
@@ -360,7 +361,8 @@ def build_engine_parts(config: EngineConfig, registry: Registry) -> EngineParts:
                               quant_method=config.quantization.method,
                               quant_settings=config.quantization.settings,
                               load_format=config.model.load_format, seed=config.model.seed,
-                              kv_cache_dtype=config.cache.kv_cache_dtype)
+                              kv_cache_dtype=config.cache.kv_cache_dtype,
+                              calculate_kv_scales=config.cache.calculate_kv_scales)
     model, backend, attn_spec, quant_spec = stack.model, stack.backend, stack.attn_spec, stack.quant_spec
     num_kv_heads, head_dim = stack.num_kv_heads, stack.head_dim
     from kvforge.engine.drafter_builder import build_drafter

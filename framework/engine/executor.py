@@ -74,6 +74,8 @@ class UniProcExecutor(Executor):
                 max_mixed_tokens=cfg.scheduler.max_num_batched_tokens
                 if parts.attn_capabilities.get("mixed_cuda_graphs") else 0)
             self.runner.graphs.capture()
+        if cfg.cache.calculate_kv_scales:  # after the warm-up and capture forwards, which see no real K/V
+            self.runner.arm_kv_scale_calibration()
 
     def shutdown(self) -> None:
         pass

@@ -72,6 +72,7 @@ class ModelRunner:
         self.device = device
         self.block_size = allocator.block_size
         self.graphs = None  # CudaGraphRunner, set by the engine when CUDA graphs are on
+        self.calibrating = False  # the next forward sets FP8 KV scales: run it eagerly
         self.return_hidden_states = False  # set for drafters that need the target's hidden states
         # vectorized pure-decode inputs when the allocator keeps its tables in arrays
         tables = getattr(allocator, "table_array", None)
@@ -149,6 +150,12 @@ class ModelRunner:
         """Copy whole blocks between device and CPU caches: (src, dst) block-id pairs."""
         swap_blocks(self.kv_caches, self.cpu_caches, self.backend.block_dim, pairs, to_cpu)
 
+    def arm_kv_scale_calibration(self) -> None:
+        """``cache.calculate_kv_scales``: the next step (run eagerly) sets every layer's FP8
+        K/V scales from its own K and V (:func:`kvforge.layers.attention.arm_kv_scale_calibration`)."""
+        from kvforge.layers.attention import arm_kv_scale_calibration
+        self.calibrating = arm_kv_scale_calibration(self.model) > 0
+
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, prev_tokens: torch.Tensor | None = None,
                 prev_rows: dict[str, int] | None = None) -> ExecuteOutput:
@@ -169,11 +176,12 @@ class ModelRunner:
                 raise RuntimeError("a placeholder input token without the previous step's sampled tokens")
             input_ids[placeholders[0]] = prev_tokens[placeholders[1]]
         hidden = None
-        if self.graphs is not None:
+        if self.graphs is not None and not self.calibrating:
             hidden = self.graphs.run(input_ids, positions, inputs)
         if hidden is None:
             meta = ForwardMetadata(self.backend.build_metadata(inputs), self.kv_caches)
             hidden = self.model(input_ids, positions, meta)
+            self.calibrating = False
         prompt_logits: dict[str, tuple[int, torch.Tensor]] = {}
         for i, req in enumerate(out.scheduled):
             if req.sampling_params.prompt_logprobs is None:
