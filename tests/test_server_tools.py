@@ -94,9 +94,12 @@ def test_named_and_required_calls(server, monkeypatch):
     assert r.choices[0].message.tool_calls is None and r.choices[0].message.content
 
 
-def test_auto_parses_hermes_blocks(server, monkeypatch):
-    monkeypatch.setattr(server.app.state.ctx, "tool_call_parser", "hermes")
-    forced = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'
+@pytest.mark.parametrize("parser,forced", [
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'),
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Rome"}}'),
+    ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Rome"}}]')])
+def test_auto_parses_each_format(server, monkeypatch, parser, forced):
+    monkeypatch.setattr(server.app.state.ctx, "tool_call_parser", parser)
     with server.client() as c:
         body = {"model": MODEL_NAME, "messages": U, "tools": [WEATHER], "max_tokens": 150, "temperature": 0,
                 "structured_outputs": {"choice": [forced]}}  # (this tiny model never writes one itself)
@@ -132,3 +135,36 @@ def test_tool_flags_go_together(flags, capsys):
     from kvforge.entrypoints.cli import main
     assert main(["serve", "--model", STORIES_MODEL, *flags]) == 2  # (before the model loads)
     assert "--enable-auto-tool-choice and --tool-call-parser go together" in capsys.readouterr().err
+
+
+def test_llama3_json_and_mistral_parsing_by_hand():
+    """The two other auto formats: calls become tool_calls (arguments as JSON text), and text that
+    is not wholly a call stays content, as vLLM's parsers leave it."""
+    req = _Req([WEATHER, TIME], "auto")
+    for text in ('{"name": "get_weather", "parameters": {"city": "Paris"}}',
+                 '<|python_tag|>{"name": "get_weather", "arguments": {"city": "Paris"}} ; '
+                 '{"name": "get_time", "parameters": {"zone": "UTC"}}'):
+        content, calls = extract("auto", text, req, "llama3_json")
+        assert content is None and calls[0]["function"]["name"] == "get_weather", text
+        assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris"}
+    assert [c["function"]["name"] for c in calls] == ["get_weather", "get_time"]
+    for text in ("The weather is fine.", '{"name": "get_weather", "parameters": {}} and more text',
+                 '{"city": "Paris"}', '{"name": "get_weather", "parameters": {"city": '):
+        assert extract("auto", text, req, "llama3_json") == (text, []), text
+    text = 'Checking. [TOOL_CALLS] [{"name": "get_time", "arguments": {"zone": "CET"}}, ' \
+           '{"name": "get_weather", "arguments": "{\\"city\\": \\"Oslo\\"}"}]'
+    content, calls = extract("auto", text, req, "mistral")
+    assert content == "Checking." and [c["function"]["name"] for c in calls] == ["get_time", "get_weather"]
+    assert json.loads(calls[1]["function"]["arguments"]) == {"city": "Oslo"}  # (arguments given as a string)
+    for text in ("no marker here", '[TOOL_CALLS][{"name": "get_time", "argu', '[TOOL_CALLS][{"zone": "CET"}]'):
+        assert extract("auto", text, req, "mistral") == (text, []), text
+
+
+def test_mistral_parser_keeps_special_tokens():
+    from kvforge import SamplingParams
+    from kvforge.entrypoints.openai.tool_calls import adjust_params
+    for how, parser, keep in (("auto", "mistral", False), ("auto", "hermes", True), ("named", "mistral", True),
+                              (None, "mistral", True)):
+        sp = SamplingParams()
+        adjust_params(sp, how, parser)
+        assert sp.skip_special_tokens is keep, (how, parser)

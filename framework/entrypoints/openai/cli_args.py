@@ -61,9 +61,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="let chat requests use tool_choice 'auto' (the default with tools): answers are parsed "
                         "for tool calls by --tool-call-parser")
-    p.add_argument("--tool-call-parser", choices=["hermes"], default=None,
+    from kvforge.entrypoints.openai.tool_parsers import PARSERS
+    p.add_argument("--tool-call-parser", choices=sorted(PARSERS), default=None,
                    help="tool-call format of the model's answers: hermes (<tool_call>{json}</tool_call>; Qwen2.5, "
-                        "Hermes); needed by --enable-auto-tool-choice")
+                        "Hermes), llama3_json ({\"name\": ..., \"parameters\": ...}; Llama 3.1/3.2), mistral "
+                        "([TOOL_CALLS][{...}]); needed by --enable-auto-tool-choice")
     p.add_argument("--drain-timeout", type=seconds, default=30.0,
                    help="seconds to wait for in-flight requests on shutdown (default 30)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])

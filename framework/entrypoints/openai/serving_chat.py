@@ -126,6 +126,7 @@ async def create_chat_completion(ctx: sc.ServerContext, req: ChatCompletionReque
         (out,) = await run_beam_search(ctx, raw, rid, [ids], [prompt], req, [max_tokens])
         return await ctx.json_response(lambda: _full_response(ctx, req, rid, out, ids, echo), headers)
     params = sc.sampling_params(req, max_tokens, num_lps, req.prompt_logprobs)
+    tool_calls.adjust_params(params, tool_calls.mode(req, ctx.tool_call_parser), ctx.tool_call_parser)
     streams = await sc.add_all(ctx, [(rid, sc.engine_prompt(ids, prompt, req.cache_salt), params)], req.priority)
     if req.stream:
         return sc.SSEResponse(_stream(ctx, req, rid, len(ids), params, streams[0], echo), streams,
@@ -149,7 +150,7 @@ def _full_response(ctx: sc.ServerContext, req: ChatCompletionRequest, rid: str, 
         message: dict[str, Any] = {"role": "assistant", "content": echo + c.text}
         reason = c.finish_reason
         if how is not None:
-            content, calls = tool_calls.extract(how, c.text, req)
+            content, calls = tool_calls.extract(how, c.text, req, ctx.tool_call_parser or "hermes")
             if calls:
                 message = {"role": "assistant", "content": content, "tool_calls": calls}
                 reason = tool_calls.finish_reason(how, calls, reason)
@@ -218,7 +219,7 @@ async def _stream(ctx: sc.ServerContext, req: ChatCompletionRequest, rid: str, n
                     if not fin:
                         continue
                     text, new_ids, new_lps = held
-                    content, calls = tool_calls.extract(how, text, req)
+                    content, calls = tool_calls.extract(how, text, req, ctx.tool_call_parser or "hermes")
                     delta = {"content": content if calls else text}
                     if calls:
                         delta["tool_calls"] = [{"index": j, **call} for j, call in enumerate(calls)]

@@ -7,10 +7,9 @@
   ``{"name": <a tool>, "parameters": <its schema>}``; each item is a call
   (finish_reason ``tool_calls``).
 * ``tool_choice: "auto"`` (the default when tools are given, as vLLM's, once the server runs
-  with ``--enable-auto-tool-choice --tool-call-parser hermes``): generation is free and the
-  Hermes format (Nous Research's Hermes function-calling template, used by Qwen2.5 and
-  Hermes models) is parsed: each ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
-  block becomes a call, the text around them the content.
+  with ``--enable-auto-tool-choice --tool-call-parser P``): generation is free and the answer is
+  parsed in the model family's format P (``hermes``, ``llama3_json``, ``mistral``;
+  :mod:`kvforge.entrypoints.openai.tool_parsers`): each call found becomes one, the rest the content.
 * ``"none"``, or tools without a parser: plain text.
 
 Forced calls are compact JSON (``disable_any_whitespace``): arguments are read by programs, and
@@ -21,14 +20,14 @@ and auto calls come in one delta when the choice finishes (they are parsed whole
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from typing import Any
 
-#: ``--tool-call-parser`` values.
-PARSERS = ("hermes",)
+from kvforge.entrypoints.openai.tool_parsers import KEEPS_SPECIAL_TOKENS
+from kvforge.entrypoints.openai.tool_parsers import PARSERS as _PARSE
 
-_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+#: ``--tool-call-parser`` values.
+PARSERS = tuple(_PARSE)
 
 
 def check_tools(tools: list[dict[str, Any]] | None, tool_choice: Any) -> None:
@@ -101,9 +100,17 @@ def named_call(req: Any, arguments: str) -> dict[str, Any]:
     return _call(req.tool_choice["function"]["name"], arguments)
 
 
-def extract(how: str, text: str, req: Any) -> tuple[str | None, list[dict[str, Any]]]:
-    """(content, tool_calls) of one finished choice's text under mode ``how``. Text that does
-    not parse (a constrained output cut by max_tokens, a malformed Hermes block) stays content."""
+def adjust_params(params: Any, how: str | None, parser: str | None) -> None:
+    """Keep special tokens in the text of an ``auto`` request whose parser's marker is one
+    (``mistral``'s ``[TOOL_CALLS]``), as vLLM's Mistral parser does."""
+    if how == "auto" and parser in KEEPS_SPECIAL_TOKENS:
+        params.skip_special_tokens = False
+
+
+def extract(how: str, text: str, req: Any, parser: str = "hermes") -> tuple[str | None, list[dict[str, Any]]]:
+    """(content, tool_calls) of one finished choice's text under mode ``how`` (``auto``: read by
+    ``parser``). Text that does not parse (a constrained output cut by max_tokens, a malformed
+    call) stays content."""
     if how == "named":
         return None, [named_call(req, text)]
     if how == "required":
@@ -112,21 +119,8 @@ def extract(how: str, text: str, req: Any) -> tuple[str | None, list[dict[str, A
             return None, [_call(item["name"], item["parameters"]) for item in items]
         except (ValueError, TypeError, KeyError):
             return text, []
-    calls, kept, last = [], [], 0
-    for m in _HERMES.finditer(text):
-        try:
-            body = json.loads(m.group(1))
-            call = _call(body["name"], body.get("arguments", {}))
-        except (ValueError, TypeError, KeyError):
-            continue
-        if not isinstance(body["name"], str):
-            continue
-        kept.append(text[last:m.start()])
-        last = m.end()
-        calls.append(call)
-    kept.append(text[last:])
-    content = "".join(kept).strip()
-    return (content or None) if calls else text, calls
+    content, found = _PARSE[parser](text)
+    return content, [_call(name, args) for name, args in found]
 
 
 def finish_reason(how: str | None, calls: list, reason: str | None) -> str | None:
