@@ -201,8 +201,9 @@ def _explain(args: argparse.Namespace, reg) -> None:
     which one ``auto`` picks, for the model of --model or of --config (required: its head
     sizes and dtype decide)."""
     from kvforge.engine.builder import load_hf_config
-    from kvforge.engine.resolve import choose_attention, resolve_device, resolve_dtype
+    from kvforge.engine.resolve import choose_attention, kv_dtype_reasons, resolve_device, resolve_dtype
     from kvforge.interfaces import AttentionRequirements
+    from kvforge.layers.kv_cache_dtype import resolve_kv_cache_dtype
     from kvforge.plugin_manager import validate_backend
     cfg = EngineConfig.from_sources(args.config, {"model": args.model} if args.model else {})
     model = cfg.model.model
@@ -210,16 +211,18 @@ def _explain(args: argparse.Namespace, reg) -> None:
     dev = resolve_device(cfg.model.device)
     dtype = resolve_dtype(cfg.model.dtype, hf)
     nh = hf.num_attention_heads
+    kv_dtype = resolve_kv_cache_dtype(cfg.cache.kv_cache_dtype, dtype)  # (an FP8 cache rules backends out)
     req = AttentionRequirements(dtype, getattr(hf, "head_dim", None) or hf.hidden_size // nh, nh,
-                                getattr(hf, "num_key_value_heads", None) or nh, cfg.cache.block_size, dtype)
+                                getattr(hf, "num_key_value_heads", None) or nh, cfg.cache.block_size, kv_dtype)
     try:
         picked = choose_attention(reg, "auto", req, dev)[0].name
     except ValueError:
         picked = None
-    print(f"\nattention backends for {model} on {dev} ({dtype}; block_size {cfg.cache.block_size}):")
+    kv_note = f"; kv_cache_dtype {cfg.cache.kv_cache_dtype}" if kv_dtype != dtype else ""
+    print(f"\nattention backends for {model} on {dev} ({dtype}; block_size {cfg.cache.block_size}{kv_note}):")
     for name in reg.names("attention"):
         spec = reg.get("attention", name)
-        reasons = validate_backend(spec, req, dev)
+        reasons = kv_dtype_reasons(spec, req) or validate_backend(spec, req, dev)  # (as choose_attention)
         prio = spec.capabilities.get("priority", 0)
         verdict = ("rejected: " + "; ".join(reasons) if reasons else
                    "ok" + (", picked by auto" if name == picked else ""))
