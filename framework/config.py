@@ -275,6 +275,13 @@ class EngineConfig(_Section):
                              "speculative.method, or request_choices.drafters for per-request drafters)")
         return self
 
+    def to_transfer(self) -> dict[str, Any]:
+        """This config as a plain dict for another process (workers, replicas), which rebuilds
+        it with ``model_validate``. Fields at their default are left out, so there they read as
+        unset again (``model_fields_set``): a warning about a field the user set, such as an
+        unused ``gpu_memory_utilization``, is not repeated by every worker for defaults."""
+        return self.model_dump(exclude_defaults=True)
+
     @classmethod
     def from_sources(cls, file: str | Path | None = None, overrides: dict[str, Any] | None = None) -> "EngineConfig":
         """Build from an optional YAML/JSON file plus flat or dotted overrides.

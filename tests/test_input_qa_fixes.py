@@ -169,3 +169,23 @@ def test_a_flag_name_as_a_config_file_key_points_to_its_path(tmp_path, capsys):
     assert cli_main(["generate", "--config", str(cfg), "--max-tokens", "2", "Once"]) == 2
     assert ("max_num_seqs: Extra inputs are not permitted (in a config file it is scheduler.max_num_seqs)"
             in capsys.readouterr().err)
+
+
+def test_workers_do_not_warn_about_defaults(capfd):
+    """A QA finding: every TP worker and DP replica warned "cache.gpu_memory_utilization 0.9 is
+    not used" though nobody set it: the config reached them as a full dump, where every field
+    reads as set. They now get only the non-default fields (EngineConfig.to_transfer); an
+    explicit value still warns, and the round trip keeps every value."""
+    from kvforge.config import EngineConfig
+    from kvforge.engine.executor import create_engine
+    cfg = EngineConfig.from_sources(None, {"model": STORIES_MODEL, "device": "cpu", "tensor_parallel_size": 2,
+                                           "kv_cache_memory_bytes": 1 << 20, "max_num_seqs": 256})
+    again = EngineConfig.model_validate(cfg.to_transfer())
+    assert again == cfg and "gpu_memory_utilization" not in again.cache.model_fields_set
+    for over, warns in (({}, False), ({"gpu_memory_utilization": 0.5}, True)):
+        engine = create_engine(cfg.model_copy(update={"cache": cfg.cache.model_copy(update=over)}) if over else cfg)
+        try:
+            err = capfd.readouterr().err
+        finally:
+            engine.executor.shutdown()
+        assert ("gpu_memory_utilization" in err) is warns, err[-2000:]

@@ -97,6 +97,8 @@ def test_scales_read_from_checkpoint(tmp_path, caplog):
         p = f"model.layers.{i}.self_attn"
         if i == 0:
             extra[f"{p}.k_proj.output_scale"], extra[f"{p}.v_proj.output_scale"] = torch.tensor([ks]), torch.tensor([vs])
+        elif i == 2:  # NVIDIA ModelOpt's names
+            extra[f"{p}.k_proj.k_scale"], extra[f"{p}.v_proj.v_scale"] = torch.tensor(ks), torch.tensor(vs)
         elif i == 1:  # the old single scale for both (then v_scale overrides it for V)
             extra[f"{p}.kv_scale"] = torch.tensor(ks)
             extra[f"{p}.v_scale"] = torch.tensor(vs)

@@ -76,12 +76,12 @@ def loaded_weight_bytes(model: Any) -> int:
     head_ptrs = {t.data_ptr() for t in head.parameters()} if head is not None else set()
     for m in model.modules():
         name = type(m).__name__
-        if "Rotary" in name:
-            for t in m.buffers(recurse=False):
-                sizes.pop(t.data_ptr(), None)
         kv_scale = m._buffers.get("kv_scale")
         if kv_scale is not None:
             sizes.pop(kv_scale.data_ptr(), None)
+        if "Rotary" in name:
+            for t in m.buffers(recurse=False):
+                sizes.pop(t.data_ptr(), None)
         elif "Embedding" in name and m is not head:
             for t in m.parameters(recurse=False):
                 if t.data_ptr() not in head_ptrs:

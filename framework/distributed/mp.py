@@ -154,7 +154,7 @@ class MultiprocExecutor(DistributedExecutor):
                              "(use distributed_executor_backend='ray' for several nodes)")
         ctx = mp_context(cuda=device.type == "cuda")
         init_method = f"tcp://127.0.0.1:{free_port()}"
-        cfg = config.model_dump()
+        cfg = config.to_transfer()
         self.procs, self.conns = [], []
         self._owed = [0] * self.world_size  # replies each rank still owes (messages sent, answers not read)
         with _without_main_reimport():

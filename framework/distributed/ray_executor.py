@@ -103,7 +103,7 @@ class RayExecutor(DistributedExecutor):
                              f"{self.world_size} workers")
         self.pg = pg
         cls = ray.remote(RayWorker)
-        cfg = config.model_dump()
+        cfg = config.to_transfer()
         self.actors = []
         for rank in range(self.world_size):
             opts = dict(num_cpus=0 if gpu else 1, num_gpus=1 if gpu else 0,

@@ -102,7 +102,7 @@ class _RayReplica:
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
                         self.pg, placement_group_bundle_index=0, placement_group_capture_child_tasks=True),
                     runtime_env=worker_runtime_env())
-        self.actor = ray.remote(ReplicaServer).options(**opts).remote(config.model_dump(), index)
+        self.actor = ray.remote(ReplicaServer).options(**opts).remote(config.to_transfer(), index)
 
     def submit(self, method: str, *args):
         return getattr(self.actor, method).remote(*args)
@@ -204,7 +204,7 @@ class _ProcReplica:
             visible = ",".join(str(g) for g in range(index * world, (index + 1) * world))
         self.conn, child = ctx.Pipe(duplex=True)
         with _without_main_reimport():
-            self.proc = ctx.Process(target=_replica_main, args=(config.model_dump(), index, visible, child),
+            self.proc = ctx.Process(target=_replica_main, args=(config.to_transfer(), index, visible, child),
                                     name=f"kvforge-replica-{index}", daemon=False)
             self.proc.start()
         child.close()

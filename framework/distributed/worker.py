@@ -52,7 +52,7 @@ class Worker:
     """Rank ``rank`` of a ``world_size``-rank replica.
 
     Args:
-        config: the engine's :class:`~kvforge.config.EngineConfig` as a dict (``model_dump()``).
+        config: the engine's :class:`~kvforge.config.EngineConfig` as a dict (``EngineConfig.to_transfer()``).
         max_model_len: resolved by the driver.
         device_index: the local CUDA device of this rank (ignored on CPU).
         init_method: ``tcp://host:port`` rendezvous of the replica's process group.

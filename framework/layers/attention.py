@@ -9,11 +9,12 @@ from kvforge.interfaces import AttentionBackend, AttentionLayer, ForwardMetadata
 from kvforge.layers.kv_cache_dtype import FP8_MAX, is_fp8
 
 #: checkpoint tensor name endings that carry an FP8 KV cache scale -> which scales they set
-#: (llm-compressor / vLLM ``self_attn.k_scale``; older exports' ``k_proj.output_scale``; the
-#: deprecated single ``kv_scale`` for both)
+#: (llm-compressor / vLLM ``self_attn.k_scale``; NVIDIA ModelOpt's ``k_proj.k_scale``; older
+#: exports' ``k_proj.output_scale``; the deprecated single ``kv_scale`` for both). Longer
+#: endings first: ``kv_scale_target`` takes the first that matches.
 KV_SCALE_NAMES = {
+    "k_proj.output_scale": (0,), "v_proj.output_scale": (1,), "k_proj.k_scale": (0,), "v_proj.v_scale": (1,),
     "k_scale": (0,), "v_scale": (1,), "kv_scale": (0, 1),
-    "k_proj.output_scale": (0,), "v_proj.output_scale": (1,),
 }
 
 
