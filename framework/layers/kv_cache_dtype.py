@@ -10,7 +10,8 @@ for Deep Learning", arXiv:2209.05433).
 Each attention layer has one per-tensor scale for K and one for V (float32, the layer's
 ``AttentionLayer.kv_scale`` [2]): the cache stores ``clamp(x / scale)`` rounded to nearest
 even, and readers compute with ``stored * scale``. Scales come from the checkpoint
-(``self_attn.k_scale`` / ``v_scale``, as llm-compressor and vLLM name them) or are 1.0.
+(``self_attn.k_scale`` / ``v_scale``, as llm-compressor and vLLM name them), from the first
+step's K and V (``cache.calculate_kv_scales``), or are 1.0.
 """
 from __future__ import annotations
 
@@ -58,7 +59,7 @@ def quantize_kv(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> tor
     if not is_fp8(dtype):
         return x.to(dtype)
     lim = FP8_MAX[dtype]
-    # torch's cast does not saturate (448.5 -> NaN in e4m3fn), hence the clamp.
+    # torch's cast does not saturate every format (E5M2: 1e6 -> inf), hence the clamp.
     return (x.float() / scale.float().reshape(())).clamp(-lim, lim).to(dtype)
 
 

@@ -24,7 +24,7 @@ def _round_to_fp8(x, scale, FP8_MAX: tl.constexpr, MANT: tl.constexpr, MIN_NORMA
                   SUB_QUANTUM: tl.constexpr):
     """fp32 ``x / scale`` clamped to +-FP8_MAX and rounded (nearest even) to the FP8 grid of
     MANT mantissa bits (normal values) or to multiples of SUB_QUANTUM (subnormals)."""
-    y = tl.minimum(tl.maximum(x.to(tl.float32) / scale, -FP8_MAX), FP8_MAX)
+    y = tl.minimum(tl.maximum(tl.div_rn(x.to(tl.float32), scale), -FP8_MAX), FP8_MAX)  # IEEE x / scale, as torch
     DROP: tl.constexpr = 23 - MANT
     bits = y.to(tl.int32, bitcast=True)
     # add half an FP8 ulp (minus one, plus the kept lsb: ties to even); a carry moves into the exponent
