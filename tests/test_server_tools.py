@@ -89,6 +89,17 @@ def test_named_and_required_calls(server, monkeypatch):
     assert len(streamed) > 1 and streamed[0].function.name == "get_weather" and streamed[0].id
     assert all(tc.index == 0 and tc.id is None for tc in streamed[1:])
     assert "".join(tc.function.arguments for tc in streamed) == msg.tool_calls[0].function.arguments
+    # required, streamed: the call is announced, then its arguments come in pieces; same call as unstreamed
+    kw = dict(model=MODEL_NAME, messages=U, tools=[WEATHER, TIME], tool_choice="required", max_tokens=100,
+              temperature=1.0, seed=7)
+    whole = client.chat.completions.create(**kw).choices[0]
+    chunks = [ch.choices[0] for ch in client.chat.completions.create(**kw, stream=True) if ch.choices]
+    streamed = [tc for ch in chunks for tc in (ch.delta.tool_calls or [])]
+    assert streamed[0].id and len(streamed) > 2 and all(tc.id is None for tc in streamed[1:])
+    assert streamed[0].function.name == whole.message.tool_calls[0].function.name
+    assert json.loads("".join(tc.function.arguments for tc in streamed)) == \
+        json.loads(whole.message.tool_calls[0].function.arguments)
+    assert chunks[-1].finish_reason == whole.finish_reason == "tool_calls"
     # tools without tool_choice on a server without a parser: rendered, answered as text
     r = client.chat.completions.create(model=MODEL_NAME, messages=U, tools=[WEATHER], max_tokens=8, temperature=0)
     assert r.choices[0].message.tool_calls is None and r.choices[0].message.content

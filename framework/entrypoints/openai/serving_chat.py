@@ -24,6 +24,7 @@ from kvforge.entrypoints.openai import tool_calls
 from kvforge.entrypoints.openai.errors import OpenAIError
 from kvforge.entrypoints.openai.serving_beam import run_beam_search
 from kvforge.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
+from kvforge.entrypoints.openai.tool_stream import HermesStream, RequiredCallStream
 
 log = logging.getLogger("kvforge.server")
 
@@ -174,8 +175,9 @@ async def _stream(ctx: sc.ServerContext, req: ChatCompletionRequest, rid: str, n
     trackers = [sc.ChoiceDelta(params) for _ in range(req.n)]
     completion_tokens = 0
     how = tool_calls.mode(req, ctx.tool_call_parser)
-    buffers: dict[int, list] = {}  # choice -> [text, token ids, logprobs] held for tool-call parsing
-    #                                (named calls: marks a choice whose call was announced)
+    parser = ctx.tool_call_parser or "hermes"
+    buffers: dict[int, Any] = {}  # choice -> its tool-call stream, or [text, token ids, logprobs] held for
+    #                               parsing whole (named calls: marks a choice whose call was announced)
 
     def chunk(choices: list[dict], usage: dict | None = None) -> str:
         return sc.stream_chunk(rid, "chat.completion.chunk", created, ctx.response_model(req.model),
@@ -211,7 +213,19 @@ async def _stream(ctx: sc.ServerContext, req: ChatCompletionRequest, rid: str, n
                         if not started:  # (the first delta names the call, as OpenAI's)
                             call = {"index": 0, **tool_calls.named_call(req, text)}
                         delta = {"tool_calls": [call]}
-                elif how is not None:  # tool calls: held until the choice ends, then parsed whole
+                elif how == "required" or (how == "auto" and parser == "hermes"):  # calls as they complete
+                    st = buffers.setdefault(c.index, RequiredCallStream() if how == "required" else HermesStream())
+                    if how == "required":
+                        content, items = "", st.feed(text)
+                    else:
+                        content, items = st.feed(text)
+                        content += st.finish() if fin else ""
+                    delta = ({"content": content} if content else {}) | ({"tool_calls": items} if items else {})
+                    if fin:
+                        reason = tool_calls.finish_reason(how, range(st.index + 1), reason)  # (the calls sent)
+                    if not (delta or fin or (new_ids and req.logprobs)):  # (held text: nothing to send yet)
+                        continue
+                elif how is not None:  # other parsers: held until the choice ends, then parsed whole
                     held = buffers.setdefault(c.index, ["", [], []])
                     held[0] += text
                     held[1].extend(new_ids)
@@ -219,7 +233,7 @@ async def _stream(ctx: sc.ServerContext, req: ChatCompletionRequest, rid: str, n
                     if not fin:
                         continue
                     text, new_ids, new_lps = held
-                    content, calls = tool_calls.extract(how, text, req, ctx.tool_call_parser or "hermes")
+                    content, calls = tool_calls.extract(how, text, req, parser)
                     delta = {"content": content if calls else text}
                     if calls:
                         delta["tool_calls"] = [{"index": j, **call} for j, call in enumerate(calls)]

@@ -12,10 +12,11 @@
   :mod:`kvforge.entrypoints.openai.tool_parsers`): each call found becomes one, the rest the content.
 * ``"none"``, or tools without a parser: plain text.
 
-Forced calls are compact JSON (``disable_any_whitespace``): arguments are read by programs, and
+Forced calls have no free whitespace (``disable_any_whitespace``): arguments are read by programs, and
 free whitespace is where a constrained model can loop until max_tokens. Streamed, a named call's
-arguments arrive piece by piece (the first delta carries its id and name, as OpenAI's); required
-and auto calls come in one delta when the choice finishes (they are parsed whole).
+arguments arrive piece by piece (the first delta carries its id and name, as OpenAI's), so do a
+required call's; a Hermes auto call comes whole as soon as its block closes
+(:mod:`kvforge.entrypoints.openai.tool_stream`); other parsers' calls come when the choice ends.
 """
 from __future__ import annotations
 
