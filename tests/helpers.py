@@ -219,6 +219,16 @@ def run_engine(engine, max_steps: int = 100_000, on_step=None) -> dict:
     return finished
 
 
+def run_requests(engine, reqs) -> dict:
+    """Add ``reqs`` ((request id, prompt, SamplingParams) triples) to ``engine``, run it dry and
+    check no KV block leaked; returns request_id -> final RequestOutput."""
+    for rid, prompt, sp in reqs:
+        engine.add_request(rid, prompt, sp)
+    out = run_engine(engine)
+    assert_no_block_leak(engine)
+    return out
+
+
 def assert_no_block_leak(engine) -> None:
     """Every KV block is back in the allocator's free list."""
     alloc = engine.allocator

@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from helpers import (STORIES_MODEL, assert_no_block_leak, assert_outputs_match, fresh_rng, make_engine,
-                     prompt_logits, random_story_prompts, rel_err, run_engine)
+from helpers import (STORIES_MODEL, assert_outputs_match, fresh_rng, make_engine, prompt_logits,
+                     random_story_prompts, rel_err, run_requests)
 from kvforge import SamplingParams
 from kvforge.config import EngineConfig
 from kvforge.layers.attention import PagedAttention
@@ -161,24 +161,16 @@ def _greedy(rng, n=6):
             for i, p in enumerate(random_story_prompts(rng, n))]
 
 
-def _run(engine, reqs):
-    for rid, p, sp in reqs:
-        engine.add_request(rid, p, sp)
-    out = run_engine(engine)
-    assert_no_block_leak(engine)
-    return out
-
-
 def test_swap_preemption_over_fp8_blocks():
     """Blocks swapped out to the CPU and back keep their FP8 bytes: outputs under swap
     preemption equal the unpressured FP8 run."""
     rng = fresh_rng()
     reqs = _greedy(rng)
-    ref = _run(_engine(kv_cache_dtype="fp8", block_size=16, num_gpu_blocks=256, kv_cache_memory_bytes=None), reqs)
+    ref = run_requests(_engine(kv_cache_dtype="fp8", block_size=16, num_gpu_blocks=256, kv_cache_memory_bytes=None), reqs)
     eng = _engine(kv_cache_dtype="fp8", block_size=16, num_gpu_blocks=rng.randint(12, 16), kv_cache_memory_bytes=None,
                   swap_space_bytes=1 << 20, **{"scheduler.settings.preemption_mode": "swap"})
     assert eng.runner.cpu_caches and eng.runner.cpu_caches[0].dtype == torch.float8_e4m3fn
-    got = _run(eng, reqs)
+    got = run_requests(eng, reqs)
     assert eng.scheduler.num_preemptions > 0, "no preemption: the test is not testing"
     for rid, _, _ in reqs:
         assert_outputs_match([got[rid].outputs[0]], [ref[rid].outputs[0]], f"{rid} under swap preemption")
@@ -189,11 +181,11 @@ def test_prefix_cache_hits_read_fp8_blocks():
     shared = " ".join(random_story_prompts(rng, 3))
     reqs = [(f"p{i}", shared + " " + tail, SamplingParams(temperature=0.0, max_tokens=20, logprobs=2))
             for i, tail in enumerate(random_story_prompts(rng, 4))]
-    ref = _run(_engine(kv_cache_dtype="fp8"), reqs)
+    ref = run_requests(_engine(kv_cache_dtype="fp8"), reqs)
     eng = _engine(kv_cache_dtype="fp8", enable_prefix_caching=True)
     got = {}
     for r in reqs:  # one at a time, so each later request finds the shared prefix cached
-        got.update(_run(eng, [r]))
+        got.update(run_requests(eng, [r]))
     assert sum(bool(o.num_cached_tokens) for o in got.values()) == len(reqs) - 1, "no prefix cache hit"
     for rid, _, _ in reqs:
         assert_outputs_match([got[rid].outputs[0]], [ref[rid].outputs[0]], f"{rid} with prefix caching")

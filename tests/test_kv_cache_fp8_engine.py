@@ -19,7 +19,6 @@ Prompts and lengths are fresh random draws (the seed is printed by ``fresh_rng``
 """
 from __future__ import annotations
 
-import logging
 import os
 import shutil
 
@@ -28,7 +27,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from helpers import (STORIES_MODEL, assert_no_block_leak, assert_outputs_match, fresh_rng, make_engine,
-                     prompt_logits, random_story_prompts, rel_err, run_engine)
+                     prompt_logits, random_story_prompts, rel_err, run_requests)
 from kvforge import LLM, SamplingParams
 from kvforge.entrypoints.cli import main as cli_main
 
@@ -61,14 +60,6 @@ def _reqs(rng, n=6, extra=()):
     prompts = random_story_prompts(rng, n) + list(extra)
     return [(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=rng.randint(40, 70), ignore_eos=True,
                                         logprobs=2)) for i, p in enumerate(prompts)]
-
-
-def _run(engine, reqs):
-    for rid, p, sp in reqs:
-        engine.add_request(rid, p, sp)
-    out = run_engine(engine)
-    assert_no_block_leak(engine)
-    return out
 
 
 def _compare(got, ref, reqs, tag):
@@ -105,7 +96,7 @@ def test_parallel_fp8_matches_one_process(scaled_model, layout):
     reqs = _reqs(rng)
     kw = dict(BASE, model=scaled_model, kv_cache_memory_bytes=BUDGET)
     one = make_engine(**kw, kv_cache_dtype="fp8")
-    ref = _run(one, reqs)
+    ref = run_requests(one, reqs)
     plain = make_engine(**kw, **layout)
     n32 = plain.allocator.num_blocks
     _shutdown(plain)
@@ -113,7 +104,7 @@ def test_parallel_fp8_matches_one_process(scaled_model, layout):
     try:
         n8 = eng.allocator.num_blocks
         assert 4 * n32 <= n8 <= 4 * n32 + 3, f"{layout}: {n8} fp8 blocks vs {n32} fp32: not a 1-byte cache"
-        _compare(_run(eng, reqs), ref, reqs, str(layout))
+        _compare(run_requests(eng, reqs), ref, reqs, str(layout))
         ids = [list(ref[rid].prompt_token_ids) + list(ref[rid].outputs[0].token_ids[:24]) for rid, _, _ in reqs[:3]]
         chunks = [[len(p) // 2, len(p) - len(p) // 2] for p in ids]  # the second chunk reads FP8 blocks
         got = prompt_logits(eng, ids, chunks)
@@ -133,11 +124,11 @@ def test_tp2_swap_preemption_keeps_fp8_bytes():
     unpressured one-process FP8 run, no block left behind."""
     rng = fresh_rng()
     reqs = _reqs(rng, 6)
-    ref = _run(make_engine(**BASE, kv_cache_dtype="fp8", num_gpu_blocks=256), reqs)
+    ref = run_requests(make_engine(**BASE, kv_cache_dtype="fp8", num_gpu_blocks=256), reqs)
     eng = make_engine(**BASE, kv_cache_dtype="fp8", num_gpu_blocks=rng.randint(10, 13), swap_space_bytes=1 << 20,
                       tensor_parallel_size=2, **{"scheduler.settings.preemption_mode": "swap"})
     try:
-        got = _run(eng, reqs)
+        got = run_requests(eng, reqs)
         assert eng.scheduler.num_preemptions > 0, "no preemption: the test is not testing"
         _compare(got, ref, reqs, "tp2 swap")
     finally:
@@ -185,11 +176,11 @@ def test_speculative_fp8_equals_plain_fp8(method):
     rng = fresh_rng(method)
     reqs = _reqs(rng, 5, extra=[COPY])
     kw = dict(BASE, kv_cache_dtype="fp8", kv_cache_memory_bytes=BUDGET)
-    ref = _run(make_engine(**kw), reqs)
+    ref = run_requests(make_engine(**kw), reqs)
     eng = make_engine(**kw, **SPEC[method], **{"speculative.adaptive": False})
     assert all(c.dtype == E4M3 for c in eng.runner.kv_caches)
     tb = _block_bytes(eng)
-    got = _run(eng, reqs)
+    got = run_requests(eng, reqs)
     _compare(got, ref, reqs, method)
     assert eng.stats()["spec_num_accepted_tokens"] > 0, "no draft accepted: speculation did not run"
     for d in eng.spec.drafters.values():
@@ -212,14 +203,14 @@ def test_async_scheduling_fp8_same_outputs():
     reqs = _reqs(rng, 6)
     kw = dict(BASE, kv_cache_dtype="fp8", num_gpu_blocks=128)
     sync = make_engine(**kw, async_scheduling=False)
-    ref = _run(sync, reqs)
+    ref = run_requests(sync, reqs)
     assert sync._overlap is None
     on = make_engine(**kw, async_scheduling=True)
-    _compare(_run(on, reqs), ref, reqs, "async")
+    _compare(run_requests(on, reqs), ref, reqs, "async")
     assert on._overlap.num_overlapped_steps > 0, "async scheduling never overlapped a step"
     tp = make_engine(**kw, async_scheduling=True, tensor_parallel_size=2)
     try:
-        _compare(_run(tp, reqs), ref, reqs, "async tp2")
+        _compare(run_requests(tp, reqs), ref, reqs, "async tp2")
         assert tp._overlap.num_overlapped_steps > 0
     finally:
         _shutdown(tp)
