@@ -108,7 +108,8 @@ def test_named_and_required_calls(server, monkeypatch):
 @pytest.mark.parametrize("parser,forced", [
     ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'),
     ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Rome"}}'),
-    ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Rome"}}]')])
+    ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Rome"}}]'),
+    ("pythonic", '[get_weather(city="Rome")]')])
 def test_auto_parses_each_format(server, monkeypatch, parser, forced):
     monkeypatch.setattr(server.app.state.ctx, "tool_call_parser", parser)
     with server.client() as c:
@@ -179,3 +180,15 @@ def test_mistral_parser_keeps_special_tokens():
         sp = SamplingParams()
         adjust_params(sp, how, parser)
         assert sp.skip_special_tokens is keep, (how, parser)
+
+
+def test_pythonic_parsing_by_hand():
+    """Llama 3.2's pythonic calls: literal keyword arguments only, read without evaluating anything."""
+    req = _Req([WEATHER, TIME], "auto")
+    content, calls = extract("auto", '[get_weather(city="Paris", days=[1, 2]), get_time()]', req, "pythonic")
+    assert content is None and [c["function"]["name"] for c in calls] == ["get_weather", "get_time"]
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris", "days": [1, 2]}
+    assert json.loads(calls[1]["function"]["arguments"]) == {}
+    for text in ("It is sunny.", "[get_weather(city=__import__('os').getcwd())]", '[get_weather("Paris")]',
+                 "[]", "[get_weather(city='Par", "[1, 2]", "[get_weather(**kw)]", "[a.b(c=1)]"):
+        assert extract("auto", text, req, "pythonic") == (text, []), text

@@ -74,8 +74,8 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str] | None = Non
         chat_template: Jinja chat template text overriding the tokenizer's.
         drain_timeout: seconds the engine waits for in-flight requests at shutdown.
         trust_request_chat_template: render a chat request's own ``chat_template`` (else a 400).
-        tool_call_parser: parser of ``tool_choice: auto`` answers (``hermes``, ``llama3_json``, ``mistral``);
-            None refuses auto.
+        tool_call_parser: parser of ``tool_choice: auto`` answers (a key of
+            :data:`~kvforge.entrypoints.openai.tool_parsers.PARSERS`); None refuses auto.
 
     Raises:
         ValueError: ``chat_template`` is empty or has a Jinja syntax error (naming ``chat_template``).

@@ -65,7 +65,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tool-call-parser", choices=sorted(PARSERS), default=None,
                    help="tool-call format of the model's answers: hermes (<tool_call>{json}</tool_call>; Qwen2.5, "
                         "Hermes), llama3_json ({\"name\": ..., \"parameters\": ...}; Llama 3.1/3.2), mistral "
-                        "([TOOL_CALLS][{...}]); needed by --enable-auto-tool-choice")
+                        "([TOOL_CALLS][{...}]), pythonic ([f(x=1), g()]; Llama 3.2/4); needed by "
+                        "--enable-auto-tool-choice")
     p.add_argument("--drain-timeout", type=seconds, default=30.0,
                    help="seconds to wait for in-flight requests on shutdown (default 30)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])

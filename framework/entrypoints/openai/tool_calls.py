@@ -8,7 +8,7 @@
   (finish_reason ``tool_calls``).
 * ``tool_choice: "auto"`` (the default when tools are given, as vLLM's, once the server runs
   with ``--enable-auto-tool-choice --tool-call-parser P``): generation is free and the answer is
-  parsed in the model family's format P (``hermes``, ``llama3_json``, ``mistral``;
+  parsed in the model family's format P (``hermes``, ``llama3_json``, ``mistral``, ``pythonic``;
   :mod:`kvforge.entrypoints.openai.tool_parsers`): each call found becomes one, the rest the content.
 * ``"none"``, or tools without a parser: plain text.
 

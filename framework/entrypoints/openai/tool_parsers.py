@@ -13,10 +13,15 @@ tool-call format; each returns (content, [(name, arguments)]) of a finished choi
   special token, so requests under this parser keep special tokens in their text
   (:data:`KEEPS_SPECIAL_TOKENS`).
 
+* ``pythonic``: the answer is a Python list of calls with literal arguments,
+  ``[get_weather(city="Paris"), get_time()]`` (Llama 3.2 / 4's pythonic format), read with
+  :mod:`ast` (nothing is evaluated: arguments must be literals). Anything else is content.
+
 A block or object that does not parse stays content, as vLLM's parsers leave it.
 """
 from __future__ import annotations
 
+import ast
 import json
 import re
 from typing import Any, Callable
@@ -99,7 +104,29 @@ def parse_mistral(text: str) -> tuple[str | None, Calls]:
     return (text[:at].strip() or None), calls
 
 
+def parse_pythonic(text: str) -> tuple[str | None, Calls]:
+    body = text.strip()
+    if body.startswith(_PYTHON_TAG):
+        body = body[len(_PYTHON_TAG):].lstrip()
+    if not (body.startswith("[") and body.endswith("]")):
+        return text, []
+    try:
+        tree = ast.parse(body, mode="eval").body
+        if not isinstance(tree, ast.List) or not tree.elts:
+            return text, []
+        calls = []
+        for node in tree.elts:
+            if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args \
+                    or any(kw.arg is None for kw in node.keywords):  # (name(k=literal, ...) only)
+                return text, []
+            calls.append((node.func.id, {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords}))
+    except (SyntaxError, ValueError, TypeError, MemoryError, RecursionError):
+        return text, []
+    return None, calls
+
+
 PARSERS: dict[str, Callable[[str], tuple[str | None, Calls]]] = {
-    "hermes": parse_hermes, "llama3_json": parse_llama3_json, "mistral": parse_mistral}
+    "hermes": parse_hermes, "llama3_json": parse_llama3_json, "mistral": parse_mistral,
+    "pythonic": parse_pythonic}
 #: parsers whose format marker is a special token: their requests keep special tokens in the text
 KEEPS_SPECIAL_TOKENS = frozenset({"mistral"})
