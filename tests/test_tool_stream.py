@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 
 from helpers import fresh_rng
-from kvforge.entrypoints.openai.tool_parsers import parse_hermes
-from kvforge.entrypoints.openai.tool_stream import HermesStream, RequiredCallStream
+from kvforge.entrypoints.openai.tool_parsers import PARSERS, parse_hermes
+from kvforge.entrypoints.openai.tool_stream import HermesStream, RequiredCallStream, stream_for
 
 NAMES = ["get_weather", "get_time", "search", 'n\u00e4me "q" \\ }']
 WORDS = ["Sure", "the", "{", "}", "[", "]", '"', "\\", "é", "<tool", "<tool_c", "</tool_call>", "call>", ",", " ", "\n"]
@@ -55,11 +55,15 @@ def test_required_stream_matches_the_parsed_array():
         st, calls = RequiredCallStream(), []
         for piece in _pieces(rng, text):
             before = len(calls)
-            out = st.feed(piece)
+            content, out = st.feed(piece)
+            assert content == ""
             _collect(out, calls)
             early |= any("id" not in it for it in out) and len(calls) == before  # arguments before the item closes
+        assert st.finish() == ("", [])
         assert [(n, json.loads(a)) for n, a in calls] == [(i["name"], i["parameters"]) for i in items], text
     assert early, "no arguments were ever streamed piecewise"
+    cut = RequiredCallStream()  # cut short before any call was announced: the text is content
+    assert cut.feed('[{"name":"get_ti') == ("", []) and cut.finish() == ('[{"name":"get_ti', [])
 
 
 def test_hermes_stream_matches_the_parsed_answer():
@@ -83,6 +87,49 @@ def test_hermes_stream_matches_the_parsed_answer():
             c, items = st.feed(piece)
             content += c
             _collect(items, calls)
-        content += st.finish()
+        more, last = st.finish()
+        content += more
+        assert last == []
         assert [(n, json.loads(a)) for n, a in calls] == want_calls, text
         assert content.strip() == (want_content or "").strip(), text
+
+
+def _answer(rng, parser):
+    """A random answer in ``parser``'s format: calls, plain text, or something in between."""
+    calls = [(rng.choice(NAMES[:3]), {f"a{i}": _value(rng) for i in range(rng.randint(0, 2))})
+             for _ in range(rng.randint(1, 2))]
+    text = "".join(rng.choice(WORDS + ["text", "[", "{", "<|python_tag|>", "[TOOL_CALLS]"])
+                   for _ in range(rng.randint(0, 4)))
+    if parser == "llama3_json":
+        body = " ; ".join(json.dumps({"name": n, rng.choice(["parameters", "arguments"]): a}) for n, a in calls)
+        opts = [body, "<|python_tag|>" + body, text, body + " trailing"]
+    elif parser == "pythonic":
+        body = "[" + ", ".join(f"{n}({', '.join(f'{k}={v!r}' for k, v in a.items())})" for n, a in calls) + "]"
+        opts = [body, "<|python_tag|>" + body, text, body[:-1]]
+    else:
+        body = "[TOOL_CALLS]" + json.dumps([{"name": n, "arguments": a} for n, a in calls])
+        opts = [text + " " + body, body, text, text + body[:-2]]
+    return rng.choice(["", " ", "\n"]) + rng.choice(opts)
+
+
+def test_held_streams_match_the_parsed_answer():
+    """llama3_json / pythonic / mistral: plain answers stream as content before the end, calls
+    come at the end, and both equal the whole-text parse."""
+    rng = fresh_rng()
+    early_content = {"llama3_json": 0, "pythonic": 0, "mistral": 0}
+    for _ in range(300):
+        parser = rng.choice(["llama3_json", "pythonic", "mistral"])
+        text = _answer(rng, parser)
+        want_content, want_calls = PARSERS[parser](text)
+        st, content, calls = stream_for("auto", parser), "", []
+        for piece in _pieces(rng, text) if text else []:
+            c, items = st.feed(piece)
+            content += c
+            assert items == [], "these formats announce calls only when the answer ends"
+        early_content[parser] += bool(content) and not want_calls
+        more, last = st.finish()
+        content += more
+        _collect(last, calls)
+        assert [(n, json.loads(a)) for n, a in calls] == [(n, a) for n, a in want_calls], (parser, text)
+        assert content.strip() == (want_content or "").strip(), (parser, text)
+    assert all(early_content.values()), f"plain answers never streamed before the end: {early_content}"

@@ -24,7 +24,7 @@ from kvforge.entrypoints.openai import tool_calls
 from kvforge.entrypoints.openai.errors import OpenAIError
 from kvforge.entrypoints.openai.serving_beam import run_beam_search
 from kvforge.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
-from kvforge.entrypoints.openai.tool_stream import HermesStream, RequiredCallStream
+from kvforge.entrypoints.openai.tool_stream import stream_for
 
 log = logging.getLogger("kvforge.server")
 
@@ -176,8 +176,7 @@ async def _stream(ctx: sc.ServerContext, req: ChatCompletionRequest, rid: str, n
     completion_tokens = 0
     how = tool_calls.mode(req, ctx.tool_call_parser)
     parser = ctx.tool_call_parser or "hermes"
-    buffers: dict[int, Any] = {}  # choice -> its tool-call stream, or [text, token ids, logprobs] held for
-    #                               parsing whole (named calls: marks a choice whose call was announced)
+    buffers: dict[int, Any] = {}  # choice -> its tool-call stream (named calls: marks an announced call)
 
     def chunk(choices: list[dict], usage: dict | None = None) -> str:
         return sc.stream_chunk(rid, "chat.completion.chunk", created, ctx.response_model(req.model),
@@ -213,31 +212,16 @@ async def _stream(ctx: sc.ServerContext, req: ChatCompletionRequest, rid: str, n
                         if not started:  # (the first delta names the call, as OpenAI's)
                             call = {"index": 0, **tool_calls.named_call(req, text)}
                         delta = {"tool_calls": [call]}
-                elif how == "required" or (how == "auto" and parser == "hermes"):  # calls as they complete
-                    st = buffers.setdefault(c.index, RequiredCallStream() if how == "required" else HermesStream())
-                    if how == "required":
-                        content, items = "", st.feed(text)
-                    else:
-                        content, items = st.feed(text)
-                        content += st.finish() if fin else ""
-                    delta = ({"content": content} if content else {}) | ({"tool_calls": items} if items else {})
+                elif how is not None:  # required / auto: calls as they complete (tool_stream)
+                    st = buffers.setdefault(c.index, stream_for(how, parser))
+                    content, items = st.feed(text)
                     if fin:
+                        more, last = st.finish()
+                        content, items = content + more, items + last
                         reason = tool_calls.finish_reason(how, range(st.index + 1), reason)  # (the calls sent)
+                    delta = ({"content": content} if content else {}) | ({"tool_calls": items} if items else {})
                     if not (delta or fin or (new_ids and req.logprobs)):  # (held text: nothing to send yet)
                         continue
-                elif how is not None:  # other parsers: held until the choice ends, then parsed whole
-                    held = buffers.setdefault(c.index, ["", [], []])
-                    held[0] += text
-                    held[1].extend(new_ids)
-                    held[2].extend(new_lps or [])
-                    if not fin:
-                        continue
-                    text, new_ids, new_lps = held
-                    content, calls = tool_calls.extract(how, text, req, parser)
-                    delta = {"content": content if calls else text}
-                    if calls:
-                        delta["tool_calls"] = [{"index": j, **call} for j, call in enumerate(calls)]
-                        reason = tool_calls.finish_reason(how, calls, reason)
                 logprobs = None
                 if req.logprobs:
                     logprobs = {"content": _logprobs_content(ctx, new_ids, new_lps or [], req.top_logprobs or 0)}

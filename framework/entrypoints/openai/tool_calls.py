@@ -15,8 +15,9 @@
 Forced calls have no free whitespace (``disable_any_whitespace``): arguments are read by programs, and
 free whitespace is where a constrained model can loop until max_tokens. Streamed, a named call's
 arguments arrive piece by piece (the first delta carries its id and name, as OpenAI's), so do a
-required call's; a Hermes auto call comes whole as soon as its block closes
-(:mod:`kvforge.entrypoints.openai.tool_stream`); other parsers' calls come when the choice ends.
+required call's; a Hermes auto call comes whole as soon as its block closes; under the other
+parsers content streams until the answer looks like calls, which come when the choice ends
+(:mod:`kvforge.entrypoints.openai.tool_stream`).
 """
 from __future__ import annotations
 

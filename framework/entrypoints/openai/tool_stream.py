@@ -13,8 +13,14 @@ fed piece by piece as it is generated becomes OpenAI ``delta`` parts (content, a
   :func:`tool_parsers.parse_hermes` decides. Content keeps its whitespace (the non-streamed
   content around calls is stripped at its ends).
 
-Other parsers' answers are still parsed whole when the choice ends (``llama3_json`` and
-``mistral`` answers are a call or not only once complete).
+* ``auto`` with ``llama3_json`` / ``pythonic``: the first non-blank characters decide. An answer
+  that starts like a call (``{`` / ``[`` or ``<|python_tag|>``) is held and parsed whole when the
+  choice ends; any other streams as content at once.
+* ``auto`` with ``mistral``: content streams until ``[TOOL_CALLS]`` (a possible prefix of it is
+  held); from the marker on the text is held and parsed whole at the end.
+
+Whatever a stream held and its parser then refuses is sent as content, so the streamed content
+and calls are the non-streamed ones (up to whitespace at the ends of content around calls).
 """
 from __future__ import annotations
 
@@ -22,7 +28,7 @@ import json
 import re
 from typing import Any
 
-from kvforge.entrypoints.openai.tool_parsers import parse_hermes
+from kvforge.entrypoints.openai.tool_parsers import PARSERS, parse_hermes
 
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 _HEADER = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"parameters"\s*:\s*')
@@ -33,18 +39,47 @@ def _new_call(name: str) -> dict[str, Any]:
     return _call(name, "")
 
 
-class RequiredCallStream:
+class _Stream:
+    """What every stream here offers: ``feed(text)`` and ``finish()`` return (content, tool_calls
+    delta items); ``index`` is the number of calls sent - 1."""
+
+    index = -1
+
+    def finish(self) -> tuple[str, list[dict[str, Any]]]:
+        return "", []
+
+    def _whole(self, found: list[tuple[str, Any]]) -> list[dict[str, Any]]:
+        """Delta items announcing ``found`` (name, arguments) calls, each whole."""
+        items = []
+        for name, args in found:
+            self.index += 1
+            call = _new_call(name)
+            call["function"]["arguments"] = json.dumps(args, ensure_ascii=False)
+            items.append({"index": self.index, **call})
+        return items
+
+
+def stream_for(how: str, parser: str) -> _Stream:
+    """The stream of a ``required`` answer, or of an ``auto`` one read by ``parser``."""
+    if how == "required":
+        return RequiredCallStream()
+    return HermesStream() if parser == "hermes" else HeldCallStream(parser)
+
+
+class RequiredCallStream(_Stream):
     """Deltas of a ``required`` answer (see the module docstring)."""
 
     def __init__(self) -> None:
+        self.text = ""  # the whole answer so far
         self.depth, self.in_str, self.esc = 0, False, False
         self.item: list[str] = []  # the current item's text
         self.index = -1  # calls announced so far - 1
         self.header_sent = False
         self.sent_args = 0  # characters of the current item's text already sent as arguments
 
-    def feed(self, text: str) -> list[dict[str, Any]]:
-        """``tool_calls`` delta items for the next piece of the answer."""
+    def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
+        """("", tool_calls delta items) for the next piece of the answer."""
+        self.text += text
         out: list[dict[str, Any]] = []
         for ch in text:
             if self.depth >= 1 and (self.depth > 1 or ch == "{"):
@@ -60,7 +95,11 @@ class RequiredCallStream:
                 if self.depth == 1 and self.item:  # an item closed
                     out += self._flush(closing=True)
         out += self._flush(closing=False)
-        return out
+        return "", out
+
+    def finish(self) -> tuple[str, list[dict[str, Any]]]:
+        """An answer that announced no call (cut short by max_tokens) is content, as unstreamed."""
+        return ("" if self.index >= 0 else self.text), []
 
     def _flush(self, closing: bool) -> list[dict[str, Any]]:
         if not self.item:
@@ -77,10 +116,7 @@ class RequiredCallStream:
             elif closing:  # another key order: the item whole
                 try:
                     body = json.loads(text)
-                    self.index += 1
-                    call = _new_call(body["name"])
-                    call["function"]["arguments"] = json.dumps(body.get("parameters", {}), ensure_ascii=False)
-                    out.append({"index": self.index, **call})
+                    out += self._whole([(body["name"], body.get("parameters", {}))])
                 except (ValueError, TypeError, KeyError):
                     pass
         if self.header_sent:
@@ -93,12 +129,11 @@ class RequiredCallStream:
         return out
 
 
-class HermesStream:
+class HermesStream(_Stream):
     """Content and call deltas of a Hermes ``auto`` answer (see the module docstring)."""
 
     def __init__(self) -> None:
         self.buf = ""  # text not yet sent: a possible start of <tool_call>, or an open block
-        self.index = -1  # calls sent so far - 1
 
     def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
         """(content, tool_calls delta items) for the next piece of the answer."""
@@ -119,17 +154,63 @@ class HermesStream:
             _, found = parse_hermes(self.buf[at:end + len(_CLOSE)])
             if found:
                 content.append(self.buf[:at])
-                for name, args in found:
-                    self.index += 1
-                    call = _new_call(name)
-                    call["function"]["arguments"] = json.dumps(args, ensure_ascii=False)
-                    calls.append({"index": self.index, **call})
+                calls += self._whole(found)
             else:  # a block that does not parse stays content
                 content.append(self.buf[:end + len(_CLOSE)])
             self.buf = self.buf[end + len(_CLOSE):]
         return "".join(content), calls
 
-    def finish(self) -> str:
+    def finish(self) -> tuple[str, list[dict[str, Any]]]:
         """Held text when the answer ends (a tag prefix, an unterminated block): content."""
         rest, self.buf = self.buf, ""
-        return rest
+        return rest, []
+
+
+_CALL_STARTS = {"llama3_json": ("{", "<|python_tag|>"), "pythonic": ("[", "<|python_tag|>")}
+_MARKERS = {"mistral": "[TOOL_CALLS]"}
+
+
+class HeldCallStream(_Stream):
+    """Content and call deltas under a parser that reads a whole answer (``llama3_json``,
+    ``pythonic``, ``mistral``; see the module docstring): content streams until the answer
+    looks like calls, the rest is held and parsed when the choice ends."""
+
+    def __init__(self, parser: str) -> None:
+        self.parser = parser
+        self.held = ""  # text not sent yet
+        self.mode: str | None = None  # "content" or "calls" once the answer's start decides
+
+    def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
+        """(content, tool_calls delta items) for the next piece of the answer."""
+        self.held += text
+        if self.mode == "calls":
+            return "", []
+        if self.parser in _MARKERS:
+            mark = _MARKERS[self.parser]
+            at = self.held.find(mark)
+            if at >= 0:
+                self.mode = "calls"
+                return self._send(at), []
+            return self._send(len(self.held) - max(
+                (k for k in range(1, len(mark)) if self.held.endswith(mark[:k])), default=0)), []
+        if self.mode is None:
+            head = self.held.lstrip()
+            starts = _CALL_STARTS[self.parser]
+            if not head or any(s.startswith(head) and len(head) < len(s) for s in starts):
+                return "", []  # blank so far, or a prefix of a call's start: wait
+            self.mode = "calls" if any(head.startswith(s) for s in starts) else "content"
+            if self.mode == "calls":
+                return "", []
+        return self._send(len(self.held)), []
+
+    def finish(self) -> tuple[str, list[dict[str, Any]]]:
+        """(content, tool_calls delta items) when the answer ends: held text parsed, or content."""
+        held, self.held = self.held, ""
+        _, found = PARSERS[self.parser](held) if self.mode == "calls" else (None, [])
+        if not found:
+            return held, []
+        return "", self._whole(found)  # (content before a mistral marker was sent already)
+
+    def _send(self, upto: int) -> str:
+        out, self.held = self.held[:upto], self.held[upto:]
+        return out
