@@ -171,21 +171,26 @@ def test_a_flag_name_as_a_config_file_key_points_to_its_path(tmp_path, capsys):
             in capsys.readouterr().err)
 
 
-def test_workers_do_not_warn_about_defaults(capfd):
+def test_workers_do_not_warn_about_defaults(caplog):
     """A QA finding: every TP worker and DP replica warned "cache.gpu_memory_utilization 0.9 is
     not used" though nobody set it: the config reached them as a full dump, where every field
-    reads as set. They now get only the non-default fields (EngineConfig.to_transfer); an
-    explicit value still warns, and the round trip keeps every value."""
+    reads as set. They now get only the non-default fields (EngineConfig.to_transfer, what the
+    mp / ray executors and the replicas send), so the config a worker rebuilds warns only about
+    what the user set, and keeps every value. (Checked on the rebuilt config: a worker's stderr
+    goes wherever its forkserver's went, which pytest cannot always capture.)"""
+    import torch
+
     from kvforge.config import EngineConfig
-    from kvforge.engine.executor import create_engine
-    cfg = EngineConfig.from_sources(None, {"model": STORIES_MODEL, "device": "cpu", "tensor_parallel_size": 2,
-                                           "kv_cache_memory_bytes": 1 << 20, "max_num_seqs": 256})
-    again = EngineConfig.model_validate(cfg.to_transfer())
-    assert again == cfg and "gpu_memory_utilization" not in again.cache.model_fields_set
+    from kvforge.engine.builder import _num_blocks
     for over, warns in (({}, False), ({"gpu_memory_utilization": 0.5}, True)):
-        engine = create_engine(cfg.model_copy(update={"cache": cfg.cache.model_copy(update=over)}) if over else cfg)
-        try:
-            err = capfd.readouterr().err
-        finally:
-            engine.executor.shutdown()
-        assert ("gpu_memory_utilization" in err) is warns, err[-2000:]
+        cfg = EngineConfig.from_sources(None, {"model": STORIES_MODEL, "device": "cpu", "tensor_parallel_size": 2,
+                                               "kv_cache_memory_bytes": 1 << 20, "max_num_seqs": 256, **over})
+        again = EngineConfig.model_validate(cfg.to_transfer())
+        assert again == cfg
+        assert ("gpu_memory_utilization" in again.cache.model_fields_set) is warns
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="kvforge"):
+            assert _num_blocks(again, torch.device("cpu"), 1024, 128) == 1024
+        assert ("gpu_memory_utilization" in caplog.text) is warns, caplog.text
+    full = EngineConfig.model_validate(cfg.model_dump())  # (what they got before: every field "set")
+    assert "gpu_memory_utilization" in full.cache.model_fields_set
