@@ -168,7 +168,6 @@ class Worker:
             self.graphs = CudaGraphRunner(self.model, self.backend, self.kv_caches, max_batch, self.max_model_len, bs,
                                           scratch_block=num_blocks, device=self.device, buckets=sizes)
             self.graphs.capture()
-        self.calibrating = False
         if cfg.cache.calculate_kv_scales:  # the first real step sets the FP8 KV scales, eagerly
             from kvforge.layers.attention import arm_kv_scale_calibration
             self.calibrating = arm_kv_scale_calibration(self.model) > 0

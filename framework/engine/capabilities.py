@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
+from kvforge.layers.kv_cache_dtype import CAPABILITY_NAMES
 from kvforge.plugin_manager import describe_plugin as describe
 
 if TYPE_CHECKING:
@@ -33,7 +34,7 @@ log = logging.getLogger("kvforge")
 
 _DTYPE_NAMES = ("float32", "float16", "bfloat16")
 _DEVICE_TYPES = ("cpu", "cuda")
-_KV_DTYPE_NAMES = ("fp8_e4m3", "fp8_e5m2")
+_KV_DTYPE_NAMES = tuple(CAPABILITY_NAMES.values())  # ("fp8_e4m3", "fp8_e5m2")
 
 #: kind -> capability key -> (type check name, meaning). Documented in docs/plugins.md.
 KNOWN_CAPABILITIES: dict[str, dict[str, tuple[str, str]]] = {

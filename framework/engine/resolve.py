@@ -69,6 +69,12 @@ def kv_dtype_reasons(spec: PluginSpec, req: AttentionRequirements) -> list[str]:
             f"{tuple(spec.capabilities.get('kv_cache_dtypes') or ())!r})"]
 
 
+def backend_reasons(spec: PluginSpec, req: AttentionRequirements, device: torch.device) -> list[str]:
+    """Why attention backend ``spec`` cannot serve ``req`` on ``device`` (empty: it can): an FP8
+    cache it does not declare (:func:`kv_dtype_reasons`), else its own ``validate``."""
+    return kv_dtype_reasons(spec, req) or validate_backend(spec, req, device)
+
+
 def choose_attention(registry: Registry, name: str, req: AttentionRequirements, device: torch.device,
                      settings: dict[str, Any] | None = None) -> tuple[PluginSpec, dict[str, list[str]]]:
     """Pick the backend named ``name``, or for ``auto`` the highest-priority one whose
@@ -85,7 +91,7 @@ def choose_attention(registry: Registry, name: str, req: AttentionRequirements, 
     if name != "auto":
         spec = registry.get("attention", name)
         checked = validate_plugin_settings(spec, settings or {}, "attention.settings")
-        reasons = kv_dtype_reasons(spec, req) or validate_backend(spec, replace(req, settings=checked), device)
+        reasons = backend_reasons(spec, replace(req, settings=checked), device)
         if reasons:
             raise ValueError(f"attention.backend {name!r} cannot run here: {'; '.join(reasons)}")
         return spec, {}
@@ -98,7 +104,7 @@ def choose_attention(registry: Registry, name: str, req: AttentionRequirements, 
         except ValueError as e:
             rejected[n] = [str(e)]
             continue
-        reasons = kv_dtype_reasons(spec, req) or validate_backend(spec, replace(req, settings=checked), device)
+        reasons = backend_reasons(spec, replace(req, settings=checked), device)
         (rejected.__setitem__(n, reasons) if reasons else ok.append(spec))
     if not ok:
         detail = "; ".join(f"{n}: {', '.join(r)}" for n, r in rejected.items()) or "none registered"

@@ -201,10 +201,9 @@ def _explain(args: argparse.Namespace, reg) -> None:
     which one ``auto`` picks, for the model of --model or of --config (required: its head
     sizes and dtype decide)."""
     from kvforge.engine.builder import load_hf_config
-    from kvforge.engine.resolve import choose_attention, kv_dtype_reasons, resolve_device, resolve_dtype
+    from kvforge.engine.resolve import backend_reasons, choose_attention, resolve_device, resolve_dtype
     from kvforge.interfaces import AttentionRequirements
     from kvforge.layers.kv_cache_dtype import resolve_kv_cache_dtype
-    from kvforge.plugin_manager import validate_backend
     cfg = EngineConfig.from_sources(args.config, {"model": args.model} if args.model else {})
     model = cfg.model.model
     hf = load_hf_config(model)
@@ -222,7 +221,7 @@ def _explain(args: argparse.Namespace, reg) -> None:
     print(f"\nattention backends for {model} on {dev} ({dtype}; block_size {cfg.cache.block_size}{kv_note}):")
     for name in reg.names("attention"):
         spec = reg.get("attention", name)
-        reasons = kv_dtype_reasons(spec, req) or validate_backend(spec, req, dev)  # (as choose_attention)
+        reasons = backend_reasons(spec, req, dev)  # (as choose_attention decides)
         prio = spec.capabilities.get("priority", 0)
         verdict = ("rejected: " + "; ".join(reasons) if reasons else
                    "ok" + (", picked by auto" if name == picked else ""))

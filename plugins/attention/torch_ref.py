@@ -26,13 +26,16 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
     saturated and rounded to nearest even (:func:`kvforge.layers.kv_cache_dtype.quantize_kv`).
     """
     nb, bs, hkv, d = kv_cache.shape[1:]
-    one = torch.ones((), dtype=torch.float32, device=k.device)
-    ks, vs = (one, one) if kv_scale is None else (kv_scale[0], kv_scale[1])
-    # index_copy_ has no FP8 kernel on every device: scatter through a same-sized integer view.
-    flat = kv_cache.view(torch.uint8) if is_fp8(kv_cache.dtype) else kv_cache
-    for i, (x, s) in enumerate(((k, ks), (v, vs))):
-        q = quantize_kv(x, s, kv_cache.dtype)
-        flat[i].view(nb * bs, hkv, d).index_copy_(0, slot_mapping, q.view(flat.dtype))
+    if not is_fp8(kv_cache.dtype):
+        kv_cache[0].view(nb * bs, hkv, d).index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
+        kv_cache[1].view(nb * bs, hkv, d).index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+        return
+    scales = torch.ones(2, device=k.device) if kv_scale is None else kv_scale
+    # index_copy_ has no FP8 kernel (CPU): scatter the bytes through a uint8 view.
+    flat = kv_cache.view(torch.uint8)
+    for i, x in enumerate((k, v)):
+        q = quantize_kv(x, scales[i], kv_cache.dtype)
+        flat[i].view(nb * bs, hkv, d).index_copy_(0, slot_mapping, q.view(torch.uint8))
 
 
 def gather_kv(kv_cache: torch.Tensor, blocks: torch.Tensor, seq_len: int,

@@ -22,10 +22,9 @@ parsers content streams until the answer looks like calls, which come when the c
 from __future__ import annotations
 
 import json
-import uuid
 from typing import Any
 
-from kvforge.entrypoints.openai.tool_parsers import KEEPS_SPECIAL_TOKENS
+from kvforge.entrypoints.openai.tool_parsers import KEEPS_SPECIAL_TOKENS, as_json, make_call
 from kvforge.entrypoints.openai.tool_parsers import PARSERS as _PARSE
 
 #: ``--tool-call-parser`` values.
@@ -91,15 +90,9 @@ def constraint(req: Any) -> dict[str, Any] | None:
     return {"json": _schema(next(f for f in fns if f["name"] == name)), "disable_any_whitespace": True}
 
 
-def _call(name: str, arguments: Any) -> dict[str, Any]:
-    args = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-    return {"id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function",
-            "function": {"name": name, "arguments": args}}
-
-
 def named_call(req: Any, arguments: str) -> dict[str, Any]:
     """The call a named ``tool_choice`` forces, with ``arguments`` (JSON text) and a fresh id."""
-    return _call(req.tool_choice["function"]["name"], arguments)
+    return make_call(req.tool_choice["function"]["name"], arguments)
 
 
 def adjust_params(params: Any, how: str | None, parser: str | None) -> None:
@@ -118,11 +111,11 @@ def extract(how: str, text: str, req: Any, parser: str = "hermes") -> tuple[str 
     if how == "required":
         try:
             items = json.loads(text)
-            return None, [_call(item["name"], item["parameters"]) for item in items]
+            return None, [make_call(item["name"], as_json(item["parameters"])) for item in items]
         except (ValueError, TypeError, KeyError):
             return text, []
     content, found = _PARSE[parser](text)
-    return content, [_call(name, args) for name, args in found]
+    return content, [make_call(name, as_json(args)) for name, args in found]
 
 
 def finish_reason(how: str | None, calls: list, reason: str | None) -> str | None:

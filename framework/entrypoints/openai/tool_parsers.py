@@ -24,6 +24,7 @@ from __future__ import annotations
 import ast
 import json
 import re
+import uuid
 from typing import Any, Callable
 
 Calls = list[tuple[str, Any]]
@@ -123,6 +124,17 @@ def parse_pythonic(text: str) -> tuple[str | None, Calls]:
     except (SyntaxError, ValueError, TypeError, MemoryError, RecursionError):
         return text, []
     return None, calls
+
+
+def make_call(name: str, arguments: str) -> dict[str, Any]:
+    """An OpenAI ``tool_calls`` entry with a fresh id; ``arguments``: JSON text (see :func:`as_json`)."""
+    return {"id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function",
+            "function": {"name": name, "arguments": arguments}}
+
+
+def as_json(value: Any) -> str:
+    """A parsed arguments value as the JSON text of a call's ``arguments``."""
+    return json.dumps(value, ensure_ascii=False)
 
 
 PARSERS: dict[str, Callable[[str], tuple[str | None, Calls]]] = {

@@ -28,15 +28,10 @@ import json
 import re
 from typing import Any
 
-from kvforge.entrypoints.openai.tool_parsers import PARSERS, parse_hermes
+from kvforge.entrypoints.openai.tool_parsers import PARSERS, as_json, make_call, parse_hermes
 
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 _HEADER = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"parameters"\s*:\s*')
-
-
-def _new_call(name: str) -> dict[str, Any]:
-    from kvforge.entrypoints.openai.tool_calls import _call
-    return _call(name, "")
 
 
 class _Stream:
@@ -53,9 +48,7 @@ class _Stream:
         items = []
         for name, args in found:
             self.index += 1
-            call = _new_call(name)
-            call["function"]["arguments"] = json.dumps(args, ensure_ascii=False)
-            items.append({"index": self.index, **call})
+            items.append({"index": self.index, **make_call(name, as_json(args))})
         return items
 
 
@@ -112,7 +105,7 @@ class RequiredCallStream(_Stream):
                 self.index += 1
                 self.header_sent = True
                 self.sent_args = m.end()
-                out.append({"index": self.index, **_new_call(json.loads(f'"{m.group(1)}"'))})
+                out.append({"index": self.index, **make_call(json.loads(f'"{m.group(1)}"'), "")})
             elif closing:  # another key order: the item whole
                 try:
                     body = json.loads(text)

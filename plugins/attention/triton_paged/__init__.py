@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from kvforge import hookimpl
 from kvforge.interfaces import AttentionBackend, AttentionInputs, AttentionLayer, AttentionRequirements
+from kvforge.layers.kv_cache_dtype import is_fp8
 from .metadata import (
     MAX_SPLIT_SLOTS, SplitPolicy, TritonPagedMetadata, build_triton_metadata, make_graph_metadata,
     update_graph_metadata,
@@ -35,7 +36,6 @@ KVFORGE_HOOK_API = "1"
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SUPPORTED_BLOCK_SIZES = (16, 32, 64, 128)
 MIN_HEAD, MAX_HEAD = 16, 256
-KV_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def _pow2(x: int) -> bool:
@@ -124,7 +124,7 @@ class TritonPagedBackend(AttentionBackend):
             reasons.append(f"dtype {req.dtype} unsupported (float16, bfloat16, float32)")
         elif req.dtype == torch.bfloat16 and not on_cuda:
             reasons.append("bfloat16 tl.dot is wrong in Triton's CPU interpreter")
-        if req.kv_cache_dtype not in (req.dtype, *KV_FP8_DTYPES):
+        if req.kv_cache_dtype != req.dtype and not is_fp8(req.kv_cache_dtype):
             reasons.append(f"kv_cache_dtype {req.kv_cache_dtype} unsupported (the model dtype {req.dtype}, "
                            "float8_e4m3fn or float8_e5m2)")
         if not _pow2(req.head_size) or not MIN_HEAD <= req.head_size <= MAX_HEAD:

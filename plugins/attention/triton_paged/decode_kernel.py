@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvforge.layers.kv_cache_dtype import is_fp8
+
 LOG2E = 1.4426950408889634
 
 
@@ -119,7 +121,7 @@ def compute_dtype(q_dtype: torch.dtype, kv_fp8: bool, fp16_dots: bool):
 def fp8_scale_arg(kv_cache: torch.Tensor, kv_scale: torch.Tensor | None) -> tuple[bool, torch.Tensor | None]:
     """(whether ``kv_cache`` is FP8, the K/V scale tensor its kernels read: ``kv_scale``, or
     ones when None)."""
-    if kv_cache.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+    if not is_fp8(kv_cache.dtype):
         return False, None
     if kv_scale is None:
         kv_scale = torch.ones(2, dtype=torch.float32, device=kv_cache.device)
