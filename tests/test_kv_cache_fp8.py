@@ -270,3 +270,18 @@ def test_calculate_kv_scales_from_the_first_step(loud_kv_model, caplog):
 def test_calculate_kv_scales_needs_an_fp8_cache():
     with pytest.raises(ValueError, match="calculate_kv_scales.*FP8 cache"):
         EngineConfig.from_sources(None, {"model": STORIES_MODEL, "calculate_kv_scales": True})
+
+
+def test_layer_without_scales_reads_one_shared_unit_scale():
+    """A backend called without ``kv_scale`` (a model that does not use PagedAttention) uses
+    scale 1.0 from one cached tensor per device, not a fresh allocation per call."""
+    from kvforge.layers.kv_cache_dtype import unit_kv_scale
+    from kvforge_plugins.attention.torch_ref import write_kv
+    a = unit_kv_scale(torch.device("cpu"))
+    assert a is unit_kv_scale("cpu") and a.dtype == torch.float32 and a.tolist() == [1.0, 1.0]
+    g = torch.Generator().manual_seed(fresh_rng().getrandbits(31))
+    k, v = torch.randn(3, 2, 8, generator=g), torch.randn(3, 2, 8, generator=g)
+    cache = torch.zeros(2, 2, 4, 2, 8, dtype=torch.float8_e4m3fn)
+    write_kv(cache, k, v, torch.tensor([5, 0, 2]), None)
+    assert torch.equal(cache[0].view(8, 2, 8)[5].float(), k[0].to(torch.float8_e4m3fn).float())
+    assert torch.equal(cache[1].view(8, 2, 8)[2].float(), v[2].to(torch.float8_e4m3fn).float())

@@ -48,6 +48,23 @@ def is_fp8(dtype: torch.dtype) -> bool:
     return dtype in FP8_MAX
 
 
+_UNIT_SCALES: dict[torch.device, torch.Tensor] = {}
+
+
+def unit_kv_scale(device: torch.device) -> torch.Tensor:
+    """float32 [2] ones on ``device``: the K/V scales of a layer that passes none (a model
+    without :class:`~kvforge.layers.attention.PagedAttention`). One tensor per device, so an
+    FP8 cache does not cost an allocation per layer per call; one made during CUDA-graph
+    capture belongs to the graph's pool and is not kept."""
+    device = torch.device(device)
+    t = _UNIT_SCALES.get(device)
+    if t is None:
+        t = torch.ones(2, dtype=torch.float32, device=device)
+        if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+            _UNIT_SCALES[device] = t
+    return t
+
+
 def quantize_kv(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``x / scale`` saturated to the format's range and rounded to nearest even in ``dtype``.
 

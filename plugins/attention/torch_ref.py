@@ -13,7 +13,7 @@ import torch
 
 from kvforge import hookimpl
 from kvforge.interfaces import AttentionBackend, AttentionInputs, AttentionLayer, AttentionRequirements
-from kvforge.layers.kv_cache_dtype import dequantize_kv, is_fp8, quantize_kv
+from kvforge.layers.kv_cache_dtype import dequantize_kv, is_fp8, quantize_kv, unit_kv_scale
 
 KVFORGE_HOOK_API = "1"
 
@@ -30,7 +30,7 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
         kv_cache[0].view(nb * bs, hkv, d).index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
         kv_cache[1].view(nb * bs, hkv, d).index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
         return
-    scales = torch.ones(2, device=k.device) if kv_scale is None else kv_scale
+    scales = unit_kv_scale(k.device) if kv_scale is None else kv_scale
     # index_copy_ has no FP8 kernel (CPU): scatter the bytes through a uint8 view.
     flat = kv_cache.view(torch.uint8)
     for i, x in enumerate((k, v)):

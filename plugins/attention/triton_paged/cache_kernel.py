@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvforge.layers.kv_cache_dtype import unit_kv_scale
+
 
 @triton.jit
 def _round_to_fp8(x, scale, FP8_MAX: tl.constexpr, MANT: tl.constexpr, MIN_NORMAL: tl.constexpr,
@@ -91,7 +93,7 @@ def reshape_and_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, 
     block_t = max(1, min(16, 4096 // width))
     fp8 = _FP8_GRID.get(kv_cache.dtype)
     if fp8 is not None and kv_scale is None:
-        kv_scale = torch.ones(2, dtype=torch.float32, device=k.device)
+        kv_scale = unit_kv_scale(k.device)
     fmax, mant, min_normal, quantum = fp8 or (0.0, 0, 0.0, 0.0)
     _reshape_and_cache_kernel[(triton.cdiv(t, block_t),)](
         k, v, kv_cache, slot_mapping, slot_mapping if kv_scale is None else kv_scale, t,

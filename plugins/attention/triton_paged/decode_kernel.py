@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvforge.layers.kv_cache_dtype import is_fp8
+from kvforge.layers.kv_cache_dtype import is_fp8, unit_kv_scale
 
 LOG2E = 1.4426950408889634
 
@@ -124,7 +124,7 @@ def fp8_scale_arg(kv_cache: torch.Tensor, kv_scale: torch.Tensor | None) -> tupl
     if not is_fp8(kv_cache.dtype):
         return False, None
     if kv_scale is None:
-        kv_scale = torch.ones(2, dtype=torch.float32, device=kv_cache.device)
+        kv_scale = unit_kv_scale(kv_cache.device)
     return True, kv_scale
 
 
