@@ -257,9 +257,11 @@ def test_calculate_kv_scales_from_the_first_step(loud_kv_model, caplog):
     assert "no K/V scales" not in caplog.text
     err_cal = median_err(cal)
     scales = [m.kv_scale.clone() for m in _layers(cal)]
+    blocks = cal.allocator.num_blocks  # (on CUDA, the scratch block past these holds warm-up rows at scale 1.0)
     for cache, s in zip(cal.runner.kv_caches, scales):
         assert (s > 1).all(), f"scales {s.tolist()} not calibrated (K, V reach thousands), seed {seed}"
-        assert cache[0].float().abs().max() == 224 and cache[1].float().abs().max() == 224, f"seed {seed}"
+        held = cache[:, :blocks].float().abs()
+        assert held[0].max() == 224 and held[1].max() == 224, f"seed {seed}"
     median_err(cal)  # a second batch of steps leaves the scales alone
     assert all(torch.equal(m.kv_scale, s) for m, s in zip(_layers(cal), scales))
     err_unit = median_err(_engine(model=path, kv_cache_dtype="fp8"))
