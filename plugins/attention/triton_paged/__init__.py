@@ -65,7 +65,7 @@ class TritonPagedSettings(BaseModel):
     prefill_num_stages: int = Field(0, ge=0, le=6, description="prefill kernel pipeline stages: 0 (2) or 1-6")
     decode_num_warps: int = Field(0, ge=0, le=16, description="decode kernel warps: 0 (by head size) or a power "
                                                               "of two up to 16")
-    decode_num_stages: int = Field(0, ge=0, le=6, description="decode kernel pipeline stages: 0 (3) or 1-6")
+    decode_num_stages: int = Field(0, ge=0, le=6, description="decode kernel pipeline stages: 0 (3; 5 over an FP8 cache) or 1-6")
     split_kv_target_tiles: int = Field(16, ge=0, description="split long key ranges when a step has fewer "
                                                              "prefill tiles than this (0: never)")
     split_kv_min_keys: int = Field(512, ge=16, description="shortest key range a split leaves (>= 16)")

@@ -145,7 +145,8 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, blo
             dtype, or FP8 (float8_e4m3fn / float8_e5m2) holding K / kv_scale[0], V / kv_scale[1].
         kv_scale: float32 [2] on the device (FP8 caches; None: 1.0).
         fp16_dots: a bf16 query over an FP8 cache computes its dots in fp16 (module docstring).
-        num_warps / num_stages: Triton launch options (0 = auto: 4 warps, 8 past head_dim 128; 3 stages).
+        num_warps / num_stages: Triton launch options (0 = auto: 4 warps, 8 past head_dim 128; 3 stages,
+            5 over an FP8 cache).
         block_table: int32 [B, max_blocks]; seq_lens: int32 [B] (context + 1);
         query_start_loc: int32 [B + 1]; decode_rows: int32 [>= num_decodes] request indices,
             or None: rows 0 .. num_decodes-1 are requests 0 .. num_decodes-1.
@@ -175,5 +176,8 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, blo
         BLOCK_N=block_n, HAS_WINDOW=sliding_window is not None, DOT_PREC=dot_precision(q.dtype),
         ROWS_ARE_REQS=decode_rows is None, COUNT_ON_DEVICE=count is not None, KV_FP8=kv_fp8,
         CDT=compute_dtype(q.dtype, kv_fp8, fp16_dots),
-        num_warps=num_warps or (4 if d <= 128 else 8), num_stages=num_stages or 3,
+        # FP8: 5 stages give the K/V tiles two shared-memory buffers (Triton's pipeliner gives one
+        # at 2-4, the block-table load taking a stage), so one tile streams in while one is used;
+        # 3 stay best for 16-bit caches, whose registers allow more programs per SM instead.
+        num_warps=num_warps or (4 if d <= 128 else 8), num_stages=num_stages or (5 if kv_fp8 else 3),
     )
