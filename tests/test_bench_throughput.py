@@ -77,6 +77,18 @@ def test_throughput_stories_with_hf_baseline(tmp_path, capfd):
                         d["output_tokens_per_second"] / hf["useful_output_tokens_per_second"])
 
 
+def test_throughput_reports_the_timed_runs_preemptions(tmp_path, tiny_dummy):
+    # 8 requests of 24 + 16 tokens need 24 blocks of 16 at once; 6 blocks hold only two, so the
+    # scheduler must preempt during the timed run (and never in the 1-prompt warm-up)
+    base = ["bench", "throughput", "--model", tiny_dummy, "--load-format", "dummy", "--input-len", "24",
+            "--output-len", "16", "--num-prompts", "8", "--num-warmup-prompts", "1", "--block-size", "16"]
+    small = _run(base + ["--set", "cache.num_gpu_blocks=6"], tmp_path / "small.json")
+    assert small["num_preemptions"] > 0 and small["num_recomputed_tokens"] > 0
+    assert small["output_tokens"] == 8 * 16  # no request lost to the preemptions
+    big = _run(base + ["--set", "cache.num_gpu_blocks=64"], tmp_path / "big.json")
+    assert big["num_preemptions"] == 0 and big["num_recomputed_tokens"] == 0
+
+
 def test_throughput_tiny_dummy_variable_with_hf(tmp_path, tiny_dummy):
     args = ["--dataset", "variable", "--min-len", "4", "--max-len", "24", "--num-prompts", "5", "--seed", "1"]
     d = _run(["bench", "throughput", "--model", tiny_dummy, "--load-format", "dummy", *args,

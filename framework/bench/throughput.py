@@ -195,10 +195,13 @@ def cmd_throughput(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
                                                   max_tokens=min(8, r.output_len), detokenize=detok)
                                    for r in reqs[:k]], use_tqdm=False)
     synchronize(device)
+    before = engine.stats()  # the scheduler's counters are cumulative: count the timed run only
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=not args.disable_tqdm)
     synchronize(device)
     elapsed = time.perf_counter() - t0
+    after = engine.stats()
+    sched = {k: after.get(k, 0) - before.get(k, 0) for k in ("num_preemptions", "num_recomputed_tokens")}
     errors = [o.error for o in outs if o.error]
     if errors:
         raise RuntimeError(f"{len(errors)} requests failed, first: {errors[0]}")
@@ -206,7 +209,9 @@ def cmd_throughput(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
     n_in = sum(r.prompt_len for r in reqs)
     res = {"elapsed_time": elapsed, "num_requests": len(reqs), "total_num_tokens": n_in + n_out,
            "input_tokens": n_in, "output_tokens": n_out, "requests_per_second": len(reqs) / elapsed,
-           "tokens_per_second": (n_in + n_out) / elapsed, "output_tokens_per_second": n_out / elapsed}
+           "tokens_per_second": (n_in + n_out) / elapsed, "output_tokens_per_second": n_out / elapsed,
+           "num_preemptions": int(sched["num_preemptions"]),
+           "num_recomputed_tokens": int(sched["num_recomputed_tokens"])}
     shape = ModelShape.from_hf_config(engine.parts.hf_config)
     dtype_bytes = engine.parts.dtype.itemsize
     wbytes, wsource = step_weight_bytes_for(llm, shape, dtype_bytes)
@@ -230,7 +235,8 @@ def cmd_throughput(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
                            "min_len": args.min_len, "max_len": args.max_len, **summarize(reqs)},
               **res, "roofline": roof}
     print(f"kvforge: {res['requests_per_second']:.2f} requests/s, {res['tokens_per_second']:.1f} total tokens/s, "
-          f"{res['output_tokens_per_second']:.1f} output tokens/s ({len(reqs)} requests in {elapsed:.2f} s)")
+          f"{res['output_tokens_per_second']:.1f} output tokens/s ({len(reqs)} requests in {elapsed:.2f} s, "
+          f"{res['num_preemptions']} preemptions)")
     print(f"roofline: {roof['requests_per_s']:.2f} requests/s, {roof['output_tokens_per_s']:.1f} output tokens/s "
           f"(peak {args.peak_tflops:g} TFLOP/s, {args.mem_bw_tbps:g} TB/s) -> kvforge at "
           f"{100 * roof['fraction_of_roofline']:.3g}% of roofline")
