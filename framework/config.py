@@ -81,7 +81,9 @@ class CacheConfig(_Section):
 
 class SchedulerConfig(_Section):
     name: str = "chunked_prefill"
-    max_num_seqs: int = Field(256, gt=0)
+    max_num_seqs: int | None = Field(
+        None, gt=0, description="Most requests in one step (default: 512 on a CUDA GPU of >= 70 GiB, else 256; "
+        "vLLM too raises its default on such GPUs).")
     max_num_batched_tokens: int | None = Field(None, gt=0, description="Token budget per step (default: max(2048, max_model_len)).")
     async_scheduling: bool | None = Field(
         None, description="Schedule and prepare step N+1 while the device runs step N (vLLM's async "

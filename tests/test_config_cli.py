@@ -383,9 +383,11 @@ def test_flag_help_comes_from_the_config_field(capsys):
 
 
 def test_null_for_a_field_that_takes_no_null_is_refused(capsys):
-    """``--max-num-seqs null`` quietly meant the default; a field without a null value refuses it
-    (a nullable one, ``--max-model-len null``, is its default None)."""
+    """``--block-size null`` quietly meant the default; a field without a null value refuses it
+    (a nullable one, ``--max-model-len null`` or ``--max-num-seqs null``, is its default None,
+    which the engine resolves)."""
     from kvforge.entrypoints.cli import main
-    assert main(["generate", "--model", STORIES_MODEL, "--max-num-seqs", "null", "--max-tokens", "2", "Once"]) == 2
-    assert "--max-num-seqs: null is not a value of scheduler.max_num_seqs" in capsys.readouterr().err
+    assert main(["generate", "--model", STORIES_MODEL, "--block-size", "null", "--max-tokens", "2", "Once"]) == 2
+    assert "--block-size: null is not a value of cache.block_size" in capsys.readouterr().err
     assert main(["generate", "--model", STORIES_MODEL, "--max-model-len", "null", "--max-tokens", "2", "Once"]) == 0
+    assert main(["generate", "--model", STORIES_MODEL, "--max-num-seqs", "null", "--max-tokens", "2", "Once"]) == 0

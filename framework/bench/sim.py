@@ -41,6 +41,19 @@ log = logging.getLogger("kvforge")
 FAKE_TOKEN = 4
 
 
+def sim_scheduler_defaults(config: EngineConfig, limit: int, cost_model: CostModel | None = None) -> None:
+    """Fill what the builder would resolve in ``config.scheduler`` (in place): the token budget
+    ``max(2048, max_model_len)``, and ``max_num_seqs`` as the engine the cost model was measured
+    on had it (``engine.max_num_seqs`` in its JSON), else the builder's 256."""
+    from kvforge.engine.builder import DEFAULT_MAX_NUM_SEQS
+    s = config.scheduler
+    if s.max_num_batched_tokens is None:
+        s.max_num_batched_tokens = max(2048, limit)
+    if s.max_num_seqs is None:
+        measured = (cost_model.meta.get("engine", {}) if cost_model is not None else {}).get("max_num_seqs")
+        s.max_num_seqs = int(measured or DEFAULT_MAX_NUM_SEQS)
+
+
 def sim_num_blocks(config: EngineConfig, facts: ModelFacts, cost_model: CostModel, limit: int) -> int:
     """KV blocks of the simulated cache, mirroring the engine builder's sizing.
 
@@ -102,8 +115,7 @@ def simulate(trace: Trace, prompts: list[list[int]], config: EngineConfig, regis
         raise ValueError("sim mode does not model speculative decoding (speculative.method); use --mode real")
     limit = max_model_len(config, facts)
     check_trace_fits(trace, limit)
-    if config.scheduler.max_num_batched_tokens is None:  # the builder's default
-        config.scheduler.max_num_batched_tokens = max(2048, limit)
+    sim_scheduler_defaults(config, limit, cost_model)
     num_blocks = sim_num_blocks(config, facts, cost_model, limit)
     num_cpu_blocks = config.cache.swap_space_bytes // facts.kv_block_bytes(config.cache.block_size,
                                                                           config.model.dtype,

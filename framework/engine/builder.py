@@ -102,6 +102,21 @@ def _device_memory_bytes(device: torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+#: (device memory threshold, max_num_seqs above it, below it)
+BIG_GPU_BYTES, BIG_GPU_MAX_NUM_SEQS, DEFAULT_MAX_NUM_SEQS = 70 * 2**30, 512, 256
+
+
+def default_max_num_seqs(device: torch.device) -> int:
+    """``scheduler.max_num_seqs`` when the config leaves it unset: 512 on a CUDA GPU of at least
+    70 GiB, else 256. vLLM likewise raises its default on such GPUs (to 1024). On one H200 the
+    offline 1000 x 1024/128 run measured 31.66-31.85 req/s at 512, 31.30-31.37 at 256 and 31.32 at
+    1024, where its bf16 cache holds ~780 of the 1152-token requests and preempts (BENCHMARKS.md,
+    session 25)."""
+    if device.type == "cuda" and _device_memory_bytes(device) >= BIG_GPU_BYTES:
+        return BIG_GPU_MAX_NUM_SEQS
+    return DEFAULT_MAX_NUM_SEQS
+
+
 def _num_blocks(cfg: EngineConfig, device: torch.device, block_bytes: int, max_model_len: int) -> int:
     c = cfg.cache
     if c.num_gpu_blocks is not None:
@@ -335,6 +350,8 @@ def build_engine_parts(config: EngineConfig, registry: Registry) -> EngineParts:
         raise ValueError(f"model.max_model_len {max_model_len} exceeds the model's max_position_embeddings {max_pos}")
     if config.scheduler.max_num_batched_tokens is None:
         config.scheduler.max_num_batched_tokens = max(2048, max_model_len)
+    if config.scheduler.max_num_seqs is None:
+        config.scheduler.max_num_seqs = default_max_num_seqs(device)
 
     check_capabilities(config, registry, hf_config, dtype, device)  # before any weight is read
     if config.scheduler.async_scheduling is None:

@@ -51,15 +51,17 @@ def _key_blocks(acc, l_i, m_i, q, cache_ptr, bt_row, head_off, stride_ckv, strid
             k = tl.load(cache_ptr + tok_off[:, None] + offs_d[None, :], mask=kvalid[:, None], other=0.0)
         else:
             k = tl.load(cache_ptr + tok_off[:, None] + offs_d[None, :])
-        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PREC) * scale_log2   # [BLOCK_M, BLOCK_N]
+        # Raw scores; the scale joins the exponent as one FMA per score (s * c - m), as in
+        # FlashAttention-2, instead of a multiply and a subtract (m_i is kept scaled; c > 0).
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PREC)   # [BLOCK_M, BLOCK_N]
         if MASKED:
             allowed = kvalid[None, :] & (kpos[None, :] <= qpos[:, None])
             if HAS_WINDOW:
                 allowed = allowed & (kpos[None, :] > qpos[:, None] - window)
             s = tl.where(allowed, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2)
         alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        p = tl.exp2(s * scale_log2 - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         if MASKED:
             v = tl.load(cache_ptr + stride_ckv + tok_off[:, None] + offs_d[None, :], mask=kvalid[:, None],
