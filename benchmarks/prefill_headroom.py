@@ -28,7 +28,7 @@ import torch
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_attention import DEV, causal_pairs, check, make_step, time_forward  # noqa: E402
+from bench_attention import causal_pairs, check, make_step, time_forward  # noqa: E402
 
 from kvforge.interfaces import AttentionLayer  # noqa: E402
 from kvforge_plugins.attention.triton_paged import TritonPagedBackend, TritonPagedSettings  # noqa: E402
