@@ -1,15 +1,15 @@
 """How far the ``triton_paged`` prefill kernel is from torch's attention kernels on the engine's
 prefill shape (a script, not a test).
 
-    python benchmarks/prefill_headroom.py [--ab scratch/prefill_kernel_old.py] [--lens 1024,2048]
+    python benchmarks/prefill_headroom.py [--ab OTHER_prefill_kernel.py ...] [--lens 1024,2048]
 
 Why: in the offline benchmark's mixed steps (8 fresh 1024-token prompts a step, Llama-3-8B
 shape) the prefill kernel is the one kernel not at a hardware floor (session 19's profile:
 5.7% of the step). This prints, for 8 prompts of each length (GQA 32/8, D 128, bf16, block 16):
 
   * ``triton_paged`` forward (cache write + attention) for several prefill launch configs;
-  * with ``--ab FILE``: the same forward with the prefill kernel module loaded from FILE
-    (another version of ``prefill_kernel.py``), the two alternated 5 times, medians;
+  * with ``--ab FILE`` (repeatable): the same forward with the prefill kernel module loaded from
+    each FILE (other versions of ``prefill_kernel.py``), all alternated 5 times, medians;
   * torch ``scaled_dot_product_attention`` (flash, cuDNN, memory-efficient backends, each if it
     runs) on the same q/k/v as [B, H, S, D], causal, GQA.
 
@@ -59,15 +59,16 @@ def sdpa_cases(step, n: int, s: int):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lens", default="1024,2048", help="prompt lengths, 8 prompts each")
-    ap.add_argument("--ab", help="another prefill_kernel.py to time against the installed one")
+    ap.add_argument("--ab", action="append", default=[], help="another prefill_kernel.py to time against the "
+                    "installed one (repeatable)")
     a = ap.parse_args()
     layer = AttentionLayer(layer_idx=0, num_heads=HQ, num_kv_heads=HKV, head_size=D, scale=D ** -0.5)
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}  bf16")
-    other = None
-    if a.ab:
-        spec = importlib.util.spec_from_file_location("prefill_kernel_ab", a.ab)
-        other = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(other)
+    others = []
+    for i, path in enumerate(a.ab):
+        spec = importlib.util.spec_from_file_location(f"prefill_kernel_ab{i}", path)
+        others.append(importlib.util.module_from_spec(spec))
+        spec.loader.exec_module(others[-1])
     for s in (int(x) for x in a.lens.split(",")):
         reqs = [(0, s)] * 8
         step = make_step(reqs, HQ, HKV, D, BS, torch.bfloat16)
@@ -78,17 +79,21 @@ def main() -> None:
             check(be, layer, step, TOL, quiet=True)
             t = time_forward(be, layer, step)
             print(f"  triton_paged m{bm} n{bn} w{w} s{st}: {t * 1e6:8.1f} us {tflops(reqs, t):6.1f} TFLOP/s")
-        if other is not None:
-            new, old = TritonPagedBackend(), TritonPagedBackend()
-            old._prefill = other
-            check(old, layer, step, TOL, quiet=True)
-            tn, to = [], []
+        if others:
+            arms = [("installed", TritonPagedBackend())]
+            for path, mod in zip(a.ab, others):
+                arms.append((path, TritonPagedBackend()))
+                arms[-1][1]._prefill = mod
+                check(arms[-1][1], layer, step, TOL, quiet=True)
+            times: dict[str, list[float]] = {name: [] for name, _ in arms}
             for _ in range(5):
-                tn.append(time_forward(new, layer, step))
-                to.append(time_forward(old, layer, step))
-            mn, mo = statistics.median(tn), statistics.median(to)
-            print(f"  A/B default config: installed {mn * 1e6:.1f} us, {a.ab} {mo * 1e6:.1f} us "
-                  f"(installed / other = {mn / mo:.3f})")
+                for name, be in arms:
+                    times[name].append(time_forward(be, layer, step))
+            base = statistics.median(times["installed"])
+            for name, ts in times.items():
+                t = statistics.median(ts)
+                print(f"  A/B default config, {name}: {t * 1e6:8.1f} us {tflops(reqs, t):6.1f} TFLOP/s "
+                      f"({t / base:.3f} x installed)")
         ref = None
         for label, fn in sdpa_cases(step, 8, s):
             try:
