@@ -181,7 +181,7 @@ def test_workers_do_not_warn_about_defaults(caplog):
     import torch
 
     from kvforge.config import EngineConfig
-    from kvforge.engine.builder import _num_blocks
+    from kvforge.engine.sizing import num_kv_blocks
     for over, warns in (({}, False), ({"gpu_memory_utilization": 0.5}, True)):
         cfg = EngineConfig.from_sources(None, {"model": STORIES_MODEL, "device": "cpu", "tensor_parallel_size": 2,
                                                "kv_cache_memory_bytes": 1 << 20, "max_num_seqs": 256, **over})
@@ -190,7 +190,7 @@ def test_workers_do_not_warn_about_defaults(caplog):
         assert ("gpu_memory_utilization" in again.cache.model_fields_set) is warns
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="kvforge"):
-            assert _num_blocks(again, torch.device("cpu"), 1024, 128) == 1024
+            assert num_kv_blocks(again, torch.device("cpu"), 1024, 128) == 1024
         assert ("gpu_memory_utilization" in caplog.text) is warns, caplog.text
     full = EngineConfig.model_validate(cfg.model_dump())  # (what they got before: every field "set")
     assert "gpu_memory_utilization" in full.cache.model_fields_set

@@ -11,7 +11,7 @@ from helpers import STORIES_MODEL
 from kvforge.bench.cost_model import CostModel
 from kvforge.bench.sim import sim_scheduler_defaults
 from kvforge.config import EngineConfig
-from kvforge.engine import builder
+from kvforge.engine import sizing
 
 GIB = 2**30
 
@@ -21,8 +21,8 @@ GIB = 2**30
     ("cuda", 69.9, 256), ("cuda", 24, 256), ("cpu", 1024, 256),  # smaller GPUs; the CPU whatever its memory
 ])
 def test_default_max_num_seqs_follows_the_device(monkeypatch, device, gib, want):
-    monkeypatch.setattr(builder, "_device_memory_bytes", lambda d: int(gib * GIB))
-    assert builder.default_max_num_seqs(torch.device(device)) == want
+    monkeypatch.setattr(sizing, "device_memory_bytes", lambda d: int(gib * GIB))
+    assert sizing.default_max_num_seqs(torch.device(device)) == want
 
 
 def test_the_engine_resolves_an_unset_max_num_seqs_and_keeps_a_set_one():

@@ -129,7 +129,8 @@ def check_real_arm(config, registry, facts=None, longest: int = 0) -> None:
         ValueError: as :func:`kvforge.engine.capabilities.check_capabilities` and
             :func:`kvforge.engine.builder.build_quant_config`; or naming the cache setting.
     """
-    from kvforge.engine.builder import _kv_block_bytes, build_quant_config, load_hf_config
+    from kvforge.engine.builder import build_quant_config, load_hf_config
+    from kvforge.engine.sizing import kv_block_bytes
     from kvforge.engine.resolve import resolve_device, resolve_dtype
     from kvforge.engine.capabilities import check_capabilities
     from kvforge.layers.kv_cache_dtype import resolve_kv_cache_dtype
@@ -144,7 +145,7 @@ def check_real_arm(config, registry, facts=None, longest: int = 0) -> None:
     if c.num_gpu_blocks is not None:
         blocks, knob = c.num_gpu_blocks, "cache.num_gpu_blocks"
     else:  # the engine's block: K and V of every layer, in the dtype it resolves
-        block_bytes = _kv_block_bytes(hf_config, facts.head_dim, facts.num_kv_heads, c.block_size,
+        block_bytes = kv_block_bytes(hf_config, facts.head_dim, facts.num_kv_heads, c.block_size,
                                       resolve_kv_cache_dtype(c.kv_cache_dtype, dtype))
         blocks, knob = c.kv_cache_memory_bytes // block_bytes, "cache.kv_cache_memory_bytes"
         if blocks < 1:

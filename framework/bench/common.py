@@ -25,7 +25,6 @@ from kvforge.bench.trace import Trace
 from kvforge.bench.workload import split_top_level
 from kvforge.config import FLAT_FIELDS, EngineConfig
 
-_CPU_DEFAULT_KV_BYTES = 1 << 30  # as kvforge.engine.builder (the CPU KV budget when none is set)
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 

@@ -22,8 +22,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from kvforge.bench.common import (ModelFacts, check_trace_fits, max_model_len, replay_order, request_id,
-                                  _CPU_DEFAULT_KV_BYTES)
+from kvforge.bench.common import (ModelFacts, check_trace_fits, max_model_len, replay_order, request_id)
 from kvforge.bench.cost_model import CostModel, step_shape
 from kvforge.bench.metrics import RequestRecord, RunResult
 from kvforge.bench.trace import Trace
@@ -32,6 +31,7 @@ from kvforge.engine.capabilities import describe, ignores_priority
 from kvforge.engine.request import Request, RequestStatus
 from kvforge.engine.sampling_params import SamplingParams
 from kvforge.engine.schedule_check import checked_schedule
+from kvforge.engine.sizing import CPU_DEFAULT_KV_BYTES, DEFAULT_MAX_NUM_SEQS
 from kvforge.interfaces import SchedulerContext
 from kvforge.plugin_manager import Registry, build_plugin
 
@@ -45,7 +45,6 @@ def sim_scheduler_defaults(config: EngineConfig, limit: int, cost_model: CostMod
     """Fill what the builder would resolve in ``config.scheduler`` (in place): the token budget
     ``max(2048, max_model_len)``, and ``max_num_seqs`` as the engine the cost model was measured
     on had it (``engine.max_num_seqs`` in its JSON), else the builder's 256."""
-    from kvforge.engine.builder import DEFAULT_MAX_NUM_SEQS
     s = config.scheduler
     if s.max_num_batched_tokens is None:
         s.max_num_batched_tokens = max(2048, limit)
@@ -67,7 +66,7 @@ def sim_num_blocks(config: EngineConfig, facts: ModelFacts, cost_model: CostMode
         return c.num_gpu_blocks
     block_bytes = facts.kv_block_bytes(c.block_size, config.model.dtype, c.kv_cache_dtype)
     budget = c.kv_cache_memory_bytes or cost_model.meta.get("engine", {}).get("kv_cache_memory_bytes") \
-        or _CPU_DEFAULT_KV_BYTES
+        or CPU_DEFAULT_KV_BYTES
     cap = config.scheduler.max_num_seqs * (-(-limit // c.block_size)) + 1
     n = min(int(budget) // block_bytes, cap)
     if n < 1:

@@ -69,7 +69,7 @@ def build_parallel_parts(config, registry, hf_config, arch: str, device: torch.d
     try:
         infos = executor.load_model(timeout=INIT_TIMEOUT_S)
         num_blocks = config.cache.num_gpu_blocks or min(i["num_blocks"] for i in infos)
-        from kvforge.engine.builder import fit_max_model_len
+        from kvforge.engine.sizing import fit_max_model_len
         max_model_len = fit_max_model_len(config, max_model_len, num_blocks, device)
         block_bytes = max(i["block_bytes"] for i in infos)
         num_cpu_blocks = config.cache.swap_space_bytes // max(block_bytes, 1)

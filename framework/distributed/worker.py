@@ -85,7 +85,8 @@ class Worker:
         Returns: ``num_blocks`` (KV blocks that fit here), ``block_bytes`` (bytes of one
         block on this rank), ``choices`` (plugins picked), ``is_output_rank``.
         """
-        from kvforge.engine.builder import _num_blocks, build_model_stack, resolve_device, resolve_dtype
+        from kvforge.engine.builder import build_model_stack, resolve_device, resolve_dtype
+        from kvforge.engine.sizing import num_kv_blocks
         from kvforge.layers.attention import PagedAttention
         from kvforge.plugin_manager import load_registry
 
@@ -127,7 +128,7 @@ class Worker:
         elem = torch.empty((), dtype=stack.kv_dtype).element_size()
         bs = cfg.cache.block_size
         self.block_bytes = sum(2 * bs * L.num_kv_heads * L.head_size * elem for L in self.layers.values())
-        num_blocks = _num_blocks(cfg, device, max(self.block_bytes, 1), self.max_model_len)
+        num_blocks = num_kv_blocks(cfg, device, max(self.block_bytes, 1), self.max_model_len)
         st = self.state
         self.is_output_rank = st.is_last_stage and st.tp_rank == 0
         return {"num_blocks": num_blocks, "block_bytes": self.block_bytes, "is_output_rank": self.is_output_rank,

@@ -1,9 +1,8 @@
 """Engine construction: run the plugin hooks once, validate plugin settings, pick
-backends, build the model, size and allocate the KV cache."""
+backends, build the model, size (``sizing.py``) and allocate the KV cache."""
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,15 +11,13 @@ import torch
 from kvforge.config import EngineConfig
 from kvforge.engine.capabilities import check_capabilities
 from kvforge.engine.resolve import choose_attention, resolve_device, resolve_dtype, validate_plugin_settings
+from kvforge.engine.sizing import default_max_num_seqs, fit_max_model_len, kv_block_bytes, num_kv_blocks
 from kvforge.interfaces import (AttentionBackend, AttentionRequirements, KVAllocator, Model, ModelContext,
                                 QuantizationConfig, Scheduler, SchedulerContext)
 from kvforge.layers.kv_cache_dtype import is_fp8, resolve_kv_cache_dtype, warn_default_kv_scales
 from kvforge.plugin_manager import PluginSpec, Registry, build_plugin
 
 log = logging.getLogger("kvforge")
-
-_CPU_DEFAULT_KV_BYTES = 1 << 30
-
 
 @dataclass
 class EngineParts:
@@ -65,91 +62,6 @@ def load_hf_config(path: str, field: str = "model.model"):
         raise ValueError(f"{field}: cannot read a Hugging Face config from {path!r}: {e}") from None
 
 
-def _kv_block_bytes(hf_config, head_dim: int, num_kv_heads: int, block_size: int, dtype: torch.dtype) -> int:
-    elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * hf_config.num_hidden_layers * block_size * num_kv_heads * head_dim * elem
-
-
-def fit_max_model_len(config: EngineConfig, max_model_len: int, num_blocks: int, device: torch.device,
-                      draft_block_bytes: int = 0, block_bytes: int = 0) -> int:
-    """The max_model_len the engine serves, given ``num_blocks`` KV blocks: a request longer than
-    the cache holds could never run (it would fail mid-flight), so the front ends must refuse it
-    up front. A max_model_len taken from the model's max_position_embeddings is lowered to the
-    cache's capacity (with a warning); one the config sets explicitly raises ValueError naming it
-    and the cache setting to raise (vLLM refuses to start there too)."""
-    c = config.cache
-    capacity = num_blocks * c.block_size
-    if capacity >= max_model_len:
-        return max_model_len
-    knob = ("cache.num_gpu_blocks" if c.num_gpu_blocks is not None else
-            "cache.kv_cache_memory_bytes" if c.kv_cache_memory_bytes is not None or device.type != "cuda" else
-            "cache.gpu_memory_utilization")
-    share = (f"; the draft model's KV takes {draft_block_bytes / block_bytes:.0%} of each block's bytes"
-             if draft_block_bytes and block_bytes and c.num_gpu_blocks is None else "")
-    if config.model.max_model_len is not None:
-        raise ValueError(f"model.max_model_len {max_model_len} exceeds the {capacity} tokens that {num_blocks} KV "
-                         f"blocks of {c.block_size} tokens hold: raise {knob} or lower model.max_model_len{share}")
-    log.warning("cache: %d KV blocks of %d tokens hold %d tokens, fewer than the model's %d positions: "
-                "max_model_len lowered to %d (raise %s to serve longer requests)%s", num_blocks, c.block_size,
-                capacity, max_model_len, capacity, knob, share)
-    return capacity
-
-
-def _device_memory_bytes(device: torch.device) -> int:
-    """Total memory of ``device``: the GPU's, or the host's physical memory for the CPU."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[1]
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-#: (device memory threshold, max_num_seqs above it, below it)
-BIG_GPU_BYTES, BIG_GPU_MAX_NUM_SEQS, DEFAULT_MAX_NUM_SEQS = 70 * 2**30, 512, 256
-
-
-def default_max_num_seqs(device: torch.device) -> int:
-    """``scheduler.max_num_seqs`` when the config leaves it unset: 512 on a CUDA GPU of at least
-    70 GiB, else 256. vLLM likewise raises its default on such GPUs (to 1024). On one H200 the
-    offline 1000 x 1024/128 run measured 31.66-31.85 req/s at 512, 31.30-31.37 at 256 and 31.32 at
-    1024, where its bf16 cache holds ~780 of the 1152-token requests and preempts (BENCHMARKS.md,
-    session 25)."""
-    if device.type == "cuda" and _device_memory_bytes(device) >= BIG_GPU_BYTES:
-        return BIG_GPU_MAX_NUM_SEQS
-    return DEFAULT_MAX_NUM_SEQS
-
-
-def _num_blocks(cfg: EngineConfig, device: torch.device, block_bytes: int, max_model_len: int) -> int:
-    c = cfg.cache
-    if c.num_gpu_blocks is not None:
-        memory = _device_memory_bytes(device)
-        if c.num_gpu_blocks * block_bytes > memory:  # before anything is allocated for them
-            raise ValueError(f"cache.num_gpu_blocks: {c.num_gpu_blocks} blocks of {block_bytes} bytes need "
-                             f"{c.num_gpu_blocks * block_bytes} bytes, more than the {memory} bytes of memory "
-                             f"the {device.type} device has")
-        return c.num_gpu_blocks
-    if "gpu_memory_utilization" in c.model_fields_set and (c.kv_cache_memory_bytes is not None
-                                                           or device.type != "cuda"):
-        log.warning("cache.gpu_memory_utilization %s is not used: %s", c.gpu_memory_utilization,
-                    "cache.kv_cache_memory_bytes sets the KV budget" if c.kv_cache_memory_bytes is not None else
-                    f"it applies to CUDA devices; on {device.type} the KV budget is cache.kv_cache_memory_bytes "
-                    f"(default {_CPU_DEFAULT_KV_BYTES} bytes)")
-    if c.kv_cache_memory_bytes is not None:
-        budget = c.kv_cache_memory_bytes
-    elif device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        budget = int(total * c.gpu_memory_utilization) - (total - free)
-    else:
-        budget = _CPU_DEFAULT_KV_BYTES
-    n = budget // block_bytes
-    # More blocks than every sequence could ever fill is only wasted memory.
-    cap = cfg.scheduler.max_num_seqs * (-(-max_model_len // c.block_size)) + 1
-    n = min(n, cap)
-    if n < 1:
-        knobs = ("cache.kv_cache_memory_bytes" if c.kv_cache_memory_bytes is not None or device.type != "cuda"
-                 else "cache.gpu_memory_utilization or set cache.kv_cache_memory_bytes")
-        raise ValueError(f"cache: KV budget of {budget} bytes holds no block of {block_bytes} bytes; raise {knobs}")
-    return int(n)
-
-
 @dataclass
 class ModelStack:
     """A model with the attention backend and quantizer it was built with, and its KV geometry."""
@@ -167,7 +79,7 @@ class ModelStack:
 
     def kv_block_bytes(self, block_size: int) -> int:
         """Bytes of K and V cache of all layers for one block of ``block_size`` tokens."""
-        return _kv_block_bytes(self.hf_config, self.head_dim, self.num_kv_heads, block_size, self.kv_dtype)
+        return kv_block_bytes(self.hf_config, self.head_dim, self.num_kv_heads, block_size, self.kv_dtype)
 
     def kv_caches(self, num_blocks: int, block_size: int) -> list[torch.Tensor]:
         """One zeroed cache tensor per layer, in the backend's layout."""
@@ -388,7 +300,7 @@ def build_engine_parts(config: EngineConfig, registry: Registry) -> EngineParts:
 
     block_bytes = stack.kv_block_bytes(config.cache.block_size)
     draft_block_bytes = sum(d.kv_cache_block_bytes(config.cache.block_size) for d in drafters.values())
-    num_blocks = _num_blocks(config, device, block_bytes + draft_block_bytes, max_model_len)
+    num_blocks = num_kv_blocks(config, device, block_bytes + draft_block_bytes, max_model_len)
     max_model_len = fit_max_model_len(config, max_model_len, num_blocks, device, draft_block_bytes,
                                       block_bytes + draft_block_bytes)
     allocator: KVAllocator = build_plugin(alloc_spec, num_blocks, config.cache.block_size, alloc_settings,
