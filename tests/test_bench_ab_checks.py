@@ -3,7 +3,11 @@ without a cost model, and arms whose scheduler, model-side plugins or KV budget 
 refuse (CPU, stories260K)."""
 from __future__ import annotations
 
+from pathlib import Path
+
 from helpers import STORIES_MODEL
+
+REPO = Path(__file__).resolve().parents[1]
 
 WORKLOAD = "poisson:rate=8,n=60,prompt=uniform(16,128),output=uniform(8,32),prefix_groups=3,prefix_len=48,seed=7"
 
@@ -46,3 +50,24 @@ def test_bad_runs_fail_before_any_arm_runs(tmp_path, capsys, monkeypatch):
                  "--workload", WORKLOAD, "--mode", "real", "--save-trace", str(tmp_path / "t.json"),
                  "--output-dir", str(tmp_path / "k")]) == 2
     assert "cache.num_gpu_blocks" in capsys.readouterr().err and not (tmp_path / "t.json").exists()
+
+
+def test_sim_refuses_a_cache_too_small_for_the_trace_as_real_does(tmp_path, capsys):
+    """A simulated cache that cannot hold the longest request used to run and report the requests
+    that could never fit as errors; it is refused up front, naming the setting, as in real mode."""
+    import random
+
+    from kvforge.entrypoints.cli import main
+    cost = str(REPO / "benchmarks" / "cost_models" / "cpu-stories260K.json")
+    blocks = random.randint(2, 7)  # 32-112 tokens; the workload's longest request is ~200
+    for mode in ("sim", "both"):
+        assert main(["bench", "ab", "--model", STORIES_MODEL, "--scheduler", "fcfs", "--scheduler",
+                     f"sjf:num_gpu_blocks={blocks}", "--cost-model", cost, "--workload", WORKLOAD, "--mode", mode,
+                     "--no-plot", "--output-dir", str(tmp_path / mode)]) == 2
+        err = capsys.readouterr().err
+        assert f"cache.num_gpu_blocks: {blocks} KV blocks of 16 tokens hold {16 * blocks} tokens, fewer than the " \
+               "trace's longest request" in err and "arm 'sjf:" in err, err
+        assert not (tmp_path / mode).exists()
+    # a cache that holds it still runs
+    assert main(["bench", "ab", "--model", STORIES_MODEL, "--scheduler", "fcfs:num_gpu_blocks=20", "--cost-model",
+                 cost, "--workload", WORKLOAD, "--mode", "sim", "--no-plot", "--output-dir", str(tmp_path / "ok")]) == 0

@@ -139,7 +139,19 @@ def test_workload_too_long_is_a_clear_error(capsys):
     # stories260K: max_position_embeddings 512.
     assert main(["bench", "throughput", "--model", STORIES, "--num-prompts", "2", "--input-len", "500",
                  "--output-len", "20", "--disable-tqdm"]) == 2
-    assert "max_model_len" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "exceed max_model_len 512" in err and "raise --max-model-len" in err, err
+
+
+@pytest.mark.parametrize("which", ["throughput", "latency"])
+def test_a_cache_limited_max_model_len_points_at_the_cache(capsys, which):
+    # 2 blocks of 16 hold 32 tokens: the builder lowers max_model_len from 512 to 32, so the
+    # error must not send the user to --max-model-len (which the cache would refuse next)
+    assert main(["bench", which, "--model", STORIES, "--input-len", "24", "--output-len", "16",
+                 "--num-gpu-blocks", "2", "--disable-tqdm"]) == 2
+    err = capsys.readouterr().err
+    assert "exceed max_model_len 32" in err and "(--num-gpu-blocks): its 2 blocks hold 32 tokens" in err, err
+    assert "raise --max-model-len" not in err
 
 
 @pytest.mark.parametrize("flag,value,msg", [

@@ -169,7 +169,7 @@ def run_ab(args: argparse.Namespace) -> dict[str, Any]:
     """
     from kvforge.bench.common import (check_trace_fits, max_model_len, model_facts, parse_scheduler_spec,
                                       scheduler_config, unique_labels)
-    from kvforge.bench.sim import build_scheduler, sim_scheduler_defaults
+    from kvforge.bench.sim import build_scheduler, sim_cache_holds, sim_num_blocks, sim_scheduler_defaults
     from kvforge.bench.cost_model import CostModel
     from kvforge.bench.report import format_table, results_document, write_json, write_plot
     from kvforge.bench.trace import save_trace, synthesize_prompts
@@ -194,7 +194,9 @@ def run_ab(args: argparse.Namespace) -> dict[str, Any]:
             limit = max_model_len(cfg, facts)
             check_trace_fits(trace, limit)
             c = cfg.model_copy(deep=True)
-            sim_scheduler_defaults(c, limit)
+            sim_scheduler_defaults(c, limit, cost_model)
+            if mode in ("sim", "both"):
+                sim_cache_holds(c, sim_num_blocks(c, facts, cost_model, limit), longest)
             cpu_blocks = c.cache.swap_space_bytes // facts.kv_block_bytes(c.cache.block_size, c.model.dtype,
                                                                           c.cache.kv_cache_dtype)
             build_scheduler(c, registry, 1, limit, cpu_blocks)  # a dry build: block ids only, no tensors

@@ -1,6 +1,6 @@
 """Command-line argument checks shared by ``kvforge bench`` commands: argparse types that
-refuse a bad number up front (naming the flag) and an output-path check run before any
-benchmark time is spent."""
+refuse a bad number up front (naming the flag), an output-path check run before any
+benchmark time is spent, and the hint an over-long workload's error gives."""
 from __future__ import annotations
 
 import argparse
@@ -54,3 +54,17 @@ def check_output_path(path: str | None, flag: str = "--output-json") -> None:
                 pass
     except OSError as e:
         raise ValueError(f"{flag} {path}: cannot be written ({e.strerror or e})") from None
+
+
+def raise_limit_hint(engine) -> str:
+    """How to serve longer requests: the KV cache's size when it lowered max_model_len below the
+    model's positions (the builder does that, with a warning), else --max-model-len."""
+    c = engine.config.cache
+    positions = getattr(engine.parts.hf_config, "max_position_embeddings", None) or engine.max_model_len
+    if engine.config.model.max_model_len is None and engine.max_model_len < positions:
+        knob = ("--num-gpu-blocks" if c.num_gpu_blocks is not None else
+                "cache.kv_cache_memory_bytes" if c.kv_cache_memory_bytes is not None else
+                "cache.gpu_memory_utilization" if engine.parts.device.type == "cuda" else "cache.kv_cache_memory_bytes")
+        return (f"give the KV cache more room ({knob}): its {engine.allocator.num_blocks} blocks hold "
+                f"{engine.max_model_len} tokens, fewer than the model's {positions} positions")
+    return "raise --max-model-len where the model's positions allow"

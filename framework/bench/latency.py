@@ -52,7 +52,7 @@ def cmd_latency(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
     import numpy as np
     from tqdm.auto import tqdm
 
-    from kvforge.bench.args import check_output_path
+    from kvforge.bench.args import check_output_path, raise_limit_hint
     from kvforge.bench.peaks import resolve_peaks
     from kvforge.bench.roofline import ModelShape, kv_cache_bytes, roofline, step_weight_bytes_for
     from kvforge.bench.throughput import detokenize_ok, report_header, synchronize, write_json
@@ -72,7 +72,7 @@ def cmd_latency(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
     seed = engine.config.model.seed  # --seed (or the config file's) seeds the workload too
     if args.input_len + args.output_len > engine.max_model_len:
         raise ValueError(f"--input-len {args.input_len} + --output-len {args.output_len} exceed max_model_len "
-                         f"{engine.max_model_len}")
+                         f"{engine.max_model_len}; lower them, or {raise_limit_hint(engine)}")
     max_num_seqs = engine.config.scheduler.max_num_seqs
     if args.batch_size > max_num_seqs:
         print(f"note: --batch-size {args.batch_size} > max_num_seqs {max_num_seqs}: the batch runs in waves",

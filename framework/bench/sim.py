@@ -74,6 +74,24 @@ def sim_num_blocks(config: EngineConfig, facts: ModelFacts, cost_model: CostMode
     return n
 
 
+def sim_cache_holds(config: EngineConfig, num_blocks: int, longest: int) -> None:
+    """Refuse, as the engine does, a simulated cache too small for the trace's ``longest``
+    request (prompt + output tokens): such a request could never run.
+
+    Raises:
+        ValueError: naming the setting that sized the cache.
+    """
+    c = config.cache
+    tokens = num_blocks * c.block_size
+    if tokens < longest:
+        knob = ("cache.num_gpu_blocks" if c.num_gpu_blocks is not None else
+                "cache.kv_cache_memory_bytes" if c.kv_cache_memory_bytes is not None else
+                "the cost model's engine.kv_cache_memory_bytes (set cache.num_gpu_blocks or "
+                "cache.kv_cache_memory_bytes)")
+        raise ValueError(f"{knob}: {num_blocks} KV blocks of {c.block_size} tokens hold {tokens} tokens, fewer "
+                         f"than the trace's longest request ({longest} tokens)")
+
+
 def build_scheduler(config: EngineConfig, registry: Registry, num_blocks: int, limit: int, num_cpu_blocks: int):
     """(scheduler, allocator) built by plugin name exactly as :func:`build_engine_parts` does.
 
@@ -116,6 +134,7 @@ def simulate(trace: Trace, prompts: list[list[int]], config: EngineConfig, regis
     check_trace_fits(trace, limit)
     sim_scheduler_defaults(config, limit, cost_model)
     num_blocks = sim_num_blocks(config, facts, cost_model, limit)
+    sim_cache_holds(config, num_blocks, max((r.prompt_len + r.output_len for r in trace.requests), default=0))
     num_cpu_blocks = config.cache.swap_space_bytes // facts.kv_block_bytes(config.cache.block_size,
                                                                           config.model.dtype,
                                                                           config.cache.kv_cache_dtype)

@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvforge.bench.args import check_output_path, nonneg_int, positive_float, positive_int
+from kvforge.bench.args import check_output_path, nonneg_int, positive_float, positive_int, raise_limit_hint
 from kvforge.bench.peaks import resolve_peaks
 from kvforge.bench.roofline import ModelShape, add_roofline_flags, kv_cache_bytes, roofline, step_weight_bytes_for
 
@@ -182,8 +182,7 @@ def cmd_throughput(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
     if too_long:
         r = reqs[too_long[0]]
         raise ValueError(f"request {too_long[0]}: {r.prompt_len} + {r.output_len} tokens exceed max_model_len "
-                         f"{engine.max_model_len}; lower --input-len / --output-len, or raise --max-model-len "
-                         "where the model's positions allow")
+                         f"{engine.max_model_len}; lower --input-len / --output-len, or {raise_limit_hint(engine)}")
     detok = detokenize_ok(llm, not args.disable_detokenize)
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in reqs]
     params = [SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=r.output_len,

@@ -46,7 +46,7 @@ def _flag_help(path: str) -> str:
     f = _field(path)
     default = f.get_default(call_default_factory=True)
     text = f"{path}" + (f": {f.description}" if f.description else "")
-    text += f" (default {'none' if default is None else repr(default)}{_bounds(f)})"
+    text += f" (default {'null' if default is None else repr(default)}{_bounds(f)})"
     return text.replace("%", "%%")
 
 
