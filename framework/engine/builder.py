@@ -19,6 +19,7 @@ from kvforge.plugin_manager import PluginSpec, Registry, build_plugin
 
 log = logging.getLogger("kvforge")
 
+
 @dataclass
 class EngineParts:
     """Everything an LLMEngine runs with."""
