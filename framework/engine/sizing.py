@@ -16,6 +16,7 @@ CPU_DEFAULT_KV_BYTES = 1 << 30
 
 
 def kv_block_bytes(hf_config, head_dim: int, num_kv_heads: int, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one KV block: K and V of ``block_size`` tokens in every layer, in ``dtype``."""
     elem = torch.empty((), dtype=dtype).element_size()
     return 2 * hf_config.num_hidden_layers * block_size * num_kv_heads * head_dim * elem
 
@@ -68,6 +69,15 @@ def default_max_num_seqs(device: torch.device) -> int:
 
 
 def num_kv_blocks(cfg: EngineConfig, device: torch.device, block_bytes: int, max_model_len: int) -> int:
+    """KV blocks of ``block_bytes`` to allocate: ``cache.num_gpu_blocks``; else the budget
+    (``cache.kv_cache_memory_bytes``; on CUDA ``gpu_memory_utilization`` of the GPU less what is
+    in use; on the CPU 1 GiB) over the block size, capped at what ``max_num_seqs`` sequences of
+    ``max_model_len`` could fill (vLLM's sizing, after its memory profile).
+
+    Raises:
+        ValueError: naming the cache setting, when the blocks exceed the device's memory or the
+            budget holds none.
+    """
     c = cfg.cache
     if c.num_gpu_blocks is not None:
         memory = device_memory_bytes(device)
