@@ -129,6 +129,7 @@ def check_real_arm(config, registry, facts=None, longest: int = 0) -> None:
         ValueError: as :func:`kvforge.engine.capabilities.check_capabilities` and
             :func:`kvforge.engine.builder.build_quant_config`; or naming the cache setting.
     """
+    from kvforge.bench.common import check_cache_holds
     from kvforge.engine.builder import build_quant_config, load_hf_config
     from kvforge.engine.sizing import kv_block_bytes
     from kvforge.engine.resolve import resolve_device, resolve_dtype
@@ -155,9 +156,7 @@ def check_real_arm(config, registry, facts=None, longest: int = 0) -> None:
     if explicit is not None and tokens < explicit:
         raise ValueError(f"model.max_model_len {explicit} exceeds the {tokens} tokens that {blocks} KV blocks of "
                          f"{c.block_size} tokens hold: raise {knob} or lower model.max_model_len")
-    if tokens < longest:
-        raise ValueError(f"{knob}: {blocks} KV blocks of {c.block_size} tokens hold {tokens} tokens, fewer than "
-                         f"the trace's longest request ({longest} tokens)")
+    check_cache_holds(config, blocks, longest)
 
 
 def run_ab(args: argparse.Namespace) -> dict[str, Any]:
@@ -167,9 +166,10 @@ def run_ab(args: argparse.Namespace) -> dict[str, Any]:
         ValueError: bad trace, workload, scheduler spec, config or cost model — all checked
             before any arm runs.
     """
-    from kvforge.bench.common import (check_trace_fits, max_model_len, model_facts, parse_scheduler_spec,
+    from kvforge.bench.common import (check_cache_holds, check_trace_fits, max_model_len, model_facts,
+                                      parse_scheduler_spec,
                                       scheduler_config, unique_labels)
-    from kvforge.bench.sim import build_scheduler, sim_cache_holds, sim_num_blocks, sim_scheduler_defaults
+    from kvforge.bench.sim import build_scheduler, sim_num_blocks, sim_scheduler_defaults
     from kvforge.bench.cost_model import CostModel
     from kvforge.bench.report import format_table, results_document, write_json, write_plot
     from kvforge.bench.trace import save_trace, synthesize_prompts
@@ -196,7 +196,7 @@ def run_ab(args: argparse.Namespace) -> dict[str, Any]:
             c = cfg.model_copy(deep=True)
             sim_scheduler_defaults(c, limit, cost_model)
             if mode in ("sim", "both"):
-                sim_cache_holds(c, sim_num_blocks(c, facts, cost_model, limit), longest)
+                check_cache_holds(c, sim_num_blocks(c, facts, cost_model, limit), longest)
             cpu_blocks = c.cache.swap_space_bytes // facts.kv_block_bytes(c.cache.block_size, c.model.dtype,
                                                                           c.cache.kv_cache_dtype)
             build_scheduler(c, registry, 1, limit, cpu_blocks)  # a dry build: block ids only, no tensors

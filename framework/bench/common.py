@@ -177,6 +177,24 @@ def check_trace_fits(trace: Trace, limit: int) -> None:
                              "raise --max-model-len where the model's positions allow")
 
 
+def check_cache_holds(config: EngineConfig, num_blocks: int, longest: int) -> None:
+    """Refuse, as the engine would, a (real or simulated) cache too small for the trace's ``longest``
+    request (prompt + output tokens): such a request could never run.
+
+    Raises:
+        ValueError: naming the setting that sized the cache.
+    """
+    c = config.cache
+    tokens = num_blocks * c.block_size
+    if tokens < longest:
+        knob = ("cache.num_gpu_blocks" if c.num_gpu_blocks is not None else
+                "cache.kv_cache_memory_bytes" if c.kv_cache_memory_bytes is not None else
+                "the cost model's engine.kv_cache_memory_bytes (set cache.num_gpu_blocks or "
+                "cache.kv_cache_memory_bytes)")
+        raise ValueError(f"{knob}: {num_blocks} KV blocks of {c.block_size} tokens hold {tokens} tokens, fewer "
+                         f"than the trace's longest request ({longest} tokens)")
+
+
 def replay_order(trace: Trace) -> list[int]:
     """Trace indices in arrival order (ties keep trace order)."""
     return sorted(range(len(trace.requests)), key=lambda i: (trace.requests[i].arrival_time, i))

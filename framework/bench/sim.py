@@ -22,7 +22,8 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from kvforge.bench.common import (ModelFacts, check_trace_fits, max_model_len, replay_order, request_id)
+from kvforge.bench.common import (ModelFacts, check_cache_holds, check_trace_fits, max_model_len, replay_order,
+                                  request_id)
 from kvforge.bench.cost_model import CostModel, step_shape
 from kvforge.bench.metrics import RequestRecord, RunResult
 from kvforge.bench.trace import Trace
@@ -31,7 +32,7 @@ from kvforge.engine.capabilities import describe, ignores_priority
 from kvforge.engine.request import Request, RequestStatus
 from kvforge.engine.sampling_params import SamplingParams
 from kvforge.engine.schedule_check import checked_schedule
-from kvforge.engine.sizing import CPU_DEFAULT_KV_BYTES, DEFAULT_MAX_NUM_SEQS
+from kvforge.engine.sizing import CPU_DEFAULT_KV_BYTES, DEFAULT_MAX_NUM_SEQS, default_max_num_batched_tokens
 from kvforge.interfaces import SchedulerContext
 from kvforge.plugin_manager import Registry, build_plugin
 
@@ -43,11 +44,11 @@ FAKE_TOKEN = 4
 
 def sim_scheduler_defaults(config: EngineConfig, limit: int, cost_model: CostModel | None = None) -> None:
     """Fill what the builder would resolve in ``config.scheduler`` (in place): the token budget
-    ``max(2048, max_model_len)``, and ``max_num_seqs`` as the engine the cost model was measured
+    (:func:`~kvforge.engine.sizing.default_max_num_batched_tokens`), and ``max_num_seqs`` as the engine the cost model was measured
     on had it (``engine.max_num_seqs`` in its JSON), else the builder's 256."""
     s = config.scheduler
     if s.max_num_batched_tokens is None:
-        s.max_num_batched_tokens = max(2048, limit)
+        s.max_num_batched_tokens = default_max_num_batched_tokens(limit)
     if s.max_num_seqs is None:
         measured = (cost_model.meta.get("engine", {}) if cost_model is not None else {}).get("max_num_seqs")
         s.max_num_seqs = int(measured or DEFAULT_MAX_NUM_SEQS)
@@ -72,24 +73,6 @@ def sim_num_blocks(config: EngineConfig, facts: ModelFacts, cost_model: CostMode
     if n < 1:
         raise ValueError(f"cache: KV budget of {budget} bytes holds no block of {block_bytes} bytes")
     return n
-
-
-def sim_cache_holds(config: EngineConfig, num_blocks: int, longest: int) -> None:
-    """Refuse, as the engine does, a simulated cache too small for the trace's ``longest``
-    request (prompt + output tokens): such a request could never run.
-
-    Raises:
-        ValueError: naming the setting that sized the cache.
-    """
-    c = config.cache
-    tokens = num_blocks * c.block_size
-    if tokens < longest:
-        knob = ("cache.num_gpu_blocks" if c.num_gpu_blocks is not None else
-                "cache.kv_cache_memory_bytes" if c.kv_cache_memory_bytes is not None else
-                "the cost model's engine.kv_cache_memory_bytes (set cache.num_gpu_blocks or "
-                "cache.kv_cache_memory_bytes)")
-        raise ValueError(f"{knob}: {num_blocks} KV blocks of {c.block_size} tokens hold {tokens} tokens, fewer "
-                         f"than the trace's longest request ({longest} tokens)")
 
 
 def build_scheduler(config: EngineConfig, registry: Registry, num_blocks: int, limit: int, num_cpu_blocks: int):
@@ -134,7 +117,7 @@ def simulate(trace: Trace, prompts: list[list[int]], config: EngineConfig, regis
     check_trace_fits(trace, limit)
     sim_scheduler_defaults(config, limit, cost_model)
     num_blocks = sim_num_blocks(config, facts, cost_model, limit)
-    sim_cache_holds(config, num_blocks, max((r.prompt_len + r.output_len for r in trace.requests), default=0))
+    check_cache_holds(config, num_blocks, max((r.prompt_len + r.output_len for r in trace.requests), default=0))
     num_cpu_blocks = config.cache.swap_space_bytes // facts.kv_block_bytes(config.cache.block_size,
                                                                           config.model.dtype,
                                                                           config.cache.kv_cache_dtype)

@@ -11,7 +11,7 @@ import torch
 from kvforge.config import EngineConfig
 from kvforge.engine.capabilities import check_capabilities
 from kvforge.engine.resolve import choose_attention, resolve_device, resolve_dtype, validate_plugin_settings
-from kvforge.engine.sizing import default_max_num_seqs, fit_max_model_len, kv_block_bytes, num_kv_blocks
+from kvforge.engine.sizing import default_max_num_batched_tokens, default_max_num_seqs, fit_max_model_len, kv_block_bytes, num_kv_blocks
 from kvforge.interfaces import (AttentionBackend, AttentionRequirements, KVAllocator, Model, ModelContext,
                                 QuantizationConfig, Scheduler, SchedulerContext)
 from kvforge.layers.kv_cache_dtype import is_fp8, resolve_kv_cache_dtype, warn_default_kv_scales
@@ -262,7 +262,7 @@ def build_engine_parts(config: EngineConfig, registry: Registry) -> EngineParts:
     if max_model_len > max_pos:
         raise ValueError(f"model.max_model_len {max_model_len} exceeds the model's max_position_embeddings {max_pos}")
     if config.scheduler.max_num_batched_tokens is None:
-        config.scheduler.max_num_batched_tokens = max(2048, max_model_len)
+        config.scheduler.max_num_batched_tokens = default_max_num_batched_tokens(max_model_len)
     if config.scheduler.max_num_seqs is None:
         config.scheduler.max_num_seqs = default_max_num_seqs(device)
 

@@ -57,6 +57,11 @@ def device_memory_bytes(device: torch.device) -> int:
 BIG_GPU_BYTES, BIG_GPU_MAX_NUM_SEQS, DEFAULT_MAX_NUM_SEQS = 70 * 2**30, 512, 256
 
 
+def default_max_num_batched_tokens(max_model_len: int) -> int:
+    """``scheduler.max_num_batched_tokens`` when unset: ``max(2048, max_model_len)`` tokens."""
+    return max(2048, max_model_len)
+
+
 def default_max_num_seqs(device: torch.device) -> int:
     """``scheduler.max_num_seqs`` when the config leaves it unset: 512 on a CUDA GPU of at least
     70 GiB, else 256. vLLM likewise raises its default on such GPUs (to 1024). On the H200 the
