@@ -34,27 +34,22 @@ from .decode_kernel import LOG2E, compute_dtype, dot_precision, fp8_scale_arg
 
 @triton.jit
 def _key_blocks(acc, l_i, m_i, q, cache_ptr, bt_row, head_off, stride_ckv, stride_cb, stride_cs,
-                qpos, lo, hi, scale_log2, window, offs_n, offs_d,
-                BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+                qpos, lo, mid, hi, scale_log2, window, offs_n, offs_d,
+                BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
                 HAS_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr):
-    """Online-softmax over keys [lo, hi), BLOCK_N at a time. ``MASKED=False`` is only called
-    on whole blocks every query of the tile may see (no bounds, causal or window test)."""
+    """Online softmax over keys [lo, hi), BLOCK_N at a time, in one loop (one software
+    pipeline): the causal / window / bounds tests run only from ``mid`` on (blocks below it are
+    visible to every query of the tile)."""
     for n0 in range(lo, hi, BLOCK_N):
         kpos = n0 + offs_n
-        if MASKED:
-            kvalid = kpos < hi
-            blk = tl.load(bt_row + kpos // BLOCK_SIZE, mask=kvalid, other=0).to(tl.int64)
-        else:
-            blk = tl.load(bt_row + kpos // BLOCK_SIZE).to(tl.int64)
+        kvalid = kpos < hi
+        blk = tl.load(bt_row + kpos // BLOCK_SIZE, mask=kvalid, other=0).to(tl.int64)
         tok_off = blk * stride_cb + (kpos % BLOCK_SIZE) * stride_cs + head_off     # [BLOCK_N]
-        if MASKED:
-            k = tl.load(cache_ptr + tok_off[:, None] + offs_d[None, :], mask=kvalid[:, None], other=0.0)
-        else:
-            k = tl.load(cache_ptr + tok_off[:, None] + offs_d[None, :])
+        k = tl.load(cache_ptr + tok_off[:, None] + offs_d[None, :], mask=kvalid[:, None], other=0.0)
         # Raw scores; the scale joins the exponent as one FMA per score (s * c - m), as in
-        # FlashAttention-2, instead of a multiply and a subtract (m_i is kept scaled; c > 0).
+        # FlashAttention-2 (m_i is kept scaled; c > 0).
         s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PREC)   # [BLOCK_M, BLOCK_N]
-        if MASKED:
+        if n0 >= mid:
             allowed = kvalid[None, :] & (kpos[None, :] <= qpos[:, None])
             if HAS_WINDOW:
                 allowed = allowed & (kpos[None, :] > qpos[:, None] - window)
@@ -63,11 +58,7 @@ def _key_blocks(acc, l_i, m_i, q, cache_ptr, bt_row, head_off, stride_ckv, strid
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s * scale_log2 - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        if MASKED:
-            v = tl.load(cache_ptr + stride_ckv + tok_off[:, None] + offs_d[None, :], mask=kvalid[:, None],
-                        other=0.0)
-        else:
-            v = tl.load(cache_ptr + stride_ckv + tok_off[:, None] + offs_d[None, :])
+        v = tl.load(cache_ptr + stride_ckv + tok_off[:, None] + offs_d[None, :], mask=kvalid[:, None], other=0.0)
         v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
         m_i = m_new
@@ -130,11 +121,8 @@ def _paged_prefill_kernel(
     if not HAS_WINDOW:
         mid = lo + tl.maximum(tl.minimum(ctx + m0, hi) - lo, 0) // BLOCK_N * BLOCK_N
     acc, l_i, m_i = _key_blocks(acc, l_i, m_i, q, cache_ptr, bt_row, head_off, stride_ckv, stride_cb, stride_cs,
-                                qpos, lo, mid, scale_log2, window, offs_n, offs_d,
-                                BLOCK_SIZE, BLOCK_N, False, HAS_WINDOW, DOT_PREC)
-    acc, l_i, m_i = _key_blocks(acc, l_i, m_i, q, cache_ptr, bt_row, head_off, stride_ckv, stride_cb, stride_cs,
-                                qpos, mid, hi, scale_log2, window, offs_n, offs_d,
-                                BLOCK_SIZE, BLOCK_N, True, HAS_WINDOW, DOT_PREC)
+                                qpos, lo, mid, hi, scale_log2, window, offs_n, offs_d,
+                                BLOCK_SIZE, BLOCK_N, HAS_WINDOW, DOT_PREC)
 
     empty = l_i == 0.0  # every key of this range masked for the row (only in split ranges)
     l_safe = tl.where(empty, 1.0, l_i)
