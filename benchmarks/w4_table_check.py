@@ -37,7 +37,7 @@ def main() -> int:
 
     for dtype in (torch.bfloat16, torch.float16):
         print(dtype, flush=True)
-        for k, n in ((4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096), (14336, 14336)):
+        for k, n in ((4096, 6144), (4096, 4096), (4096, 14336), (4096, 28672), (14336, 4096), (14336, 14336)):
             for m, _, err, same in gpu_kernel_cases(k, n, GROUP, dtype, [None], MS, gen):
                 report(f"GEMM {k}x{n} (deterministic: {same})", m, err, BOUND[dtype], same)
         hq, hk, hd, k = 32, 8, 128, 4096  # q|k|v: N = 6144, RMSNorm and RoPE folded in

@@ -131,3 +131,36 @@ def test_table_entries_lists_a_gpus_entries():
     got = table_entries("w4_mma", "NVIDIA H200")
     assert got == shipped and any(e.get("CLU") for e in got.values())
     assert table_entries("w4_mma", "no such GPU") == {}
+
+
+def test_untuned_shape_runs_its_nearest_neighbours_config(gen, monkeypatch, tmp_path):
+    """A shape the table lacks runs the config of the nearest tuned shape with the same M key
+    (log distance in N and K, each within 4x), M <= 8 falling back to the M = 1 rows; a shape
+    with no neighbour in reach keeps the M-bucket defaults."""
+    import json
+
+    import w4_mma_emulate
+    from kvforge_plugins.quant.kernels import choices
+    s = w4_mma.TABLE_SCHEMA
+    rows = {"1|512|256": dict(NB=1, TW=2, WARPS=4, KW=2, S=2, schema=s),
+            "1|2048|256": dict(NB=1, TW=1, WARPS=8, KW=4, S=1, schema=s),
+            "16|128|512": dict(NB=2, TW=1, WARPS=2, KW=1, S=1, schema=s)}
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps({"cpu": {"w4_mma": rows}}))
+    monkeypatch.setenv("KVFORGE_QUANT_CHOICES", str(path))
+    cpu = torch.device("cpu")
+    assert choices.nearest("w4_mma", 1, 1024, 256, cpu)[1] == "1|512|256"  # a tie (2x either way): the smaller
+    assert choices.nearest("w4_mma", 1, 1536, 256, cpu)[1] == "1|2048|256"
+    assert choices.nearest("w4_mma", 1, 512, 2048, cpu) is None  # K 8x away: out of reach
+    assert choices.nearest("w4_mma", 16, 256, 256, cpu)[1] == "16|128|512"
+    fake = w4_mma_emulate.install(monkeypatch)
+    q, sc, z, w_ref = _quant(256, 1536, 64, gen)
+    ps, pz = pack_mma_groups(sc, z, torch.float16)
+    for m, want in ((1, rows["1|2048|256"]), (6, rows["1|2048|256"]), (12, None)):
+        x = torch.randn(m, 256, generator=gen).half()
+        y = w4_mma.mma_gemm(x, pack_mma(q), ps, pz, group_size=64, n=1536)
+        want = {**w4_mma.CONFIGS[w4_mma.bucket(m)], **(want or {})}  # "16|128|512" is 12x away in N
+        assert {k: fake.calls[-1]["cfg"].get(k, 1) for k in ("NB", "TW", "WARPS", "KW")} == \
+            {k: want.get(k, 1) for k in ("NB", "TW", "WARPS", "KW")}, m
+        ref = x.double() @ w_ref.double()
+        assert ((y.double() - ref).abs().max()).item() <= BOUND[torch.float16] * ref.abs().max().item()

@@ -71,6 +71,28 @@ def lookup(kind: str, m: int, n: int, k: int, device: torch.device):
     return _table(table_path()).get(gpu, {}).get(kind, {}).get(key(m, n, k))
 
 
+def nearest(kind: str, m: int, n: int, k: int, device: torch.device, reach: float = 4.0):
+    """For a shape the table lacks: the entry of the nearest tuned shape with the same M key
+    (distance |log N'/N| + |log K'/K|, ties to the smaller shape; each of N', K' within a
+    factor ``reach`` of N, K), as
+    ``(entry, "M|N'|K'")``, or None. Launch configs carry over between shapes (tiles and splits
+    adapt to N and K); a neighbour's tuned config beats the M-bucket defaults at the untuned
+    shapes measured (BENCHMARKS.md, issue 6, session 26)."""
+    import math
+    gpu = _gpu_name(device.index or 0) if device.type == "cuda" else "cpu"
+    mk = str(m_bucket(m))
+    near = []
+    for row, entry in table_entries(kind, gpu).items():
+        em, en, ek = (int(v) for v in row.split("|"))
+        rn, rk = en / n, ek / k
+        if str(em) == mk and 1 / reach <= rn <= reach and 1 / reach <= rk <= reach:
+            near.append((abs(math.log(rn)) + abs(math.log(rk)), en, ek, row))
+    if not near:
+        return None
+    row = min(near)[3]  # ties: the smaller shape
+    return table_entries(kind, gpu)[row], row
+
+
 def table_entries(kind: str, gpu: str) -> dict:
     """Every entry of ``kind`` the table holds for the GPU named ``gpu``: ``{"M|N|K": entry}``."""
     return dict(_table(table_path()).get(gpu, {}).get(kind, {}))
