@@ -74,23 +74,28 @@ def lookup(kind: str, m: int, n: int, k: int, device: torch.device):
 def nearest(kind: str, m: int, n: int, k: int, device: torch.device, reach: float = 4.0):
     """For a shape the table lacks: the entry of the nearest tuned shape with the same M key
     (distance |log N'/N| + |log K'/K|, ties to the smaller shape; each of N', K' within a
-    factor ``reach`` of N, K), as
-    ``(entry, "M|N'|K'")``, or None. Launch configs carry over between shapes (tiles and splits
-    adapt to N and K); a neighbour's tuned config beats the M-bucket defaults at the untuned
-    shapes measured (BENCHMARKS.md, issue 6, session 26)."""
-    import math
+    factor ``reach`` of N, K), as ``(entry, "M|N'|K'")``, or None. Launch configs carry over
+    between shapes (tiles and splits adapt to N and K); a neighbour's tuned config beat the M
+    bucket's defaults at every untuned shape measured (BENCHMARKS.md, issue 6, session 26).
+    Cached per shape: a decode step asks once per layer."""
     gpu = _gpu_name(device.index or 0) if device.type == "cuda" else "cpu"
-    mk = str(m_bucket(m))
+    return _nearest(table_path(), gpu, kind, m_bucket(m), n, k, reach)
+
+
+@functools.lru_cache(maxsize=4096)
+def _nearest(path: str, gpu: str, kind: str, mk: int, n: int, k: int, reach: float):
+    import math
+    rows = _table(path).get(gpu, {}).get(kind, {})
     near = []
-    for row, entry in table_entries(kind, gpu).items():
+    for row in rows:
         em, en, ek = (int(v) for v in row.split("|"))
         rn, rk = en / n, ek / k
-        if str(em) == mk and 1 / reach <= rn <= reach and 1 / reach <= rk <= reach:
+        if em == mk and 1 / reach <= rn <= reach and 1 / reach <= rk <= reach:
             near.append((abs(math.log(rn)) + abs(math.log(rk)), en, ek, row))
     if not near:
         return None
     row = min(near)[3]  # ties: the smaller shape
-    return table_entries(kind, gpu)[row], row
+    return rows[row], row
 
 
 def table_entries(kind: str, gpu: str) -> dict:
@@ -107,4 +112,5 @@ def write_table(entries: dict, path: str | None = None) -> Path:
             data.setdefault(gpu, {}).setdefault(kind, {}).update(rows)
     p.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
     _table.cache_clear()
+    _nearest.cache_clear()
     return p
