@@ -9,6 +9,8 @@ rounded up to a power of two, capped at 4096) -> entry:
   ``triton`` (fused scaling epilogue); otherwise ``triton``.
 * kind ``"wna16"``: a Triton launch config (dict) for the weight-only GEMM; missing shapes
   use ``wna16.CONFIGS`` by M bucket.
+* kind ``"w4_mma"``: a launch config for the int4 mma kernel (``w4_mma.py``); a missing shape
+  takes its nearest tuned neighbour's entry (:func:`nearest`), else ``w4_mma.CONFIGS``.
 
 Written by ``benchmarks/bench_quant.py --write-choices`` / ``--tune`` on the GPU. Set
 ``KVFORGE_QUANT_CHOICES`` to use another table file.
