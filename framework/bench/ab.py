@@ -167,8 +167,7 @@ def run_ab(args: argparse.Namespace) -> dict[str, Any]:
             before any arm runs.
     """
     from kvforge.bench.common import (check_cache_holds, check_trace_fits, max_model_len, model_facts,
-                                      parse_scheduler_spec,
-                                      scheduler_config, unique_labels)
+                                      parse_scheduler_spec, scheduler_config, unique_labels)
     from kvforge.bench.sim import build_scheduler, sim_num_blocks, sim_scheduler_defaults
     from kvforge.bench.cost_model import CostModel
     from kvforge.bench.report import format_table, results_document, write_json, write_plot
