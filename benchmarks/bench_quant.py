@@ -72,7 +72,7 @@ def make_operands(k: int, n: int, device="cuda") -> dict:
     ops["pairs_words"] = pack_pairs(q, GROUP)
     # the mma layout (kernels/w4_mma.py, int4_layout: mma), made for bf16 activations
     ops["mma_words"] = pack_mma(q)
-    ops["mma_scales"], ops["mma_zeros"] = pack_mma_groups(ops["awq_scales"].float(), ops["awq_zeros"], torch.bfloat16)
+    ops["mma_scales"], ops["mma_zeros"] = pack_mma_groups(ops["awq_scales"].float(), ops["awq_zeros"])
     ops["fp8_w"], ops["fp8_s"] = quantize_weight(w, torch.float8_e4m3fn, True)
     ops["int8_w"], ops["int8_s"] = quantize_weight(w, torch.int8, True)
     return ops

@@ -26,15 +26,16 @@
 #endif
 #define SS_XC (PCH * 8192)      // x: PCH chunk tiles of M rows (read as 64) x 128 B
 #define SS_W SS_XC              // then PBN x PCH x 2 KB of weight words
-#define SS_SZ (SS_W + PBN * PCH * 2048)  // then PCH slots of PBN x 256 B scales + PBN x 128 B zeros
-#define SS_STAGE ((SS_SZ + PCH * PBN * 384 + 1023) & ~1023)
+#define SS_SZ (SS_W + PBN * PCH * 2048)  // then PCH slots of PBN x 128 B scales + PBN x 64 B zero points
+#define SS_REC 192                       // (the layout's group records: w4_mma.cu)
+#define SS_STAGE ((SS_SZ + PCH * PBN * SS_REC + 1023) & ~1023)
 #define SS_BBUF (PBN * 8192)    // one chunk's dequantized B: 64 PBN rows x 128 B
 
 @WGMMA_SS@
 
 extern "C" __global__ void __launch_bounds__(160, 1)
-w4_ss_probe(const dt* __restrict__ xt, int M, const uint4* __restrict__ wq, const float* __restrict__ sc,
-        const dt* __restrict__ zp, int KC, int NBLK, int GC, int cps, float* __restrict__ ws, int N) {
+w4_ss_probe(const dt* __restrict__ xt, int M, const uint4* __restrict__ wq, const unsigned short* __restrict__ sc,
+        const unsigned* __restrict__ zp, int KC, int NBLK, int GC, int cps, float* __restrict__ ws, int N) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     __shared__ __align__(8) unsigned long long bars_raw[2 * PCPA];
     const unsigned base = (smem_u32(smem_raw) + 1023) & ~1023u;
@@ -60,15 +61,15 @@ w4_ss_probe(const dt* __restrict__ xt, int M, const uint4* __restrict__ wq, cons
                 mbar_arrive(FULL(s));
                 continue;
 #endif
-                mbar_expect_tx(FULL(s), PCH * M * 128 + PBN * PCH * 2048 + ng * PBN * 384);
+                mbar_expect_tx(FULL(s), PCH * M * 128 + PBN * PCH * 2048 + ng * PBN * SS_REC);
                 bulk_copy(st, xt + (size_t)c0 * M * 64, PCH * M * 128, FULL(s));
                 for (int b = 0; b < PBN; ++b)
                     bulk_copy(st + SS_W + b * PCH * 2048, wq + ((size_t)(blk0 + b) * KC + c0) * 128, PCH * 2048, FULL(s));
                 for (int q = 0; q < PCH; ++q)
                     if ((c0 + q - cbeg) % GC == 0) {
                         const size_t rec = ((size_t)((c0 + q) / GC) * NBLK + blk0) * 64;
-                        bulk_copy(st + SS_SZ + q * PBN * 384, sc + rec, PBN * 256, FULL(s));
-                        bulk_copy(st + SS_SZ + q * PBN * 384 + PBN * 256, zp + rec, PBN * 128, FULL(s));
+                        bulk_copy(st + SS_SZ + q * PBN * SS_REC, sc + rec, PBN * 128, FULL(s));
+                        bulk_copy(st + SS_SZ + q * PBN * SS_REC + PBN * 128, zp + rec / 4, PBN * 64, FULL(s));
                     }
             }
         return;
@@ -84,14 +85,19 @@ w4_ss_probe(const dt* __restrict__ xt, int M, const uint4* __restrict__ wq, cons
 #pragma unroll
             for (int b = 0; b < PBN; ++b) {
                 const unsigned e = g * 8 + 2 * warp;
-                float s0, s1;
-                unsigned z;
-                asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(s0), "=f"(s1) : "r"(st + SS_SZ + q * PBN * 384 + b * 256 + 4 * e));
-                asm volatile("ld.shared.b32 %0, [%1];" : "=r"(z) : "r"(st + SS_SZ + q * PBN * 384 + PBN * 256 + b * 128 + 2 * e));
-                zb[b][0] = dup2((dt)(z & 0xFFFF) ^ 0x8000);
-                zb[b][1] = dup2((dt)(z >> 16) ^ 0x8000);
-                sa[b][0] = dup2(f_to_dt(s0));
-                sa[b][1] = dup2(f_to_dt(s1));
+                unsigned s2, z;
+                asm volatile("ld.shared.b32 %0, [%1];" : "=r"(s2) : "r"(st + SS_SZ + q * PBN * SS_REC + b * 128 + 2 * e));
+                asm volatile("ld.shared.b32 %0, [%1];"
+                             : "=r"(z) : "r"(st + SS_SZ + q * PBN * SS_REC + PBN * 128 + b * 64 + 8 * g + 4 * (warp >> 1)));
+                z >>= 8 * (warp & 1);  // this tile's two zero points at bits 0-3 / 4-7 of both halves
+                zb[b][0] = and_or<0x000f000fu>(z, NEG_LO2);
+#if HI_IN_PLACE
+                zb[b][1] = and_or<0x00f000f0u>(z, NEG_HI2);
+#else
+                zb[b][1] = and_or<0x000f000fu>(z >> 4, NEG_LO2);
+#endif
+                sa[b][0] = dup2(f_to_dt(h16_to_f((unsigned short)(s2 & 0xFFFF))));
+                sa[b][1] = dup2(f_to_dt(h16_to_f((unsigned short)(s2 >> 16))));
             }
         }
         // B buffer j & 1 was last read by chunk j - 2, retired by the previous wait_group 1
@@ -102,7 +108,11 @@ w4_ss_probe(const dt* __restrict__ xt, int M, const uint4* __restrict__ wq, cons
             for (int i = 0; i < 4; ++i)
 #pragma unroll
                 for (int r = 0; r < 4; ++r) {
+#if HI_IN_PLACE
+                    unsigned v = fma2(pair_bits(word_of(wv, i), r), (r & 1) ? SIXTEENTH2 : ONE2, zb[b][r & 1]);
+#else
                     unsigned v = fma2(pair_bits(word_of(wv, i), r), ONE2, zb[b][r & 1]);
+#endif
                     v = fma2(v, sa[b][r & 1], NEG_ZERO2);
                     const unsigned n = 64 * b + 16 * warp + g + 8 * (r & 1);
                     const unsigned u = 2 * i + (r >> 1);

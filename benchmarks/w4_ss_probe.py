@@ -50,7 +50,7 @@ def probe_fn(pbn: int, pcpa: int, pch: int, leave_out: str = ""):
         path.write_bytes(nvrtc.getCUBIN(prog))
         nvrtc.destroyProgram(prog)
         fn = cupy.RawModule(path=str(path)).get_function("w4_ss_probe")
-        stage = -(-(pch * 8192 + pbn * pch * (2048 + 384)) // 1024) * 1024
+        stage = -(-(pch * 8192 + pbn * pch * (2048 + 192)) // 1024) * 1024
         smem = pcpa * stage + 2 * pbn * 8192 + 1024
         fn.max_dynamic_shared_size_bytes = smem
         _FNS[key] = (fn, smem)

@@ -183,6 +183,34 @@ def test_pairs_refuses_what_it_cannot_hold(gen, dtype, group, prefix, backend):
     assert prefix in msg and "int4_layout" in msg, msg
 
 
+@pytest.mark.parametrize("what", ["gptq_v1_zero_16", "fp32_scales"])
+def test_mma_refuses_what_it_cannot_hold(gen, what):
+    """``mma`` stores 4-bit zero points and fp16 scales: a GPTQ v1 zero point of 16 (a stored
+    15, plus 1) or checkpoint scales that fp16 would change are refused with a ValueError naming
+    the layer, int4_layout and the cause, on the reference backend too (nothing is rounded)."""
+    k, n, group = 128, 64, 64
+    prefix = "model.layers.2.mlp.down_proj"
+    if what == "gptq_v1_zero_16":
+        qc = GPTQConfig({"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": False, "sym": False},
+                        GPTQSettings(backend="reference", int4_layout="mma"))
+        q, z, s, _ = _random_quant(k, n, group, gen, zlo=1)  # v1 stores z - 1 >= 0
+        z[1, 5] = 16
+        layer = FusedLinear(k, [n], False, qc, prefix, torch.float16)
+        layer.load("qweight", _pack_k(q), 0)
+        layer.load("qzeros", _pack_n((z - 1).contiguous(), awq=False), 0)
+        layer.load("scales", s, 0)
+        layer.load("g_idx", (torch.arange(k) // group).to(torch.int32), 0)
+        cause = "zero point of 16"
+    else:
+        layer, _, _ = _awq_layer(torch.float16, group, "mma", gen, k, n, prefix=prefix, backend="reference")
+        layer.load("scales", torch.rand(k // group, n, generator=gen) * 0.01 + 1e-3, None)  # fp32, not fp16 values
+        cause = "not all exact in float16"
+    with pytest.raises(ValueError) as e:
+        layer.method.process_weights_after_loading(layer)
+    msg = str(e.value)
+    assert prefix in msg and "int4_layout 'mma'" in msg and cause in msg, msg
+
+
 @kernel_test
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_auto_falls_back_to_checkpoint_packing(gen, dtype):

@@ -81,7 +81,7 @@ def test_emulated_fused_swiglu(case, dtype, gen, monkeypatch):
     fake = w4_mma_emulate.install(monkeypatch)
     q, s, z, w_ref = _quant(k, 2 * inter, group, gen)
     il = w4_mma.interleave_gate_up
-    ps, pz = w4_mma.pack_mma_groups(il(s), il(z), dtype)
+    ps, pz = w4_mma.pack_mma_groups(il(s), il(z))
     x = torch.randn(m, k, generator=gen).to(dtype)
     y = w4_mma.mma_gemm(x, w4_mma.pack_mma(il(q)), ps, pz, group_size=group, n=2 * inter, config=cfg,
                         silu_and_mul=True)
@@ -157,7 +157,7 @@ def test_gpu_fused_swiglu_cases(dtype, gen):
     for k, inter, group, m, cfg in CASES:
         q, s, z, w_ref = _quant(k, 2 * inter, group, gen)
         il = w4_mma.interleave_gate_up
-        ps, pz = w4_mma.pack_mma_groups(il(s), il(z), dtype)
+        ps, pz = w4_mma.pack_mma_groups(il(s), il(z))
         x = torch.randn(m, k, device="cuda", dtype=dtype)
         y = w4_mma.mma_gemm(x, w4_mma.pack_mma(il(q)).cuda(), ps.cuda(), pz.cuda(), group_size=group, n=2 * inter,
                             config=cfg, silu_and_mul=True)
@@ -222,7 +222,7 @@ def test_kw_is_cut_to_the_groups_there_are(gen, monkeypatch):
     fake = w4_mma_emulate.install(monkeypatch)
     k, n = 256, 128
     q, s, z, w_ref = _quant(k, n, k, gen)
-    ps, pz = w4_mma.pack_mma_groups(s, z, torch.float16)
+    ps, pz = w4_mma.pack_mma_groups(s, z)
     x = torch.randn(2, k, generator=gen).half()
     y = w4_mma.mma_gemm(x, w4_mma.pack_mma(q), ps, pz, group_size=k, n=n, config=dict(TW=1, WARPS=8, KW=8))
     assert fake.calls[-1]["cfg"]["KW"] == 1

@@ -29,7 +29,7 @@ def gen():
 
 def _quant(k, n, group, gen):
     q = torch.randint(0, 16, (k, n), generator=gen, dtype=torch.int32)
-    s = torch.rand(k // group, n, generator=gen) * 0.004 + 0.001
+    s = (torch.rand(k // group, n, generator=gen) * 0.004 + 0.001).half().float()  # fp16, as checkpoints store them
     z = torch.randint(0, 16, (k // group, n), generator=gen, dtype=torch.int32)
     g = torch.arange(k) // group
     return q, s, z, (q - z[g]).float() * s[g]
@@ -51,15 +51,35 @@ def test_word_worked_by_hand(gen):
 
 
 def test_groups_round_trip(gen):
-    s = torch.rand(3, 128, generator=gen)
+    s = torch.rand(3, 128, generator=gen).half()
     z = torch.randint(0, 16, (3, 128), generator=gen)
-    for dtype in (torch.bfloat16, torch.float16):
-        ps, pz = pack_mma_groups(s, z, dtype)
-        assert ps.dtype == torch.float32 and pz.dtype == dtype and ps.shape == (3, 2, 8, 8)
-        # entry [grp, nb, g, 2T + r] is row 64 nb + 16 T + 8 r + g
-        assert ps[2, 1, 3, 2 * 1 + 1] == s[2, 64 + 16 + 8 + 3]
+    for scales in (s, s.float(), s.bfloat16().float()):  # any dtype, as long as fp16 holds the values
+        ps, pz = pack_mma_groups(scales, z)
+        assert ps.dtype == torch.float16 and pz.dtype == torch.int32 and ps.shape == (3, 2, 8, 8) \
+            and pz.shape == (3, 2, 8, 2)
+        # entry [grp, nb, g, 2T + r] is row 64 nb + 16 T + 8 r + g; its zero point at bits
+        # 8 (T & 1) + 4 r of both halves of word [grp, nb, g, T >> 1]
+        for t_, r in ((1, 1), (2, 0), (3, 1)):
+            row = 64 + 16 * t_ + 8 * r + 3
+            assert ps[2, 1, 3, 2 * t_ + r] == scales[2, row]
+            word = int(pz[2, 1, 3, t_ >> 1]) & 0xFFFFFFFF
+            for half in (0, 16):
+                assert (word >> (half + 8 * (t_ & 1) + 4 * r)) & 15 == int(z[2, row])
         s2, z2 = unpack_mma_groups(ps, pz)
-        assert torch.equal(s2, s) and torch.equal(z2, z.int())
+        assert torch.equal(s2, scales.float()) and torch.equal(z2, z.int())
+
+
+def test_groups_refuse_what_the_layout_cannot_hold(gen):
+    z = torch.randint(0, 16, (2, 64), generator=gen)
+    s = torch.rand(2, 64, generator=gen).half().float()
+    s[1, 7] += 1e-5  # not a float16 value: fp16 would change it
+    with pytest.raises(ValueError, match="not all exact in float16"):
+        pack_mma_groups(s, z)
+    with pytest.raises(ValueError, match="not all exact in float16"):
+        pack_mma_groups(torch.full((2, 64), 70000.0), z)  # past fp16's range
+    z[0, 3] = 16  # a GPTQ v1 zero point of 0 (stored 15, plus 1)
+    with pytest.raises(ValueError, match=r"\[0, 16\)"):
+        pack_mma_groups(s.half(), z)
 
 
 def _emulate(x, words, scales, zeros, group):
@@ -100,7 +120,7 @@ def _emulate(x, words, scales, zeros, group):
 def test_fragment_emulation_matches_reference(gen):
     k, n, group, m = 128, 64, 64, 3
     q, s, z, w_ref = _quant(k, n, group, gen)
-    ps, pz = pack_mma_groups(s, z, torch.float16)
+    ps, pz = pack_mma_groups(s, z)
     x = torch.randn(m, k, generator=gen)
     y = _emulate(x, pack_mma(q), ps, pz, group)
     ref = x @ w_ref
@@ -195,7 +215,7 @@ def gpu_kernel_cases(k, n, group, dtype, configs, ms, gen):
     counters were reset). Past MAX_FUSED_M only the default (dequantize) path runs.
     ``benchmarks/w4_ring_check.py`` runs it with a few configs."""
     q, s, z, w_ref = _quant(k, n, group, gen)
-    ps, pz = pack_mma_groups(s, z, dtype)
+    ps, pz = pack_mma_groups(s, z)
     words, ps, pz, w_ref = pack_mma(q).cuda(), ps.cuda(), pz.cuda(), w_ref.cuda()
     for m in ms:
         x = torch.randn(m, k, device="cuda", dtype=dtype)
@@ -212,7 +232,7 @@ def test_gpu_kernel_in_cuda_graph(gen):
         pytest.skip(w4_mma.runtime_blocker(torch.device("cuda")))
     k, n, group = 2048, 1024, 128
     q, s, z, w_ref = _quant(k, n, group, gen)
-    ps, pz = pack_mma_groups(s, z, torch.bfloat16)
+    ps, pz = pack_mma_groups(s, z)
     words, ps, pz = pack_mma(q).cuda(), ps.cuda(), pz.cuda()
     x = torch.randn(4, k, device="cuda", dtype=torch.bfloat16)
     eager = w4_mma.mma_gemm(x, words, ps, pz, group_size=group, n=n)

@@ -70,7 +70,7 @@ def test_emulated_kernel_indexing(case, dtype, gen, monkeypatch):
     k, n, group, m, cfg = EMULATED[case]
     fake = w4_mma_emulate.install(monkeypatch)
     q, s, z, w_ref = _quant(k, n, group, gen)
-    ps, pz = pack_mma_groups(s, z, dtype)
+    ps, pz = pack_mma_groups(s, z)
     x = torch.randn(m, k, generator=gen).to(dtype)
     y = w4_mma.mma_gemm(x, pack_mma(q), ps, pz, group_size=group, n=n, config=cfg)
     ref = x.double() @ w_ref.double()
@@ -86,7 +86,7 @@ def test_wg_config_runs_on_mma_sync_without_sm90a(gen, monkeypatch):
     fake = w4_mma_emulate.install(monkeypatch)
     monkeypatch.setattr(w4_mma, "wgmma_capable", lambda device: False)
     q, s, z, w_ref = _quant(512, 128, 64, gen)
-    ps, pz = pack_mma_groups(s, z, torch.bfloat16)
+    ps, pz = pack_mma_groups(s, z)
     x = torch.randn(16, 512, generator=gen).bfloat16()
     y = w4_mma.mma_gemm(x, pack_mma(q), ps, pz, group_size=64, n=128,
                         config=dict(TW=1, WARPS=4, CPA=3, XR=1, WG=1, SCALE_A=True))

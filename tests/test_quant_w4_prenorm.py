@@ -49,7 +49,7 @@ def test_emulated_prenorm_gemm(case, dtype, gen, monkeypatch):
     fake = w4_mma_emulate.install(monkeypatch)
     q, s, z, w_ref = _quant(k, n, group, gen)
     il = w4_mma.interleave_gate_up if act else (lambda t: t)
-    ps, pz = w4_mma.pack_mma_groups(il(s), il(z), dtype)
+    ps, pz = w4_mma.pack_mma_groups(il(s), il(z))
     x, res = (torch.randn(m, k, generator=gen).to(dtype) for _ in range(2))
     norm = _norm(k, dtype, gen)
     y, r = w4_mma.mma_gemm_rmsnorm(x, res, norm.weight, norm.eps, w4_mma.pack_mma(il(q)), ps, pz, group_size=group,
@@ -68,7 +68,7 @@ def test_emulated_prenorm_gemm(case, dtype, gen, monkeypatch):
 def test_prenorm_refuses_bad_operands(gen):
     k, n = 128, 64
     q, s, z, _ = _quant(k, n, 64, gen)
-    ps, pz = w4_mma.pack_mma_groups(s, z, torch.float16)
+    ps, pz = w4_mma.pack_mma_groups(s, z)
     words = w4_mma.pack_mma(q)
     x = torch.randn(2, k, generator=gen).half()
     w = torch.ones(k, dtype=torch.float16)
@@ -127,7 +127,7 @@ def test_gpu_prenorm_gemm(dtype, gen):
     for k, n, group, act in ((4096, 1024, 128, False), (512, 2048, 128, True)):
         q, s, z, w_ref = _quant(k, n, group, gen)
         il = w4_mma.interleave_gate_up if act else (lambda t: t)
-        ps, pz = (t.cuda() for t in w4_mma.pack_mma_groups(il(s), il(z), dtype))
+        ps, pz = (t.cuda() for t in w4_mma.pack_mma_groups(il(s), il(z)))
         words, w_ref = w4_mma.pack_mma(il(q)).cuda(), w_ref.cuda()
         norm = _norm(k, dtype, gen, "cuda")
         for m in (1, 3, 8):

@@ -64,7 +64,7 @@ def test_emulated_rope_epilogue(case, dtype, gen, monkeypatch):
     n = (hq + 2 * hk) * hd
     q, s, z, w_ref = _quant(k, n, group, gen)
     il = (lambda t: w4_mma.interleave_heads(t, hq + hk, hd))
-    ps, pz = w4_mma.pack_mma_groups(il(s), il(z), dtype)
+    ps, pz = w4_mma.pack_mma_groups(il(s), il(z))
     words = w4_mma.pack_mma(il(q))
     x, res = (torch.randn(m, k, generator=gen).to(dtype) for _ in range(2))
     norm, rotary = _norm(k, dtype, gen), _rotary(hd)
@@ -163,7 +163,7 @@ def test_rope_layout_is_checked_before_launch(gen, monkeypatch):
     fake = w4_mma_emulate.install(monkeypatch)
     k, n = 128, 192
     q, s, z, _ = _quant(k, n, 64, gen)
-    ps, pz = w4_mma.pack_mma_groups(s, z, torch.float16)
+    ps, pz = w4_mma.pack_mma_groups(s, z)
     words, x = w4_mma.pack_mma(q), torch.randn(2, k, generator=gen).half()
     for bad in ((2, 128), (2, 24), (0, 64), (-1, 64)):  # past N, not a multiple of 16, no heads
         with pytest.raises(ValueError, match="rope layout"):

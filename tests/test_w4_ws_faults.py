@@ -15,11 +15,13 @@ from test_quant_w4_mma import BOUND, _quant, gen  # noqa: F401  (gen: the fresh-
 FAULTS = [
     ("wq + ((size_t)(blk0 + b) * KC + c) * 128", "wq + ((size_t)(blk0) * KC + c) * 128"),  # every block's weights from the first
     ("bulk_copy(st + WS_W + b * 2048,", "bulk_copy(st + WS_W + b * 1024,"),  # weights of two blocks overlap
-    ("nb * (gs ? 2048 + 384 : 2048)", "nb * (gs ? 2048 + 256 : 2048)"),  # expected bytes short of the copies
+    ("nb * (gs ? 2048 + WS_REC : 2048)", "nb * (gs ? 2048 + 128 : 2048)"),  # expected bytes short of the copies
     ("mbar_init(bars + 8 * (CPA + s), 4 * nb);", "mbar_init(bars + 8 * (CPA + s), nb);"),  # stage freed early
     ("mbar_init(bars + 8 * s, 1);", "mbar_init(bars + 8 * s, 2);"),  # full barrier never completes
     ("lds128(st + WS_W + wb * 2048 + (tile * 32 + lane) * 16)", "lds128(st + WS_W + (tile * 32 + lane) * 16)"),
-    ('"r"(sz + 256 + 2 * e)', '"r"(sz + 2 * e)'),  # zeros read from the scales
+    ('"r"(sz + 128 + 8 * g + 4 * (tile >> 1))', '"r"(sz + 8 * g + 4 * (tile >> 1))'),  # zeros read from the scales
+    ("cur.z[0] = z >> (8 * (tile & 1));", "cur.z[0] = z;"),  # odd tiles take their even neighbour's zeros
+    ('"r"(sz + 128 + 8 * g + 4 * (tile >> 1))', '"r"(sz + 128 + 8 * g)'),  # tiles 2, 3 take 0, 1's zeros
     ("mbar_arrive(EMPTY((j - 1) % CPA));", "mbar_arrive(EMPTY((j) % CPA));"),  # released while in flight
     ("mbar_wait(EMPTY(s), (j / CPA - 1) & 1);", "mbar_wait(EMPTY(s), (j / CPA) & 1);"),  # waits a phase ahead
     ("mbar_wait(FULL(s), (j / CPA) & 1);", "mbar_wait(FULL(s), (j / CPA + 1) & 1);"),  # reads before the copies
@@ -34,7 +36,7 @@ def _emulated_error(monkeypatch, gen, source: str) -> float:
     w4_mma_emulate.install(monkeypatch)
     k, n, group, m, cfg = CASE
     q, s, z, w_ref = _quant(k, n, group, gen)
-    ps, pz = pack_mma_groups(s, z, torch.bfloat16)
+    ps, pz = pack_mma_groups(s, z)
     x = torch.randn(m, k, generator=gen).bfloat16()
     y = w4_mma.mma_gemm(x, pack_mma(q), ps, pz, group_size=group, n=n, config=cfg)
     ref = x.double() @ w_ref.double()

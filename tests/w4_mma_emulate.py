@@ -16,7 +16,7 @@ import torch
 
 from kvforge_plugins.quant.kernels import w4_mma, w4_mma_jit
 from w4_mma_emulate_dequant import dequant_emu
-from w4_mma_emulate_io import (BIAS, bits_to_f, fill_norm_emu, rnd, store_rope, wg_lane_x, wg_ring_emu,  # noqa: F401
+from w4_mma_emulate_io import (bits_to_f, fill_norm_emu, rnd, store_rope, wg_lane_x, wg_ring_emu,  # noqa: F401
                                xr_ring_emu)
 from w4_mma_emulate_sched import check_ring_schedule, kernel_schedule
 from w4_mma_emulate_ws import check_ws_protocol, ws_lane_reads, ws_layout, ws_protocol, ws_stage_emu
@@ -47,8 +47,8 @@ def _frags(unit, TW, NB, g, t):
 
 
 def gemm_emu(cfg, dtype, x_bits, M, stride_x, wq, sc, zp, N, KC, gc_rt, cps, splits, norm=None, rope=None):
-    """``w4_mma_gemm`` on flat arrays (x as uint16 bits, words uint32, scales fp32, zeros
-    uint16 bits) with the kernel's launch constants ``cfg``; returns y [M * N] float64.
+    """``w4_mma_gemm`` on flat arrays (x as uint16 bits, words uint32, scales fp16 bits as
+    uint16, zero-point words uint32) with the kernel's launch constants ``cfg``; returns y [M * N] float64.
     With ``cfg["NORM"]``, ``norm`` is (residual bits [M * K], norm weight bits [K], eps) and
     the result is (y, residual out bits [M, K])."""
     TW, NB, WARPS, S, XS, SA = (int(cfg[k]) for k in ("TW", "NB", "WARPS", "S", "XS", "SCALE_A"))
@@ -82,7 +82,7 @@ def gemm_emu(cfg, dtype, x_bits, M, stride_x, wq, sc, zp, N, KC, gc_rt, cps, spl
                  for col in range(COLS) for i in range(TW * NB * 4) for ln in range(32)}
         assert len(slots) == (KW - 1) * COLS * TW * NB * 128 and 4 * (max(slots) + 1) <= w4_mma.reduce_bytes(cfg)
     if CPA and WG != 2:  # the stages' 16-byte units: one owner each, inside the bytes the host asked for
-        units = TW + (0 if XS or XR else 2 * NB) + (TW + 1) // 2 + 1
+        units = TW + (0 if XS or XR else 2 * NB) + 2
         addr = {((s * units + u) * 32 * WARPS + tid) * 16 for s in range(CPA) for u in range(units)
                 for tid in range(32 * WARPS)}
         assert len(addr) == CPA * units * 32 * WARPS and max(addr) + 16 <= w4_mma.stage_bytes(cfg)
@@ -95,13 +95,12 @@ def gemm_emu(cfg, dtype, x_bits, M, stride_x, wq, sc, zp, N, KC, gc_rt, cps, spl
     g, t = lane >> 2, lane & 3
     X = Flat(x_bits, "x", 2)
     W = Flat(wq, "wq", 4)
-    SC = Flat(sc, "sc", 4)
-    Z = Flat(zp, "zp", 2)
+    SC = Flat(sc, "sc", 2)
+    Z = Flat(zp, "zp", 4)
     ws = np.full(splits * M * N, np.nan)
     out = np.full(M * N, np.nan)
     written = np.zeros(M * N, dtype=np.int64)
     cnt = np.zeros(gx, dtype=np.int64)
-    bias = BIAS[dtype]
     for bx in range(gx):
         order = list(range(splits))
         random.shuffle(order)  # arrival order
@@ -174,8 +173,10 @@ def gemm_emu(cfg, dtype, x_bits, M, stride_x, wq, sc, zp, N, KC, gc_rt, cps, spl
                         d["x"] = [X.get(xp[b] + c * 64, 16, align=16) for b in range(NB)]
                     if c % GC == 0:
                         rec = rec0 + (c // GC) * rec_step
-                        d["s"] = SC.get(rec, 2 * TW, align=min(16, 8 * TW))
-                        d["z"] = Z.get(rec, 2 * TW, align=min(16, 4 * TW))
+                        d["s"] = SC.get(rec, 2 * TW, align=4 * TW)
+                        zw = -(-TW // 2)  # the lane's words: two tiles each
+                        d["z"] = Z.get(rec >> 2, zw, align=4 * zw)
+                        d["z"][:, 0] >>= (4 * (rec & 3)).astype(np.uint32)  # TW 1, an odd tile: 8 bits down
                     return d
 
                 def ws_stage(j):  # WG 2: local chunk j's stage, read as this warp's lanes do
@@ -226,12 +227,16 @@ def gemm_emu(cfg, dtype, x_bits, M, stride_x, wq, sc, zp, N, KC, gc_rt, cps, spl
                         cur["x"] = [xr.get((kw * NB * 8 + 8 * b + g) * pitch + 16 * t, 16, align=16) for b in range(NB)]
                     if jl % GC == 0:
                         assert "s" in cur, "scales not loaded at group start"
-                        zv = bits_to_f(cur["z"], dtype) - bias  # [32, 2TW]
-                        zb = zv
+                        # zb[h][:, 2a + r]: the zero point half h of the pair subtracts (bits 16h + 8 (a & 1) + 4r
+                        # of word a >> 1), as open_group makes the pair
+                        zw = cur["z"].astype(np.int64)
+                        zb = [np.stack([(zw[:, a >> 1] >> (16 * h + 8 * (a & 1) + 4 * r)) & 15
+                                        for a in range(TW) for r in range(2)], -1) for h in range(2)]
+                        s16 = cur["s"].astype(np.uint16).view(np.float16).astype(np.float64)  # [32, 2TW]
                         if SA:
-                            sa = rnd(cur["s"], dtype)
+                            sa = rnd(s16, dtype)
                         else:
-                            sf = cur["s"].astype(np.float64)
+                            sf = s16
                             tmp = np.zeros_like(acc)
                     xv = [bits_to_f(cur["x"][b], dtype) for b in range(NB)]  # [32, 16]
                     for a in range(TW):
@@ -242,7 +247,7 @@ def gemm_emu(cfg, dtype, x_bits, M, stride_x, wq, sc, zp, N, KC, gc_rt, cps, spl
                                 r = j & 1
                                 for h in range(2):
                                     qv = (w >> (4 * j + 16 * h)) & 15
-                                    v = qv - zb[:, 2 * a + r]
+                                    v = qv - zb[h][:, 2 * a + r]
                                     if SA:
                                         v = rnd(v * sa[:, 2 * a + r], dtype)
                                     A[g + 8 * r, 2 * t + 8 * (j >> 1) + h] = v
@@ -349,8 +354,8 @@ class FakeKernels:
             assert res.data_ptr() % 16 == 0 and nw.data_ptr() % 16 == 0
             emu_norm = tuple(t.reshape(-1).view(torch.int16).numpy().astype(np.uint16) for t in (res, nw)) + (eps,)
         y = gemm_emu(cfg, x.dtype, flat, m, x.stride(0), words.contiguous().view(-1).numpy().view(np.uint32),
-                     scales.reshape(-1).numpy(), zeros.reshape(-1).view(torch.int16).numpy().astype(np.uint16),
-                     n, k // 64, group_chunks, chunks_per_split, splits, emu_norm,
+                     scales.reshape(-1).view(torch.int16).numpy().view(np.uint16),
+                     zeros.reshape(-1).numpy().view(np.uint32), n, k // 64, group_chunks, chunks_per_split, splits, emu_norm,
                      None if not cfg.get("ROPE") else
                      (*rope[:2], *(v.cpu().numpy() if v is not None else None for v in rope[2:])))
         if cfg.get("NORM"):
@@ -363,8 +368,9 @@ class FakeKernels:
         return w4_mma.wg_x_tiles(x)
 
     def dequant(self, words, scales, zeros, wt, *, n, k, group_chunks):
-        v = dequant_emu(wt.dtype, words.contiguous().view(-1).numpy().view(np.uint32), scales.reshape(-1).numpy(),
-                        zeros.reshape(-1).view(torch.int16).numpy().astype(np.uint16), n, k // 64, group_chunks)
+        v = dequant_emu(wt.dtype, words.contiguous().view(-1).numpy().view(np.uint32),
+                        scales.reshape(-1).view(torch.int16).numpy().view(np.uint16),
+                        zeros.reshape(-1).numpy().view(np.uint32), n, k // 64, group_chunks)
         wt.copy_(torch.from_numpy(v.reshape(n, k)).to(wt.dtype))
 
 

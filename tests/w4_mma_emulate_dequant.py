@@ -5,24 +5,23 @@ from __future__ import annotations
 
 import numpy as np
 
-from w4_mma_emulate_io import BIAS, bits_to_f, rnd
+from w4_mma_emulate_io import rnd
 
 
 def dequant_emu(dtype, wq, sc, zp, N, KC, GC):
     """``w4_mma_dequant``: W^T [N * K] float64 (rounded to ``dtype``)."""
     NBLK = N >> 6
     wt = np.full(N * KC * 64, np.nan)
-    bias = BIAS[dtype]
     for idx in range(NBLK * KC * 128):
         lane, tile = idx & 31, (idx >> 5) & 3
         rest = idx >> 7
         c, nblk = rest % KC, rest // KC
         g, t = lane >> 2, lane & 3
         v = wq[4 * idx: 4 * idx + 4].astype(np.int64)
-        gq = (((c // GC) * NBLK + nblk) * 8 + g) * 8
+        gq = ((c // GC) * NBLK + nblk) * 8 + g
         for r in range(2):
-            s = sc[gq + 2 * tile + r]
-            z = bits_to_f(zp[gq + 2 * tile + r: gq + 2 * tile + r + 1], dtype)[0] - bias
+            s = float(sc[gq * 8 + 2 * tile + r: gq * 8 + 2 * tile + r + 1].view(np.float16)[0])
+            z = (int(zp[gq * 2 + (tile >> 1)]) >> (8 * (tile & 1) + 4 * r)) & 15
             vals = []
             for i in range(4):
                 for e in range(4):

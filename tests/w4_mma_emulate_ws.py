@@ -17,7 +17,7 @@ import numpy as np
 from kvforge_plugins.quant.kernels import w4_mma_jit
 from w4_mma_emulate_sched import _one
 
-ELEM_BYTES = {"xt": 2, "wq": 16, "sc": 4, "zp": 2}  # ws_loop's global operands: dt, uint4, float, dt
+ELEM_BYTES = {"xt": 2, "wq": 16, "sc": 2, "zp": 4}  # ws_loop's global operands: dt, uint4, fp16 bits, words
 
 
 def _py(text: str) -> str:
@@ -35,10 +35,10 @@ def _c_expr(text: str, **names):
 def ws_layout(src: "str | None" = None) -> dict:
     """WG 2's stage layout as w4_wgmma_ws.cuh defines it: functions of (NB, WARPS) for the
     consumer warpgroups (``wgs``), the weights' (``w``) and the scales' (``sz``) offsets in a
-    stage and the stage's size (``stage``)."""
+    stage, a block's scale + zero-point record (``rec``) and the stage's size (``stage``)."""
     src = src if src is not None else w4_mma_jit.SOURCE
     defs = {name: _one(rf"#define {name} ([^\n]*)", src, name).group(1).split("//")[0].strip()
-            for name in ("WS_WGS", "WS_W", "WS_SZ", "WS_STAGE")}
+            for name in ("WS_WGS", "WS_W", "WS_SZ", "WS_REC", "WS_STAGE")}
 
     def expand(text):
         while re.search(r"\bWS_\w+\b", text):
@@ -78,8 +78,9 @@ def ws_protocol(src: "str | None" = None) -> dict:
         expect=_one(r"mbar_expect_tx\(FULL\(s\), ([^;]*)\);", producer, "expected bytes").group(1),
         read_w=_one(r"cur\.w\[0\] = lds128\(([^;]*)\);", body, "weight read").group(1),
         sz=_one(r"const unsigned sz = ([^,]*), e = ([^;]*);", body, "scale record address").groups(),
-        read_s=_one(r"ld\.shared\.v2\.f32.*?\"r\"\(([^)]*)\)\);", body, "scales read").group(1),
-        read_z=_one(r"ld\.shared\.b32.*?\"r\"\(([^)]*)\)\);", body, "zeros read").group(1),
+        read_s=_one(r"\"=r\"\(s2\) : \"r\"\(([^)]*)\)\);", body, "scales read").group(1),
+        read_z=_one(r"\"=r\"\(z\) : \"r\"\((.*?)\)\);", body, "zeros read").group(1),
+        z_shift=_one(r"cur\.z\[0\] = z >> ([^;]*);", body, "zero-point shift").group(1),
         x_at=_one(r"compute_chunk_wg\(A, cur, gs, ([^,]*), fc, fp\);", body, "x slot").group(1))
 
 
@@ -153,7 +154,7 @@ def ws_stage_emu(proto, lay, arrays, *, NB, WARPS, M, KC, NBLK, GC, c, gs, blk0,
         if cp["gs_only"] and not gs:
             continue
         for b in range(nb) if cp["per_block"] else [None]:
-            names = dict(st=0, WS_W=W, WS_SZ=SZ, b=b, c=c, M=M, KC=KC, NBLK=NBLK, GC=GC, blk0=blk0)
+            names = dict(st=0, WS_W=W, WS_SZ=SZ, WS_REC=lay["rec"](NB, WARPS), b=b, c=c, M=M, KC=KC, NBLK=NBLK, GC=GC, blk0=blk0)
             names["rec"] = _c_expr(proto["rec"], **names) if cp["per_block"] else None
             dst, n = _c_expr(cp["dst"], **names), _c_expr(cp["bytes"], **names)
             src = _c_expr(cp["src"], **names) * ELEM_BYTES[cp["arr"]]
@@ -163,16 +164,17 @@ def ws_stage_emu(proto, lay, arrays, *, NB, WARPS, M, KC, NBLK, GC, c, gs, blk0,
             assert 0 <= dst and dst + n <= size and not written[dst:dst + n].any(), f"bulk copy {cp}: stage overrun"
             stage[dst:dst + n], written[dst:dst + n] = arr[src:src + n], True
             total += n
-    assert total == _c_expr(proto["expect"], M=M, nb=nb, gs=gs), "WG 2: expected transaction bytes != copied bytes"
+    assert total == _c_expr(proto["expect"], M=M, nb=nb, gs=gs, WS_REC=lay["rec"](NB, WARPS)), \
+        "WG 2: expected transaction bytes != copied bytes"
     return stage, written
 
 
 def ws_lane_reads(proto, lay, stage, written, *, NB, WARPS, warp, gs):
     """A consumer warp's reads of one stage, lane by lane: (weight words uint32 [32, 4], scales
-    float32 [32, 2] and zeros uint16 [32, 2] when ``gs``, the x slot uint16 [NB * 512] the
+    fp16 bits uint16 [32, 2] and the zero-point word uint32 [32, 1], shifted as the lane does, when ``gs``, the x slot uint16 [NB * 512] the
     descriptor reads from). Each read must be of bytes the producer wrote for this chunk."""
     lane = np.arange(32)
-    names = dict(st=0, WS_W=lay["w"](NB, WARPS), WS_SZ=lay["sz"](NB, WARPS), wb=warp // 4, tile=warp % 4,
+    names = dict(st=0, WS_W=lay["w"](NB, WARPS), WS_SZ=lay["sz"](NB, WARPS), WS_REC=lay["rec"](NB, WARPS), wb=warp // 4, tile=warp % 4,
                  lane=lane, g=lane >> 2)
 
     def read(at, n):
@@ -183,8 +185,9 @@ def ws_lane_reads(proto, lay, stage, written, *, NB, WARPS, warp, gs):
     out = {"w": read(_c_expr(proto["read_w"], **names), 16).view(np.uint32).reshape(32, 4)}
     if gs:
         names["sz"], names["e"] = (_c_expr(t, **names) for t in proto["sz"])
-        out["s"] = read(_c_expr(proto["read_s"], **names), 8).view(np.float32).reshape(32, 2)
-        out["z"] = read(_c_expr(proto["read_z"], **names), 4).view(np.uint16).reshape(32, 2)
+        out["s"] = read(_c_expr(proto["read_s"], **names), 4).view(np.uint16).reshape(32, 2)
+        z = read(_c_expr(proto["read_z"], **names), 4).view(np.uint32).reshape(32)
+        out["z"] = (z >> np.uint32(_c_expr(proto["z_shift"], **names)))[:, None]
     x0 = _c_expr(proto["x_at"], **names)
     out["x"] = stage[x0:x0 + NB * 1024].view(np.uint16).copy()
     out["x"][~written[x0:x0 + NB * 1024].reshape(-1, 2).all(1)] = 0x7FFF  # unwritten rows: NaN (never stored)

@@ -19,8 +19,8 @@ points are unpacked to ``wzeros`` uint8 [G, N] (true zero points) and, on the GP
 kernel path, act-order rows are permuted so groups are contiguous (``perm`` [K]; the
 activation is gathered with it), and 4-bit weights are repacked into the pairs layout
 (``kernels/w4_pairs.py``; ``layer.wna16_tile_k`` set) or, with ``int4_layout: mma``, the mma
-layout (``kernels/w4_mma.py``; ``mma_scales`` replaces ``scales``, ``wzeros`` holds ``BIAS + z``
-in the model dtype; a gate|up pair, ``layer.gate_up``, with its rows interleaved 8 by 8 so the
+layout (``kernels/w4_mma.py``; ``mma_scales`` (fp16) replaces ``scales``, ``wzeros`` holds the
+zero points as 4-bit fields of int32 words; a gate|up pair, ``layer.gate_up``, with its rows interleaved 8 by 8 so the
 kernel writes silu(gate) * up itself: ``apply_silu_and_mul``, ``layer.wna16_gated``);
 ``layer.wna16_layout`` names the layout.
 Dequantized weight: ``W^T[k, n] = (q[k, n] - wzeros[g(k), n]) * scales[g(k), n]``.
@@ -230,7 +230,10 @@ class WNA16LinearMethod(LinearMethod):
         """Why the mma layout cannot hold this layer's weight here, or None if it can."""
         if self.bits != 4:
             return "the weights are not 4-bit"
-        why = w4_mma.mma_blocker(layer.wna16_k, layer.wna16_n, layer.wna16_group, layer.wna16_dtype)
+        why = (w4_mma.mma_blocker(layer.wna16_k, layer.wna16_n, layer.wna16_group, layer.wna16_dtype)
+               or w4_mma.scales_blocker(layer.scales.data))
+        if not why and layer.wzeros.numel() and int(layer.wzeros.max()) > 15:  # (GPTQ v1: a stored 15, plus 1)
+            why = "a zero point of 16 does not fit the layout's 4-bit zero points"
         if why or not layer.wna16_kernel:  # the reference path repacks nothing: the runtime does not matter
             return why
         return w4_mma.runtime_blocker(layer.qweight.device)
@@ -273,7 +276,7 @@ class WNA16LinearMethod(LinearMethod):
             scales, zeros = scales[:, order.to(scales.device)], zeros[:, order.to(zeros.device)]
         layer.wna16_gated = gated
         layer.wna16_rope = rope
-        sc, zb = w4_mma.pack_mma_groups(scales, zeros, layer.wna16_dtype)
+        sc, zb = w4_mma.pack_mma_groups(scales, zeros)
         del layer.scales
         layer.register_buffer("mma_scales", sc, persistent=False)
         layer.register_buffer("wzeros", zb, persistent=False)
@@ -319,7 +322,7 @@ class WNA16LinearMethod(LinearMethod):
         if not getattr(layer, "wna16_gated", False) or bias is not None:
             return None
         x2 = self._kernel_input(layer, x)
-        if x2.dtype == layer.wzeros.dtype:
+        if x2.dtype in w4_mma.DTYPES:
             y = w4_mma.mma_gemm(x2, layer.qweight, layer.mma_scales, layer.wzeros, group_size=layer.wna16_group,
                                 n=layer.wna16_n, silu_and_mul=True)
         else:
@@ -334,7 +337,7 @@ class WNA16LinearMethod(LinearMethod):
         permuted order), a gate|up layer asked for [gate | up], rows too long for shared memory."""
         if not (self.fuse_norm and layer.wna16_kernel and layer.wna16_layout == "mma" and bias is None
                 and layer.perm is None and silu_and_mul == bool(getattr(layer, "wna16_gated", False))
-                and x.dim() == 2 and 1 <= x.shape[0] <= w4_mma.MAX_NORM_M and x.dtype == layer.wzeros.dtype):
+                and x.dim() == 2 and 1 <= x.shape[0] <= w4_mma.MAX_NORM_M and x.dtype in w4_mma.DTYPES):
             return None
         if not w4_mma.norm_fits(x.shape[0], x.shape[1], x.element_size(), x.device):
             return None  # the whole rows do not fit in shared memory beside the kernel's own
@@ -361,7 +364,7 @@ class WNA16LinearMethod(LinearMethod):
     def apply(self, layer, x, bias):
         x2 = self._kernel_input(layer, x)
         if layer.wna16_kernel:
-            if layer.wna16_layout == "mma" and x2.dtype == layer.wzeros.dtype:
+            if layer.wna16_layout == "mma" and x2.dtype in w4_mma.DTYPES:
                 y = w4_mma.mma_gemm(x2, layer.qweight, layer.mma_scales, layer.wzeros, group_size=layer.wna16_group,
                                     n=layer.wna16_n, rope_layout=layer.wna16_rope)  # (back in head order)
             elif layer.wna16_layout == "mma":

@@ -18,8 +18,12 @@ p = 64c + 16t + 4i, the word's nibbles are (bit: value) 0: q[p, n0], 16: q[p+1, 
 4: q[p, n1], 20: q[p+1, n1], 8: q[p+2, n0], 24: q[p+3, n0], 12: q[p+2, n1], 28: q[p+3, n1], so
 ``(w >> 4j) & 0x000f000f | BIAS`` is register j of the MMA's A fragment as two 16-bit floats
 ``BIAS + q`` (bf16 128 / fp16 1024, exact). The kernel applies the same K permutation to x.
-``scales`` fp32 [G, N/64, 8, 8] and ``zeros`` [G, N/64, 8, 8] in the model dtype holding
-``BIAS + z``: entry [grp, nb, g, 2T + r] is row 64nb + 16T + 8r + g (``pack_mma_groups``).
+``scales`` fp16 [G, N/64, 8, 8]: entry [grp, nb, g, 2T + r] is row 64nb + 16T + 8r + g;
+``zeros`` int32 [G, N/64, 8, 2]: word [grp, nb, g, T >> 1] holds that row's zero point at bits
+8 (T & 1) + 4r of both 16-bit halves (``pack_mma_groups``), so one LOP3 makes the pair
+``-(BIAS + z)`` the dequantization adds; the layout serves fp16 and bf16 activations alike.
+Stored so, a scale group costs 3 bytes per column for its scale and zero point instead of 6
+(fp32 + 16-bit): at group 128 the weight's bytes are 4% fewer.
 
 Shapes: x [M, K] fp16/bf16 -> [M, N] in x.dtype (fp32 accumulation); K, N multiples of 64,
 group_size a multiple of 64 dividing K. M <= 64: the fused kernel (split K, deterministic
@@ -63,7 +67,6 @@ CONFIGS = {  # M <= 16: the winners at 14336 x 14336 on the H200 (BENCHMARKS.md,
     64: dict(NB=8, TW=1, WARPS=4, S=1, XS=0, SCALE_A=True, MINB=1, waves=2),
 }
 TABLE_SCHEMA = 1
-_BIAS = {torch.bfloat16: 128.0, torch.float16: 1024.0}
 # nibble shift of K offset e (0..3) inside a word for row half r (0: n0, 1: n1)
 _SHIFTS = torch.tensor([[4 * (2 * (e >> 1) + r) + 16 * (e & 1) for r in range(2)] for e in range(4)])
 
@@ -110,14 +113,37 @@ def unpack_mma(words: torch.Tensor) -> torch.Tensor:
     return v.permute(1, 4, 5, 6, 0, 2, 7, 3).reshape(k, nblk * 64).to(torch.int32)
 
 
-def pack_mma_groups(scales: torch.Tensor, zeros: torch.Tensor, dtype: torch.dtype):
-    """scales [G, N] float, zeros [G, N] ints -> (fp32 [G, N/64, 8, 8], ``BIAS + z`` in
-    ``dtype`` [G, N/64, 8, 8]), entry [grp, nb, g, 2T + r] for row 64nb + 16T + 8r + g."""
+def scales_blocker(scales: torch.Tensor) -> "str | None":
+    """Why ``scales`` cannot be stored as the layout's fp16 without a change of value (None if
+    they can): AWQ and GPTQ checkpoints store fp16 scales, so theirs always can."""
+    if scales.dtype == torch.float16:
+        return None
+    s16 = scales.to(torch.float16)
+    if not torch.equal(s16.to(scales.dtype), scales):
+        return f"its {scales.dtype} scales are not all exact in float16 (the layout stores float16 scales)"
+    return None
+
+
+def pack_mma_groups(scales: torch.Tensor, zeros: torch.Tensor):
+    """scales [G, N] float, zero points [G, N] ints in [0, 16) -> (scales fp16 [G, N/64, 8, 8],
+    entry [grp, nb, g, 2T + r] for row 64nb + 16T + 8r + g; zeros int32 [G, N/64, 8, 2], that
+    row's zero point at bits 8 (T & 1) + 4r and 16 + 8 (T & 1) + 4r of word [grp, nb, g, T >> 1]).
+    Raises ValueError for a zero point outside [0, 16) or a scale that float16 does not hold
+    exactly (:func:`scales_blocker`)."""
     g_, n = scales.shape
+    why = scales_blocker(scales)
+    if why:
+        raise ValueError(f"w4 mma layout: {why}")
+    if zeros.numel() and not (0 <= int(zeros.min()) and int(zeros.max()) < 16):
+        raise ValueError("w4 mma layout: zero points must be 4-bit, in [0, 16)")
 
     def order(t):  # [G, nb, T, r, g] -> [G, nb, g, T, r]
-        return t.reshape(g_, n // 64, 4, 2, 8).permute(0, 1, 4, 2, 3).reshape(g_, n // 64, 8, 8).contiguous()
-    return order(scales.float()), order(zeros.float() + _BIAS[dtype]).to(dtype)
+        return t.reshape(g_, n // 64, 4, 2, 8).permute(0, 1, 4, 2, 3).reshape(g_, n // 64, 8, 8)
+    z = order(zeros.to(torch.int64)).reshape(g_, n // 64, 8, 2, 4)  # [..., word, entry in it]
+    half = (z << (4 * torch.arange(4, device=zeros.device))).sum(dim=-1)  # disjoint fields: the sum is an OR
+    words = half | (half << 16)
+    words = torch.where(words >= 2 ** 31, words - 2 ** 32, words)
+    return order(scales.to(torch.float16)).contiguous(), words.to(torch.int32).contiguous()
 
 
 def unpack_mma_groups(scales: torch.Tensor, zeros: torch.Tensor):
@@ -126,7 +152,8 @@ def unpack_mma_groups(scales: torch.Tensor, zeros: torch.Tensor):
 
     def order(t):
         return t.reshape(g_, nblk, 8, 4, 2).permute(0, 1, 3, 4, 2).reshape(g_, nblk * 64)
-    return order(scales), (order(zeros.float()) - _BIAS[zeros.dtype]).to(torch.int32)
+    z = (zeros.to(torch.int64)[..., None] >> (4 * torch.arange(4, device=zeros.device))) & 15  # low halves
+    return order(scales.float()), order(z.reshape(g_, nblk, 8, 8)).to(torch.int32)
 
 
 def dequantize_mma(words, scales, zeros, *, group_size: int, dtype: torch.dtype) -> torch.Tensor:
@@ -165,9 +192,8 @@ def mma_gemm(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: 
     """``x`` [M, K] fp16/bf16 on CUDA -> [M, N] in ``x.dtype``; operands as in the module
     docstring. With ``silu_and_mul`` the weight is a gate|up pair packed interleaved
     (:func:`interleave_gate_up`) and the result is silu(gate) * up, [M, N / 2]. Raises
-    ValueError for another dtype, a shape the layout does not hold, zeros in another dtype
-    than x (the layout is made for the model's dtype), scales / zeros not in the layout's
-    shape, or a ``config`` that is not a launchable one covering M (:func:`check_config`).
+    ValueError for another dtype, a shape the layout does not hold, scales / zeros not in the
+    layout's dtypes and shapes, or a ``config`` that is not a launchable one covering M (:func:`check_config`).
     ``rope_layout`` (heads, head_dim): the weight's first heads * head_dim rows are in the
     rotary layout (:func:`interleave_heads`); the result comes back in head order."""
     rope = (*rope_layout, None, None, None) if rope_layout else None
@@ -248,16 +274,19 @@ def _gemm(x, words, scales, zeros, group_size, n, config, silu_and_mul, norm, ro
         check_rope(rope, n, silu_and_mul)
     if config is not None:
         check_config_keys(config)  # a bad config is an error even where the dequantize path ignores it
-    if x.dtype not in DTYPES or zeros.dtype != x.dtype:
-        raise ValueError(f"w4 mma GEMM: x dtype {x.dtype} must be fp16/bf16 and match the layout's {zeros.dtype}")
+    if x.dtype not in DTYPES:
+        raise ValueError(f"w4 mma GEMM: x dtype {x.dtype} must be fp16/bf16")
     if words.shape != (n // 64, k * 8) or mma_blocker(k, n, group_size, x.dtype):
         raise ValueError(f"w4 mma GEMM: K {k}, N {n}, group {group_size}, words {tuple(words.shape)} "
                          "do not fit the layout")
     groups = (k // group_size, n // 64, 8, 8)
-    if scales.dtype != torch.float32 or scales.shape != groups or zeros.shape != groups \
+    zgroups = (*groups[:3], 2)
+    if scales.dtype != torch.float16 or scales.shape != groups or zeros.dtype != torch.int32 \
+            or zeros.shape != zgroups \
             or not (scales.is_contiguous() and zeros.is_contiguous() and words.is_contiguous()):
-        raise ValueError(f"w4 mma GEMM: scales {scales.dtype} {tuple(scales.shape)} / zeros {tuple(zeros.shape)} "
-                         f"must be contiguous, float32 / x's dtype, of shape {groups} (pack_mma_groups)")
+        raise ValueError(f"w4 mma GEMM: scales {scales.dtype} {tuple(scales.shape)} / zeros {zeros.dtype} "
+                         f"{tuple(zeros.shape)} must be contiguous float16 {groups} / int32 {zgroups} "
+                         "(pack_mma_groups)")
     if m == 0:
         return x.new_empty((0, n // 2 if silu_and_mul else n)), None
     if x.stride(-1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:

@@ -5,7 +5,10 @@
 // 16-bit values are handled as raw bits (no cuda_fp16 / cuda_bf16 headers: NVRTC may not find them).
 typedef unsigned short dt;
 #if W4_BF16
-#define BIAS_BITS 0x43004300u
+#define BIAS_BITS 0x43004300u    // 128: BIAS + q, q in the low mantissa bits
+#define NEG_LO2 0xC300C300u      // -(128 + z) with z in bits 0-3
+// (no nibble-in-place registers: bits 4-7 of a bf16 reach its exponent; each register is shifted)
+#define HI_IN_PLACE 0
 #define MMA_OP "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
 __device__ __forceinline__ float dt_to_f(dt v) { return __uint_as_float(((unsigned)v) << 16); }
 __device__ __forceinline__ dt f_to_dt(float v) { dt h; asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v)); return h; }
@@ -15,7 +18,11 @@ __device__ __forceinline__ unsigned fma2(unsigned a, unsigned b, unsigned c) {
 }
 #define ONE2 0x3f803f80u
 #else
-#define BIAS_BITS 0x64006400u
+#define BIAS_BITS 0x64006400u    // 1024
+#define NEG_LO2 0xE400E400u      // -(1024 + z) with z in bits 0-3: a row n0 register's zero point
+#define NEG_HI2 0xD400D400u      // -(64 + z) with z in bits 4-7: a row n1 register's (HI_IN_PLACE)
+#define SIXTEENTH2 0x2C002C00u   // 1 / 16
+#define HI_IN_PLACE 1
 #define MMA_OP "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"
 __device__ __forceinline__ float dt_to_f(dt v) { float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v)); return f; }
 __device__ __forceinline__ dt f_to_dt(float v) { dt h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v)); return h; }
@@ -40,10 +47,24 @@ __device__ __forceinline__ unsigned dup2(dt v) { return (unsigned)v | ((unsigned
     _Pragma("unroll") for (int b = 0; b < NB; ++b)      \
     _Pragma("unroll") for (int f = 0; f < 2; ++f)
 
-__device__ __forceinline__ unsigned pair_bits(unsigned w, int j) {
-    unsigned r;  // (w >> 4j) & 0x000f000f | BIAS, one LOP3 after the shift
-    asm("lop3.b32 %0, %1, 0x000f000f, %2, 0xea;" : "=r"(r) : "r"(w >> (4 * j)), "r"(BIAS_BITS));
+// (a & mask) | c in one LOP3
+template <unsigned MASK>
+__device__ __forceinline__ unsigned and_or(unsigned a, unsigned c) {
+    unsigned r;
+    asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(r) : "r"(a), "n"(MASK), "r"(c));
     return r;
+}
+// Register j of an A fragment from its word as a pair of 16-bit floats BIAS + q: (w >> 4j) &
+// 0x000f000f | BIAS. With HI_IN_PLACE (fp16) one shift per word, not three (Marlin's trick):
+// an odd j leaves its nibbles in place, (w >> 4(j - 1)) & 0x00f000f0 | BIAS = BIAS + 16 q
+// (exact: 1024 + 16q <= 1264), and its zero-point pair takes the 16 out again.
+__device__ __forceinline__ unsigned pair_bits(unsigned w, int j) {
+#if HI_IN_PLACE
+    const unsigned src = j < 2 ? w : w >> 8;
+    return (j & 1) ? and_or<0x00f000f0u>(src, BIAS_BITS) : and_or<0x000f000fu>(src, BIAS_BITS);
+#else
+    return and_or<0x000f000fu>(w >> (4 * j), BIAS_BITS);
+#endif
 }
 
 __device__ __forceinline__ void mma(float* c, const unsigned* a, unsigned b0, unsigned b1) {
@@ -77,14 +98,23 @@ __device__ __forceinline__ unsigned word_of(const uint4& v, int i) {
 #define KW 1
 #endif
 
+// Zero-point words of a lane: entries (tile a, row r) of two tiles per word (ZW words).
+#define ZW ((TW + 1) / 2)
 // One K chunk's operands for a lane: TW weight words x4, NB x 16-element runs (unless XS),
-// and at a group's first chunk its 2 * TW scales and zeros.
+// and at a group's first chunk its 2 * TW scales (fp16 bits) and zero-point words (entry
+// (a, r) at bits 8 (a & 1) + 4 r of word a >> 1, in both 16-bit halves; a lane whose first
+// tile is odd has its word shifted down by 8).
 struct Stage {
     uint4 w[TW];
     uint4 x[NB][2];
-    __align__(16) float s[2 * TW];
-    __align__(16) dt z[2 * TW];
+    __align__(16) unsigned short s[2 * TW];
+    __align__(8) unsigned z[ZW];
 };
+
+// The scales are fp16 whatever the model dtype (the checkpoints' own scale dtype).
+__device__ __forceinline__ float h16_to_f(unsigned short v) {
+    float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v)); return f;
+}
 
 template <int BYTES>
 __device__ __forceinline__ void ldg_bytes(void* dst, const void* src) {
@@ -120,8 +150,8 @@ __device__ __forceinline__ uint4 ld_weights(const uint4* p) {
 #endif
 }
 
-__device__ __forceinline__ void load_stage(Stage& st, const uint4* wp, const dt* const* xp, const float* sc,
-                                           const dt* zp, size_t rec0, size_t rec_step, int c, int GC) {
+__device__ __forceinline__ void load_stage(Stage& st, const uint4* wp, const dt* const* xp, const unsigned short* sc,
+                                           const unsigned* zp, size_t rec0, size_t rec_step, int c, int GC) {
 #pragma unroll
     for (int a = 0; a < TW; ++a) st.w[a] = ld_weights(wp + (size_t)c * 128 + a * 32);
 #if !XIN
@@ -134,7 +164,8 @@ __device__ __forceinline__ void load_stage(Stage& st, const uint4* wp, const dt*
 #endif
     if (c % GC == 0) {
         const size_t rec = rec0 + (size_t)(c / GC) * rec_step;
-        ldg_bytes<8 * TW>(st.s, sc + rec);
-        ldg_bytes<4 * TW>(st.z, zp + rec);
+        ldg_bytes<4 * TW>(st.s, sc + rec);
+        ldg_bytes<4 * ZW>(st.z, zp + (rec >> 2));  // two words per (group, nblk, g): tiles 0-1, 2-3
+        st.z[0] >>= 4 * (rec & 3);                 // (TW 1, an odd tile: its entries sit 8 bits up)
     }
 }

@@ -4,7 +4,7 @@
 // The accumulators and the current group's dequantization constants of a lane.
 struct Acc {
     float acc[TW][NB][4];
-    unsigned zb[TW][2];  // -(BIAS + z) pairs: w - (BIAS + z) = q - z, exact
+    unsigned zb[TW][2];  // -(BIAS + z) pairs (HI_IN_PLACE row n1: -(BIAS / 16 + z)): the MMA operand is q - z, exact
 #if SCALE_A
     unsigned sa[TW][2];
 #else
@@ -13,12 +13,17 @@ struct Acc {
 #endif
 };
 
-// Register j of the A fragment of MMA i (tile a): q - z from word i's nibbles (exact), times the
-// group scale with SCALE_A (rounded once).
+// Register j of the A fragment of MMA i (tile a): q - z from word i's nibbles (exact: (BIAS + q)
+// - (BIAS + z), or with HI_IN_PLACE for odd j (BIAS + 16 q) / 16 - (BIAS / 16 + z), one rounding
+// of an exact integer), times the group scale with SCALE_A (rounded once).
 __device__ __forceinline__ void dequant_frag(unsigned* fr, const Acc& A, unsigned w, int a) {
 #pragma unroll
     for (int j = 0; j < 4; ++j) {  // register j: row n0 (j even) or n1 (j odd)
+#if HI_IN_PLACE
+        fr[j] = fma2(pair_bits(w, j), (j & 1) ? SIXTEENTH2 : ONE2, A.zb[a][j & 1]);
+#else
         fr[j] = fma2(pair_bits(w, j), ONE2, A.zb[a][j & 1]);
+#endif
 #if SCALE_A
         fr[j] = fma2(fr[j], A.sa[a][j & 1], NEG_ZERO2);
 #endif
@@ -39,11 +44,17 @@ __device__ __forceinline__ void open_group(Acc& A, const Stage& cur) {
     for (int a = 0; a < TW; ++a)
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-            A.zb[a][r] = dup2(cur.z[2 * a + r] ^ 0x8000);
-#if SCALE_A
-            A.sa[a][r] = dup2(f_to_dt(cur.s[2 * a + r]));
+            // -(BIAS + z) / -(BIAS / 16 + z) pairs: z's nibble, already in both halves, in the mantissa
+            const unsigned zw = cur.z[a >> 1] >> (8 * (a & 1));
+#if HI_IN_PLACE
+            A.zb[a][r] = r ? and_or<0x00f000f0u>(zw, NEG_HI2) : and_or<0x000f000fu>(zw, NEG_LO2);
 #else
-            A.sf[a][r] = cur.s[2 * a + r];
+            A.zb[a][r] = and_or<0x000f000fu>(zw >> (4 * r), NEG_LO2);
+#endif
+#if SCALE_A
+            A.sa[a][r] = dup2(f_to_dt(h16_to_f(cur.s[2 * a + r])));
+#else
+            A.sf[a][r] = h16_to_f(cur.s[2 * a + r]);
 #endif
         }
 #if !SCALE_A
@@ -124,11 +135,11 @@ __device__ __forceinline__ void x_from_smem(Stage& cur, const dt* const* xp, int
 // thread): unit u of stage s of thread tid is 16 bytes at ((s * UNITS + u) * NT + tid) * 16,
 // so a warp's 16-byte reads of one unit are 512 contiguous bytes (no bank conflict). A thread
 // reads back only what it copied itself, so its own cp.async.wait_group orders them: no CTA
-// barrier. Units: TW weight vectors, 2 * NB x runs (unless XS), the scales (8 * TW bytes),
-// the zeros (4 * TW bytes).
+// barrier. Units: TW weight vectors, 2 * NB x runs (unless XS), the scales (4 * TW bytes),
+// the zero-point words (4 * ZW bytes).
 #define U_X TW
 #define U_S (U_X + (XIN ? 0 : 2 * NB))
-#define U_Z (U_S + (TW + 1) / 2)
+#define U_Z (U_S + 1)
 #define UNITS (U_Z + 1)
 #if CPA < 2
 #error "CPA needs at least 2 stages"
@@ -155,8 +166,9 @@ __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_gr
 
 #if CPA
 // Start the copies of chunk c's operands into the stage at `st` (this thread's unit 0).
-__device__ __forceinline__ void issue_stage(unsigned st, const uint4* wp, const dt* const* xp, const float* sc,
-                                            const dt* zp, size_t rec0, size_t rec_step, int c, int GC) {
+__device__ __forceinline__ void issue_stage(unsigned st, const uint4* wp, const dt* const* xp,
+                                            const unsigned short* sc, const unsigned* zp, size_t rec0,
+                                            size_t rec_step, int c, int GC) {
 #pragma unroll
     for (int a = 0; a < TW; ++a) cp_async_weights(st + a * NT * 16, wp + (size_t)c * 128 + a * 32);
 #if !XIN
@@ -168,18 +180,14 @@ __device__ __forceinline__ void issue_stage(unsigned st, const uint4* wp, const 
 #endif
     if (c % GC == 0) {
         const size_t rec = rec0 + (size_t)(c / GC) * rec_step;
-        if (TW == 4) {
-            cp_async_ca<16>(st + U_S * NT * 16, sc + rec);
-            cp_async_ca<16>(st + (U_S + 1) * NT * 16, sc + rec + 4);
-        } else {
-            cp_async_ca<8 * TW>(st + U_S * NT * 16, sc + rec);
-        }
-        cp_async_ca<4 * TW>(st + U_Z * NT * 16, zp + rec);
+        cp_async_ca<4 * TW>(st + U_S * NT * 16, sc + rec);
+        cp_async_ca<4 * ZW>(st + U_Z * NT * 16, zp + (rec >> 2));
     }
 }
 
-// The landed stage at `st` into registers (the group records only where a group starts).
-__device__ __forceinline__ void read_stage(Stage& cur, unsigned st, bool gstart) {
+// The landed stage at `st` into registers (the group records only where a group starts);
+// ``zsh``: 8 for a lane whose one tile (TW 1) is odd (its entries sit 8 bits up), else 0.
+__device__ __forceinline__ void read_stage(Stage& cur, unsigned st, bool gstart, int zsh) {
 #pragma unroll
     for (int a = 0; a < TW; ++a) cur.w[a] = lds128(st + a * NT * 16);
 #if !XIN
@@ -190,13 +198,15 @@ __device__ __forceinline__ void read_stage(Stage& cur, unsigned st, bool gstart)
     }
 #endif
     if (gstart) {
-        uint4 s[2], z = lds128(st + U_Z * NT * 16);
-        s[0] = lds128(st + U_S * NT * 16);
-        s[1] = TW == 4 ? lds128(st + (U_S + 1) * NT * 16) : s[0];
+        const uint4 s = lds128(st + U_S * NT * 16);
 #pragma unroll
-        for (int i = 0; i < 2 * TW; ++i) cur.s[i] = __uint_as_float(word_of(s[i >> 2], i & 3));
-#pragma unroll
-        for (int i = 0; i < 2 * TW; ++i) cur.z[i] = (dt)(word_of(z, i >> 1) >> (16 * (i & 1)));
+        for (int i = 0; i < 2 * TW; ++i) cur.s[i] = (unsigned short)(word_of(s, i >> 1) >> (16 * (i & 1)));
+        if (ZW == 2) {
+            asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(cur.z[0]), "=r"(cur.z[ZW - 1]) : "r"(st + U_Z * NT * 16));
+        } else {
+            asm volatile("ld.shared.b32 %0, [%1];" : "=r"(cur.z[0]) : "r"(st + U_Z * NT * 16));
+            cur.z[0] >>= zsh;
+        }
     }
 }
 #endif

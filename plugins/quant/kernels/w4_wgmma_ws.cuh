@@ -3,8 +3,8 @@
 // GEMM). The CTA is WARPS / 4 consumer warpgroups (one 64-row block each) plus one producer
 // warp. For each chunk the producer's lane 0 issues 1-D bulk copies (cp.async.bulk, the TMA
 // unit; PTX ISA "Data Movement and Conversion Instructions: cp.async.bulk") of x, of each
-// block's 2 KB of weight words and, when the chunk opens a scale group, of each block's 256
-// bytes of scales and 128 bytes of zeros into one of CPA stages, and one mbarrier per stage
+// block's 2 KB of weight words and, when the chunk opens a scale group, of each block's 128
+// bytes of scales and 64 bytes of zero points into one of CPA stages, and one mbarrier per stage
 // ("full") counts their bytes. A consumer warp waits on the stage's full barrier, reads its
 // weight words, dequantizes them into A fragments and issues its wgmmas (x read from the
 // stage by descriptor); once a chunk's wgmmas have retired (the next chunk's wait_group 1)
@@ -24,8 +24,9 @@
 #if WG == 2
 #define WS_WGS (WARPS / 4)                       // consumer warpgroups = 64-row blocks of the CTA
 #define WS_W (NB * 1024)                         // stage offset of the weights (x first)
-#define WS_SZ (WS_W + WS_WGS * 2048)             // of the scales (256 B) + zeros (128 B) per block
-#define WS_STAGE ((WS_SZ + WS_WGS * 384 + 1023) & ~1023)  // 1024-aligned: x's swizzle atom
+#define WS_SZ (WS_W + WS_WGS * 2048)             // of the scales (128 B) + zero points (64 B) per block
+#define WS_REC 192
+#define WS_STAGE ((WS_SZ + WS_WGS * WS_REC + 1023) & ~1023)  // 1024-aligned: x's swizzle atom
 #define WS_THREADS ((WARPS + 1) * 32)
 
 __device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
@@ -60,7 +61,8 @@ __device__ __forceinline__ void bulk_copy(unsigned dst, const void* src, unsigne
 // ``stages``: the 1024-aligned shared address of stage 0; ``bars``: 2 * CPA mbarriers (full,
 // then empty). Consumers end with their accumulators in A; the producer warp returns at once
 // after its last copy (its lanes 1-31 at the start).
-__device__ __forceinline__ void ws_loop(Acc& A, const dt* xt, int M, const uint4* wq, const float* sc, const dt* zp,
+__device__ __forceinline__ void ws_loop(Acc& A, const dt* xt, int M, const uint4* wq, const unsigned short* sc,
+                                        const unsigned* zp,
                                         int KC, int NBLK, int cbeg, int nloc, int GC, int blk0, int nb,
                                         unsigned stages, unsigned bars) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -73,14 +75,14 @@ __device__ __forceinline__ void ws_loop(Acc& A, const dt* xt, int M, const uint4
             if (j >= CPA) mbar_wait(EMPTY(s), (j / CPA - 1) & 1);  // its chunk j - CPA retired in every warp
             const bool gs = j % GC == 0;
             const unsigned st = stages + s * WS_STAGE;
-            mbar_expect_tx(FULL(s), M * 128 + nb * (gs ? 2048 + 384 : 2048));
+            mbar_expect_tx(FULL(s), M * 128 + nb * (gs ? 2048 + WS_REC : 2048));
             bulk_copy(st, xt + (size_t)c * M * 64, M * 128, FULL(s));
             for (int b = 0; b < nb; ++b) {
                 bulk_copy(st + WS_W + b * 2048, wq + ((size_t)(blk0 + b) * KC + c) * 128, 2048, FULL(s));
                 if (gs) {
                     const size_t rec = ((size_t)(c / GC) * NBLK + blk0 + b) * 64;
-                    bulk_copy(st + WS_SZ + b * 384, sc + rec, 256, FULL(s));
-                    bulk_copy(st + WS_SZ + b * 384 + 256, zp + rec, 128, FULL(s));
+                    bulk_copy(st + WS_SZ + b * WS_REC, sc + rec, 128, FULL(s));
+                    bulk_copy(st + WS_SZ + b * WS_REC + 128, zp + rec / 4, 64, FULL(s));
                 }
             }
         }
@@ -97,12 +99,13 @@ __device__ __forceinline__ void ws_loop(Acc& A, const dt* xt, int M, const uint4
         Stage cur;
         cur.w[0] = lds128(st + WS_W + wb * 2048 + (tile * 32 + lane) * 16);
         if (gs) {  // this lane's rows of the (group, block) record: entries 8g + 2 * tile + r
-            const unsigned sz = st + WS_SZ + wb * 384, e = g * 8 + 2 * tile;
-            unsigned z;
-            asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(cur.s[0]), "=f"(cur.s[1]) : "r"(sz + 4 * e));
-            asm volatile("ld.shared.b32 %0, [%1];" : "=r"(z) : "r"(sz + 256 + 2 * e));
-            cur.z[0] = (dt)(z & 0xFFFF);
-            cur.z[1] = (dt)(z >> 16);
+            const unsigned sz = st + WS_SZ + wb * WS_REC, e = g * 8 + 2 * tile;
+            unsigned s2, z;
+            asm volatile("ld.shared.b32 %0, [%1];" : "=r"(s2) : "r"(sz + 2 * e));
+            asm volatile("ld.shared.b32 %0, [%1];" : "=r"(z) : "r"(sz + 128 + 8 * g + 4 * (tile >> 1)));
+            cur.s[0] = (unsigned short)(s2 & 0xFFFF);
+            cur.s[1] = (unsigned short)(s2 >> 16);
+            cur.z[0] = z >> (8 * (tile & 1));
         }
         compute_chunk_wg(A, cur, gs, st, fc, fp);
         // its wait_group 1 retired chunk j - 1's wgmmas: that stage may be refilled
