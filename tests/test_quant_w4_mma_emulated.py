@@ -95,3 +95,13 @@ def test_wg_config_runs_on_mma_sync_without_sm90a(gen, monkeypatch):
     ref = x.double() @ w_ref.double()
     assert ((y.double() - ref).abs().max() / ref.abs().max()).item() <= BOUND[torch.bfloat16]
 
+
+
+def test_host_stage_size_is_the_sources():
+    """The host sizes WG 2's shared memory from ``ws_stage_bytes``; the kernel lays its stages
+    out by ``WS_STAGE`` (parsed from the source): they must agree for every launchable tile."""
+    from w4_mma_emulate_ws import ws_layout
+    lay = ws_layout()
+    for nb in (1, 2, 4, 8):
+        for warps in range(4, 29, 4):
+            assert w4_mma.ws_stage_bytes(dict(NB=nb, WARPS=warps)) == lay["stage"](nb, warps), (nb, warps)

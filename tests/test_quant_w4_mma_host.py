@@ -34,7 +34,7 @@ def test_gemm_refuses_bad_groups_and_configs(gen):
     x = torch.randn(16, 128, generator=gen).bfloat16()
     with pytest.raises(ValueError, match="must be contiguous float16"):
         w4_mma.mma_gemm(x, words, ps.float(), pz, group_size=64, n=64)
-    with pytest.raises(ValueError, match="int32 \\(2, 1, 8, 2\\)"):  # zero points as one 16-bit value each
+    with pytest.raises(ValueError, match="int32 \\(2, 1, 8, 2\\)"):  # 16-bit values where the zero-point words go
         w4_mma.mma_gemm(x, words, ps, ps.view(torch.int16), group_size=64, n=64)
     with pytest.raises(ValueError, match=r"float16 \(1, 1, 8, 8\)"):
         w4_mma.mma_gemm(x, words, ps, pz, group_size=128, n=64)

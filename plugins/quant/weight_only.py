@@ -20,8 +20,9 @@ kernel path, act-order rows are permuted so groups are contiguous (``perm`` [K];
 activation is gathered with it), and 4-bit weights are repacked into the pairs layout
 (``kernels/w4_pairs.py``; ``layer.wna16_tile_k`` set) or, with ``int4_layout: mma``, the mma
 layout (``kernels/w4_mma.py``; ``mma_scales`` (fp16) replaces ``scales``, ``wzeros`` holds the
-zero points as 4-bit fields of int32 words; a gate|up pair, ``layer.gate_up``, with its rows interleaved 8 by 8 so the
-kernel writes silu(gate) * up itself: ``apply_silu_and_mul``, ``layer.wna16_gated``);
+zero points as 4-bit fields of int32 words; a gate|up pair, ``layer.gate_up``, with its rows
+interleaved 8 by 8 so the kernel writes silu(gate) * up itself: ``apply_silu_and_mul``,
+``layer.wna16_gated``);
 ``layer.wna16_layout`` names the layout.
 Dequantized weight: ``W^T[k, n] = (q[k, n] - wzeros[g(k), n]) * scales[g(k), n]``.
 """

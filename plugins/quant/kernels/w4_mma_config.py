@@ -66,7 +66,7 @@ def check_config(cfg: dict, m: int) -> None:
 
 def stage_bytes(cfg: dict) -> int:
     """Shared memory of the cp.async stages (``CPA``; 0 without): per stage and thread, 16-byte
-    units for TW weight vectors, 2 * NB x runs (unless XS or XR), the scales and the zero-point word."""
+    units for TW weight vectors, 2 * NB x runs (unless XS or XR), the scales and the zero-point words."""
     if not cfg.get("CPA") or cfg.get("WG") == 2:  # (WG 2's stages are the CTA's: xr_bytes)
         return 0
     units = cfg["TW"] + (0 if cfg["XS"] or cfg.get("XR") else 2 * cfg["NB"]) + 2
@@ -94,10 +94,10 @@ def xr_bytes(cfg: dict) -> int:
 
 def ws_stage_bytes(cfg: dict) -> int:
     """One stage of WG 2 (``WS_STAGE`` in w4_wgmma_ws.cuh): x's slot (8 * NB rows x 128 bytes),
-    2 KB of weight words per 64-row block (WARPS / 4 of them), then 128 bytes of scales and 32
+    2 KB of weight words per 64-row block (WARPS / 4 of them), then 128 bytes of scales and 64
     of zero points per block, rounded up to 1 KB (x's swizzle is anchored on 1024-byte boundaries)."""
     blocks = cfg["WARPS"] // 4
-    return -(-(cfg["NB"] * 1024 + blocks * (2048 + 160)) // 1024) * 1024
+    return -(-(cfg["NB"] * 1024 + blocks * (2048 + 192)) // 1024) * 1024
 
 
 def reduce_bytes(cfg: dict) -> int:
