@@ -8,7 +8,8 @@ rounded up to a power of two, capped at 4096) -> entry:
   default: FP8 -> ``torch`` where cuBLAS accepts the shape (K and N multiples of 16), INT8 ->
   ``triton`` (fused scaling epilogue); otherwise ``triton``.
 * kind ``"wna16"``: a Triton launch config (dict) for the weight-only GEMM; missing shapes
-  use ``wna16.CONFIGS`` by M bucket.
+  use ``wna16.CONFIGS`` by M bucket (``"w4_pairs"`` likewise: its neighbours' configs ran
+  0.35-1.32x the defaults' speed at untuned shapes, so it keeps the defaults; BENCHMARKS.md).
 * kind ``"w4_mma"``: a launch config for the int4 mma kernel (``w4_mma.py``); a missing shape
   takes its nearest tuned neighbour's entry (:func:`nearest`), else ``w4_mma.CONFIGS``.
 
