@@ -96,6 +96,26 @@ def test_wg_config_runs_on_mma_sync_without_sm90a(gen, monkeypatch):
     assert ((y.double() - ref).abs().max() / ref.abs().max()).item() <= BOUND[torch.bfloat16]
 
 
+def test_cp_async_zero_point_shift_follows_the_source(gen, monkeypatch):
+    """The emulation takes the zero-point shift of the cp.async path (read_stage's last
+    argument) from the kernel source, so a wrong shift there fails: with none, the odd tiles of
+    a TW 1 config would subtract their even neighbour's zero points."""
+    import w4_mma_emulate
+    from kvforge_plugins.quant.kernels import w4_mma_jit
+    good = "gstart, 8 * (tile0 & 1));"
+    assert w4_mma_jit.SOURCE.count(good) == 2
+    q, s, z, w_ref = _quant(512, 128, 64, gen)
+    ps, pz = pack_mma_groups(s, z)
+    x = torch.randn(3, 512, generator=gen).half()
+    ref = x.double() @ w_ref.double()
+    cfg = dict(TW=1, WARPS=4, CPA=3, split_k=1)  # tiles 0-3 of a block, one per warp
+    for source, ok in ((w4_mma_jit.SOURCE, True), (w4_mma_jit.SOURCE.replace(good, "gstart, 0);"), False)):
+        monkeypatch.setattr(w4_mma_jit, "SOURCE", source)
+        w4_mma_emulate.install(monkeypatch)
+        y = w4_mma.mma_gemm(x, pack_mma(q), ps, pz, group_size=64, n=128, config=cfg)
+        err = ((y.double() - ref).abs().max() / ref.abs().max()).item()
+        assert (err <= BOUND[torch.float16]) == ok, (ok, err)
+
 
 def test_host_stage_size_is_the_sources():
     """The host sizes WG 2's shared memory from ``ws_stage_bytes``; the kernel lays its stages

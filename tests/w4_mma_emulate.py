@@ -10,6 +10,7 @@ the host side (``plan``, workspace, XS fallback) runs for real. Keep it in step 
 from __future__ import annotations
 
 import random
+import re
 
 import numpy as np
 import torch
@@ -19,7 +20,7 @@ from w4_mma_emulate_dequant import dequant_emu
 from w4_mma_emulate_io import (bits_to_f, fill_norm_emu, rnd, store_rope, wg_lane_x, wg_ring_emu,  # noqa: F401
                                xr_ring_emu)
 from w4_mma_emulate_sched import check_ring_schedule, kernel_schedule
-from w4_mma_emulate_ws import check_ws_protocol, ws_lane_reads, ws_layout, ws_protocol, ws_stage_emu
+from w4_mma_emulate_ws import _c_expr, check_ws_protocol, ws_lane_reads, ws_layout, ws_protocol, ws_stage_emu
 
 
 
@@ -86,6 +87,10 @@ def gemm_emu(cfg, dtype, x_bits, M, stride_x, wq, sc, zp, N, KC, gc_rt, cps, spl
         addr = {((s * units + u) * 32 * WARPS + tid) * 16 for s in range(CPA) for u in range(units)
                 for tid in range(32 * WARPS)}
         assert len(addr) == CPA * units * 32 * WARPS and max(addr) + 16 <= w4_mma.stage_bytes(cfg)
+    if CPA and WG != 2:  # the shift read_stage gets for a lane's zero-point word, as the source passes it
+        found = set(re.findall(r"read_stage\(cur, [^;]*?, gstart, (.*?)\);", w4_mma_jit.SOURCE))
+        assert len(found) == 1, f"read_stage calls pass different zero-point shifts: {found}"
+        zsh_expr = found.pop()
     GCC = gc_rt if gc_rt <= 8 else 0
     GC = GCC if GCC > 0 else gc_rt
     units = (N // 16) // TW
@@ -166,7 +171,7 @@ def gemm_emu(cfg, dtype, x_bits, M, stride_x, wq, sc, zp, N, KC, gc_rt, cps, spl
                     row = np.minimum(b * 8 + g, M - 1)
                     xp.append(row * xpitch + 16 * t - xoff if XS else row * stride_x + 16 * t)
 
-                def load(c):
+                def load(c, cpa=False):
                     d = {"c": c}
                     d["w"] = [W.get(4 * (wp + c * 128 + a * 32), 4, align=16) for a in range(TW)]
                     if not (XS or XR):
@@ -176,7 +181,10 @@ def gemm_emu(cfg, dtype, x_bits, M, stride_x, wq, sc, zp, N, KC, gc_rt, cps, spl
                         d["s"] = SC.get(rec, 2 * TW, align=4 * TW)
                         zw = -(-TW // 2)  # the lane's words: two tiles each
                         d["z"] = Z.get(rec >> 2, zw, align=4 * zw)
-                        d["z"][:, 0] >>= (4 * (rec & 3)).astype(np.uint32)  # TW 1, an odd tile: 8 bits down
+                        if not cpa:  # load_stage: TW 1, an odd tile's entries 8 bits down
+                            d["z"][:, 0] >>= (4 * (rec & 3)).astype(np.uint32)
+                        elif zw == 1:  # read_stage shifts the landed word by the kernel's zsh argument
+                            d["z"][:, 0] >>= np.uint32(_c_expr(zsh_expr, tile0=tile0))
                     return d
 
                 def ws_stage(j):  # WG 2: local chunk j's stage, read as this warp's lanes do
@@ -193,10 +201,10 @@ def gemm_emu(cfg, dtype, x_bits, M, stride_x, wq, sc, zp, N, KC, gc_rt, cps, spl
                         ring = [None] * CPA
                         for s in range(dist):
                             if s < nloc:
-                                ring[s] = load(chunk_of(s))
+                                ring[s] = load(chunk_of(s), cpa=True)
                         for j in range(nloc):
                             if j + dist < nloc:
-                                ring[(j + dist) % CPA] = load(chunk_of(j + dist))
+                                ring[(j + dist) % CPA] = load(chunk_of(j + dist), cpa=True)
                             yield j, chunk_of(j), ring[j % CPA]
                         return
                     st = [None] * S
