@@ -200,7 +200,7 @@ def test_mma_refuses_what_it_cannot_hold(gen, what):
         layer.load("qzeros", _pack_n((z - 1).contiguous(), awq=False), 0)
         layer.load("scales", s, 0)
         layer.load("g_idx", (torch.arange(k) // group).to(torch.int32), 0)
-        cause = "zero point of 16"
+        cause = "zero points are not all 4-bit"
     else:
         layer, _, _ = _awq_layer(torch.float16, group, "mma", gen, k, n, prefix=prefix, backend="reference")
         layer.load("scales", torch.rand(k // group, n, generator=gen) * 0.01 + 1e-3, None)  # fp32, not fp16 values

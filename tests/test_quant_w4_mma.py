@@ -78,7 +78,7 @@ def test_groups_refuse_what_the_layout_cannot_hold(gen):
     with pytest.raises(ValueError, match="not all exact in float16"):
         pack_mma_groups(torch.full((2, 64), 70000.0), z)  # past fp16's range
     z[0, 3] = 16  # a GPTQ v1 zero point of 0 (stored 15, plus 1)
-    with pytest.raises(ValueError, match=r"\[0, 16\)"):
+    with pytest.raises(ValueError, match=r"not all 4-bit, in \[0, 16\)"):
         pack_mma_groups(s.half(), z)
 
 

@@ -232,9 +232,7 @@ class WNA16LinearMethod(LinearMethod):
         if self.bits != 4:
             return "the weights are not 4-bit"
         why = (w4_mma.mma_blocker(layer.wna16_k, layer.wna16_n, layer.wna16_group, layer.wna16_dtype)
-               or w4_mma.scales_blocker(layer.scales.data))
-        if not why and layer.wzeros.numel() and int(layer.wzeros.max()) > 15:  # (GPTQ v1: a stored 15, plus 1)
-            why = "a zero point of 16 does not fit the layout's 4-bit zero points"
+               or w4_mma.groups_blocker(layer.scales.data, layer.wzeros))
         if why or not layer.wna16_kernel:  # the reference path repacks nothing: the runtime does not matter
             return why
         return w4_mma.runtime_blocker(layer.qweight.device)

@@ -113,14 +113,14 @@ def unpack_mma(words: torch.Tensor) -> torch.Tensor:
     return v.permute(1, 4, 5, 6, 0, 2, 7, 3).reshape(k, nblk * 64).to(torch.int32)
 
 
-def scales_blocker(scales: torch.Tensor) -> "str | None":
-    """Why ``scales`` cannot be stored as the layout's fp16 without a change of value (None if
-    they can): AWQ and GPTQ checkpoints store fp16 scales, so theirs always can."""
-    if scales.dtype == torch.float16:
-        return None
-    s16 = scales.to(torch.float16)
-    if not torch.equal(s16.to(scales.dtype), scales):
+def groups_blocker(scales: torch.Tensor, zeros: torch.Tensor) -> "str | None":
+    """Why the layout's group records cannot hold ``scales`` / ``zeros`` [G, N] exactly (None
+    if they can): scales are stored as fp16 (AWQ and GPTQ checkpoints store fp16, so theirs
+    always fit), zero points in 4 bits (a GPTQ v1 zero of 16, a stored 15 plus 1, does not)."""
+    if scales.dtype != torch.float16 and not torch.equal(scales.to(torch.float16).to(scales.dtype), scales):
         return f"its {scales.dtype} scales are not all exact in float16 (the layout stores float16 scales)"
+    if zeros.numel() and not (0 <= int(zeros.min()) and int(zeros.max()) < 16):
+        return "its zero points are not all 4-bit, in [0, 16) (a GPTQ v1 zero of 16 does not fit)"
     return None
 
 
@@ -128,14 +128,11 @@ def pack_mma_groups(scales: torch.Tensor, zeros: torch.Tensor):
     """scales [G, N] float, zero points [G, N] ints in [0, 16) -> (scales fp16 [G, N/64, 8, 8],
     entry [grp, nb, g, 2T + r] for row 64nb + 16T + 8r + g; zeros int32 [G, N/64, 8, 2], that
     row's zero point at bits 8 (T & 1) + 4r and 16 + 8 (T & 1) + 4r of word [grp, nb, g, T >> 1]).
-    Raises ValueError for a zero point outside [0, 16) or a scale that float16 does not hold
-    exactly (:func:`scales_blocker`)."""
+    Raises ValueError for values the records cannot hold exactly (:func:`groups_blocker`)."""
     g_, n = scales.shape
-    why = scales_blocker(scales)
+    why = groups_blocker(scales, zeros)
     if why:
         raise ValueError(f"w4 mma layout: {why}")
-    if zeros.numel() and not (0 <= int(zeros.min()) and int(zeros.max()) < 16):
-        raise ValueError("w4 mma layout: zero points must be 4-bit, in [0, 16)")
 
     def order(t):  # [G, nb, T, r, g] -> [G, nb, g, T, r]
         return t.reshape(g_, n // 64, 4, 2, 8).permute(0, 1, 4, 2, 3).reshape(g_, n // 64, 8, 8)
