@@ -4,7 +4,8 @@
     python benchmarks/bench_quant.py --write-choices      # also store the faster FP8/INT8 GEMM per shape
     python benchmarks/bench_quant.py --tune               # also sweep W4A16 (pairs) launch configs, store the best
     python benchmarks/bench_quant.py --tune-ckpt          # the same for the checkpoint-layout W4A16 kernel
-    python benchmarks/bench_quant.py --tune-mma           # the same for the mma-layout kernel (CUDA C++)
+    python benchmarks/bench_quant.py --tune-mma           # the same for the mma-layout kernel (CUDA C++), warm L2
+    python benchmarks/w4_cold_tune.py                     # the mma kernel tuned cold, as the shipped table is
     python benchmarks/bench_quant.py --e2e                # also Llama-3-8B-shape decode at batch 1 per format
 
 Shapes: Llama-3-8B GEMMs, (K, N) in {4096, 14336}^2 and M tokens in {1, 16, 64, 256, 512, 2048}.

@@ -57,8 +57,8 @@ DTYPES = (torch.float16, torch.bfloat16)
 #: WG (with XR, TW 1, KW 1, WARPS a multiple of 4: Hopper warpgroup MMAs reading x from the ring;
 #: on another GPU the same tiles run on mma.sync);
 #: ``waves``: split K until about waves x SMs CTAs; GCC (chunks per group) is set per call.
-#: Tuned entries (choices table kind "w4_mma", ``bench_quant.py --tune-mma``,
-#: ``--tune-mma-wide``) override these; an M = 1 entry also serves M = 2..8 (the
+#: Tuned entries (choices table kind "w4_mma", timed cold by ``benchmarks/w4_cold_tune.py``;
+#: ``bench_quant.py --tune-mma`` times warm) override these; an M = 1 entry also serves M = 2..8 (the
 #: same one-token-block kernel), which the table's power-of-two M keys would otherwise miss.
 CONFIGS = {  # M <= 16: the winners at 14336 x 14336 on the H200 (BENCHMARKS.md, eighth session)
     8: dict(NB=1, TW=4, WARPS=4, S=1, XS=0, SCALE_A=False, MINB=1, LDW=1, waves=4),

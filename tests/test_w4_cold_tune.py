@@ -1,0 +1,57 @@
+"""The CPU-side rules of ``benchmarks/w4_cold_tune.py`` (the cold-L2 tuner of the int4 mma
+GEMM): every candidate it would time is a launchable config at its M, none is timed twice,
+the shipped table's same-M entries are among them, and a finalist replaces the table's entry
+only when it beats the current config by the margin."""
+from __future__ import annotations
+
+import json
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import w4_cold_tune  # noqa: E402
+from kvforge_plugins.quant.kernels import w4_mma  # noqa: E402
+from kvforge_plugins.quant.kernels.w4_mma_config import check_config  # noqa: E402
+
+GPU = "NVIDIA H200"  # the shipped table's GPU
+
+
+@pytest.mark.parametrize("m", [1, 16, 32, 64])
+def test_candidates_launch_and_are_distinct(m):
+    cands = w4_cold_tune.candidates(m, GPU)
+    assert len(cands) > 20
+    full = [{**w4_mma.CONFIGS[w4_mma.bucket(m)], **c} for c in cands]
+    for cfg in full:
+        check_config(cfg, m)  # raises for a config that cannot launch or does not cover M
+    tags = [json.dumps(cfg, sort_keys=True) for cfg in full]
+    assert len(set(tags)) == len(tags)
+
+
+@pytest.mark.parametrize("m", [1, 16, 64])
+def test_candidates_hold_the_tables_same_m_entries(m):
+    table = json.loads((Path(w4_mma.__file__).with_name("gemm_choices.json")).read_text())[GPU]["w4_mma"]
+    rows = [e for key, e in table.items() if int(key.split("|")[0]) == m]
+    assert rows
+    base = w4_mma.CONFIGS[w4_mma.bucket(m)]
+    got = {json.dumps({**base, **c}, sort_keys=True) for c in w4_cold_tune.candidates(m, GPU)}
+    for e in rows:
+        assert json.dumps({**base, **{k: v for k, v in e.items() if k != "schema"}}, sort_keys=True) in got
+
+
+def test_a_finalist_replaces_the_entry_only_past_the_margin():
+    cur = random.uniform(5e-6, 50e-6)
+    # 1% faster: the fastest finalist, but within a 2% margin, so the table keeps its entry
+    best, won = w4_cold_tune.pick({"current": [cur, cur], "#0": [cur * 0.99] * 2, "#1": [cur * 1.1] * 2}, 0.02)
+    assert (best, won) == ("#0", False)
+    # 3% faster on the mean of two rounds: it wins
+    best, won = w4_cold_tune.pick({"current": [cur, cur], "#0": [cur * 1.05] * 2,
+                                   "#1": [cur * 0.96, cur * 0.98]}, 0.02)
+    assert (best, won) == ("#1", True)
+    # slower than the current config: never
+    assert w4_cold_tune.pick({"current": [cur], "#0": [cur * 1.01]}, 0.0) == ("#0", False)
+    assert w4_cold_tune.pick({"current": [cur]}, 0.02) == (None, False)
