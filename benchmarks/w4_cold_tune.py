@@ -1,9 +1,9 @@
 """Cold-L2 tuning of the int4 mma GEMM's launch configs (issue 6).
 
-``bench_quant.py --tune-mma`` times one weight over and over. Every Llama-3-8B weight but
-14336^2 is under the H200's 50 MB L2, so those entries were chosen with the weight read from L2.
-In a decode step each layer's weight comes from DRAM, whose latency is higher, so a config that
-keeps more loads in flight can win there and lose warm. This tuner times every candidate
+``bench_quant.py --tune-mma`` times one weight over and over. In int4, Llama-3-8B's q|k|v, o
+and down weights (8-29 MB) fit in the H200's 50 MB L2, so their entries were chosen with the
+weight read from L2. In a decode step each layer's weight comes from DRAM, whose latency is
+higher, so a config that keeps more loads in flight can win there and lose warm. This tuner times every candidate
 *cold*: a CUDA graph of calls that rotate over copies of the weight summing to >= 3x the L2
 (``w4_floor.copies`` / ``graph_time``, the regime of BENCHMARKS.md's cold figures).
 
