@@ -11,7 +11,8 @@ higher, so a config that keeps more loads in flight can win there and lose warm.
 
 Per (shape, M), bf16 activations (the issue's baseline):
 
-1. every candidate once, checked against the fp32 reference (rel < 2e-2) and timed in a short graph;
+1. every candidate once, checked against the fp32 reference (rel < 2e-2) and timed in a short
+   graph;
 2. the ``--finalists`` fastest and the config ``mma_gemm`` runs now (the table's entry, or its
    nearest neighbour's), timed again side by side in two rounds, longer graphs; the mean of the
    two medians is the figure.
@@ -22,6 +23,11 @@ wide and cluster; occupancy at M > 16), the register pipeline deepened (S 3 and 
 table entry with the same M key (a config tuned for another shape). Compiles come first, in
 ``--jobs`` processes: NVRTC builds one module at a time per process, and CuPy (sm_90 modules)
 and w4_mma_jit (sm_90a) keep the cubins on disk, where the timing process finds them.
+
+``--prenorm qkv|gate_up`` (M <= 8) times instead the kernel a model runs for q|k|v and gate|up at
+batch <= 8: ``mma_gemm_rmsnorm``, the RMSNorm prologue with the RoPE or SwiGLU epilogue, checked
+against the current config's output. Its winners go to the table's ``w4_mma_prenorm`` rows
+(``w4_mma.PRENORM_KIND``), which only that kernel reads.
 """
 from __future__ import annotations
 
@@ -42,9 +48,11 @@ from w4_floor import copies, graph_time  # noqa: E402
 KEYS_NOT_COMPILED = ("waves", "split_k")  # launch-time only: candidates differing in these share a module
 
 
-def candidates(m: int, gpu: str) -> list[dict]:
+def candidates(m: int, gpu: str, prenorm: bool = False) -> list[dict]:
     """Distinct partial configs (merged over the M bucket's defaults when run) worth timing at M
-    on the GPU named ``gpu`` (whose table entries join the grids)."""
+    on the GPU named ``gpu`` (whose table entries join the grids). ``prenorm``: for the
+    RMSNorm-prologue kernel, which keeps x in shared memory (XS 1) and so has no XR / WG tiles:
+    those are left out, and configs that differ only in XS count once."""
     from kvforge_plugins.quant.kernels import w4_mma
     from kvforge_plugins.quant.kernels.choices import m_bucket, table_entries
     grids = qt.mma_candidates(m) + qt.cluster_mma_candidates(m)
@@ -56,21 +64,24 @@ def candidates(m: int, gpu: str) -> list[dict]:
                   for s in (3, 4) for wv in (1, 2)]
     else:
         grids += qt.occupancy_mma_candidates(m)
-    grids += [{k: v for k, v in e.items() if k != "schema"}
-              for row, e in sorted(table_entries("w4_mma", gpu).items())
-              if int(row.split("|")[0]) == m_bucket(m) and e.get("schema") == w4_mma.TABLE_SCHEMA]
+    for kind in ("w4_mma", w4_mma.PRENORM_KIND) if prenorm else ("w4_mma",):
+        grids += [{k: v for k, v in e.items() if k != "schema"}
+                  for row, e in sorted(table_entries(kind, gpu).items())
+                  if int(row.split("|")[0]) == m_bucket(m) and e.get("schema") == w4_mma.TABLE_SCHEMA]
     seen, out = set(), []
     for c in grids:
         full = {**w4_mma.CONFIGS[w4_mma.bucket(m)], **c}
-        tag = json.dumps(full, sort_keys=True)
+        if prenorm and (full.get("XR") or full.get("WG")):
+            continue
+        tag = json.dumps({**full, "XS": 1} if prenorm else full, sort_keys=True)
         if tag not in seen:
             seen.add(tag)
             out.append(c)
     return out
 
 
-def mma_operands(k: int, n: int, seed: int = 0) -> dict:
-    """Random int4 weights in the mma layout, and their fp32 dequantized [K, N] reference."""
+def mma_operands(k: int, n: int, seed: int = 0, ref: bool = True) -> dict:
+    """Random int4 weights in the mma layout, and (``ref``) their fp32 dequantized [K, N] reference."""
     from kvforge_plugins.quant.kernels.w4_mma import dequantize_mma, pack_mma, pack_mma_groups
     g = torch.Generator(device="cuda").manual_seed(seed)
     q = torch.randint(0, 16, (k, n), device="cuda", generator=g, dtype=torch.int32)
@@ -78,8 +89,10 @@ def mma_operands(k: int, n: int, seed: int = 0) -> dict:
     zeros = torch.randint(0, 16, (k // GROUP, n), device="cuda", generator=g, dtype=torch.int32)
     words = pack_mma(q)
     s, z = pack_mma_groups(scales.float(), zeros)
-    ref = dequantize_mma(words, s, z, group_size=GROUP, dtype=torch.float32)
-    return {"words": words, "scales": s, "zeros": z, "ref": ref}
+    out = {"words": words, "scales": s, "zeros": z}
+    if ref:
+        out["ref"] = dequantize_mma(words, s, z, group_size=GROUP, dtype=torch.float32)
+    return out
 
 
 def _compile_worker(jobs: list) -> int:
@@ -87,7 +100,7 @@ def _compile_worker(jobs: list) -> int:
     ops, done = {}, 0
     for k, n, m, cfg, prenorm in jobs:
         if (k, n) not in ops:
-            ops[(k, n)] = mma_operands(k, n)
+            ops[(k, n)] = mma_operands(k, n, ref=False)
         o = ops[(k, n)]
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         try:
@@ -159,7 +172,7 @@ def tune_one(k: int, n: int, m: int, finalists: int, margin: float, prenorm: "st
     ref = (layer_fn(x, n, None, fused)(o["words"], o["scales"], o["zeros"]) if fused else x.float() @ o["ref"]).float()
     base = w4_mma.CONFIGS[w4_mma.bucket(m)]
     first = []
-    for cand in candidates(m, torch.cuda.get_device_name()):
+    for cand in candidates(m, torch.cuda.get_device_name(), bool(prenorm)):
         cfg = {**base, **cand}
         try:
             y = layer_fn(x, n, cfg, fused)(o["words"], o["scales"], o["zeros"])
@@ -213,20 +226,24 @@ def main(argv=None) -> int:
     p.add_argument("--jobs", type=int, default=12, help="compile processes (0: compile while timing)")
     p.add_argument("--write", action="store_true", help="store winners in the choices table")
     p.add_argument("--prenorm", choices=("qkv", "gate_up"),
-                   help="time the model's fused layer kernel (M <= 8: RMSNorm prologue; RoPE or SwiGLU epilogue)")
+                   help="time the model's fused layer kernel (M <= 8: RMSNorm prologue; RoPE or SwiGLU epilogue); "
+                        "winners go to the table's w4_mma_prenorm rows")
     a = p.parse_args(argv)
     from kvforge_plugins.quant.kernels import w4_mma
     from kvforge_plugins.quant.kernels.choices import key, write_table
     import triton
     shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
     ms = [int(v) for v in a.m.split(",")]
+    top = w4_mma.MAX_NORM_M if a.prenorm else w4_mma.MAX_FUSED_M
+    if not all(1 <= m <= top for m in ms):
+        p.error(f"--m: each M must be 1..{top} (the fused kernel{' with the RMSNorm prologue' if a.prenorm else ''})")
+    kind = w4_mma.PRENORM_KIND if a.prenorm else "w4_mma"
     gpu = torch.cuda.get_device_name()
     print(f"{gpu}  torch {torch.__version__}  triton {triton.__version__}  cold L2, bf16", flush=True)
     if a.jobs:  # (a failure here only costs time: the timing pass compiles what is missing)
         try:
             precompile([(k, n, m, {**w4_mma.CONFIGS[w4_mma.bucket(m)], **c}, a.prenorm) for k, n in shapes for m in ms
-                        for c in candidates(m, gpu)] + [(k, n, m, None, a.prenorm) for k, n in shapes for m in ms],
-                       a.jobs)
+                        for c in candidates(m, gpu, bool(a.prenorm))], a.jobs)
         except Exception as e:  # noqa: BLE001
             print(f"precompile failed ({type(e).__name__}: {e}); compiling while timing", flush=True)
     for k, n in shapes:
@@ -234,7 +251,7 @@ def main(argv=None) -> int:
             _, _, cfg = tune_one(k, n, m, a.finalists, a.margin, a.prenorm)
             if cfg is not None and a.write:
                 row = {key(m, n, k): {**cfg, "schema": w4_mma.TABLE_SCHEMA}}
-                print(f"wrote {key(m, n, k)} to {write_table({gpu: {'w4_mma': row}})}", flush=True)
+                print(f"wrote {kind} {key(m, n, k)} to {write_table({gpu: {kind: row}})}", flush=True)
     return 0
 
 

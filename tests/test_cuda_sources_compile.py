@@ -54,7 +54,7 @@ def _w4_configs() -> list[dict]:
     """The defaults, every tuned config of the shipped choices table (what the H200 runs) and
     the configs the GPU tests and the emulation run, each with and without the group chunks
     compiled in (GCC); and those with the SwiGLU epilogue (ACT), the PDL prologue, the RMSNorm
-    prologue (NORM) and the RoPE epilogue (ROPE)."""
+    prologue (NORM) and the RoPE epilogue (ROPE); the table's RMSNorm-prologue rows with NORM."""
     table = json.loads((ROOT / "plugins/quant/kernels/gemm_choices.json").read_text())
     tuned = [{k: v for k, v in cfg.items() if k not in ("schema", "waves")}
              for gpu in table.values() for cfg in gpu.get("w4_mma", {}).values()]
@@ -82,6 +82,16 @@ def _w4_configs() -> list[dict]:
                 continue  # the rotation runs with the norm, M <= 8: NB 1 (the M = 1 entries), 2 at most
             if c not in out:
                 out.append(c)
+    # the rows tuned on the RMSNorm-prologue kernel run only there: with the RoPE (q|k|v) or the
+    # SwiGLU (gate|up) epilogue, with and without PDL
+    prenorm = [{k: v for k, v in cfg.items() if k not in ("schema", "waves")}
+               for gpu in table.values() for cfg in gpu.get("w4_mma_prenorm", {}).values()]
+    for cfg in prenorm:
+        for epilogue in ({"ROPE": 2}, {"ACT": 1}):
+            for pdl in (0, 1):
+                c = {**cfg, "GCC": 2, **norm, **epilogue, "PDL": pdl}
+                if c not in out:
+                    out.append(c)
     return out
 
 

@@ -16,6 +16,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import w4_cold_tune  # noqa: E402
 from kvforge_plugins.quant.kernels import w4_mma  # noqa: E402
+from kvforge_plugins.quant.kernels.choices import table_path  # noqa: E402
 from kvforge_plugins.quant.kernels.w4_mma_config import check_config  # noqa: E402
 
 GPU = "NVIDIA H200"  # the shipped table's GPU
@@ -34,13 +35,30 @@ def test_candidates_launch_and_are_distinct(m):
 
 @pytest.mark.parametrize("m", [1, 16, 64])
 def test_candidates_hold_the_tables_same_m_entries(m):
-    table = json.loads((Path(w4_mma.__file__).with_name("gemm_choices.json")).read_text())[GPU]["w4_mma"]
+    table = json.loads(Path(table_path()).read_text())[GPU]["w4_mma"]
     rows = [e for key, e in table.items() if int(key.split("|")[0]) == m]
     assert rows
     base = w4_mma.CONFIGS[w4_mma.bucket(m)]
     got = {json.dumps({**base, **c}, sort_keys=True) for c in w4_cold_tune.candidates(m, GPU)}
     for e in rows:
         assert json.dumps({**base, **{k: v for k, v in e.items() if k != "schema"}}, sort_keys=True) in got
+
+
+def test_prenorm_candidates_are_the_kernels_it_has():
+    # the RMSNorm-prologue kernel keeps x in shared memory: no XR ring, no warpgroup MMAs, and
+    # XS 0 / 1 are one kernel; its own table rows are among the candidates
+    plain = w4_cold_tune.candidates(1, GPU)
+    pre = w4_cold_tune.candidates(1, GPU, prenorm=True)
+    assert any(c.get("WG") or c.get("XR") for c in plain)
+    assert not any(c.get("WG") or c.get("XR") for c in pre)
+    base = w4_mma.CONFIGS[w4_mma.bucket(1)]
+    tags = [json.dumps({**base, **c, "XS": 1}, sort_keys=True) for c in pre]
+    assert len(set(tags)) == len(tags) < len(plain)
+    rows = json.loads(Path(table_path()).read_text())[GPU].get(w4_mma.PRENORM_KIND, {})
+    assert rows
+    got = {json.dumps({**base, **c, "XS": 1}, sort_keys=True) for c in pre}
+    for e in rows.values():
+        assert json.dumps({**base, **{k: v for k, v in e.items() if k != "schema"}, "XS": 1}, sort_keys=True) in got
 
 
 def test_a_finalist_replaces_the_entry_only_past_the_margin():
