@@ -238,6 +238,9 @@ def main(argv=None) -> int:
     if not all(1 <= m <= top for m in ms):
         p.error(f"--m: each M must be 1..{top} (the fused kernel{' with the RMSNorm prologue' if a.prenorm else ''})")
     kind = w4_mma.PRENORM_KIND if a.prenorm else "w4_mma"
+    if not torch.cuda.is_available():
+        print("w4_cold_tune: needs a CUDA GPU (sm_90 for the shipped table's warpgroup configs)")
+        return 1
     gpu = torch.cuda.get_device_name()
     print(f"{gpu}  torch {torch.__version__}  triton {triton.__version__}  cold L2, bf16", flush=True)
     if a.jobs:  # (a failure here only costs time: the timing pass compiles what is missing)
