@@ -116,11 +116,11 @@ def _compile_worker(jobs: list) -> int:
 def precompile(work: list, jobs: int) -> None:
     """Compile every distinct module the (k, n, m, cfg, prenorm) runs need, in ``jobs`` processes."""
     from kvforge_plugins.quant.kernels import w4_mma
-    distinct = {}
+    distinct, sms = {}, torch.cuda.get_device_properties(0).multi_processor_count
     for k, n, m, cfg, prenorm in work:
         full = {**w4_mma.CONFIGS[w4_mma.bucket(m)], **(cfg or {})}
         try:
-            splits = w4_mma.plan(m, n, k, GROUP, full, torch.cuda.get_device_properties(0).multi_processor_count)[2]
+            splits = w4_mma.plan(m, n, k, GROUP, full, sms)[2]
         except Exception:  # noqa: BLE001
             splits = 1
         tag = json.dumps({kk: v for kk, v in full.items() if kk not in KEYS_NOT_COMPILED}, sort_keys=True)
