@@ -238,6 +238,7 @@ def write_choices(rows: list[dict]) -> None:
 
 E2E_FORMATS = {"bf16": {}, "awq-int4": {"awq": True}, "awq-int4-mma": {"awq": True, "int4_layout": "mma"},
                "awq-int4-mma-unfused-norm": {"awq": True, "int4_layout": "mma", "fuse_norm": False},
+               "awq-int4-mma-fuse-norm-8": {"awq": True, "int4_layout": "mma", "fuse_norm_max_tokens": 8},
                "fp8": {"quantization": "fp8"}, "int8": {"quantization": "int8"}}
 
 
@@ -254,8 +255,9 @@ def e2e_one(fmt: str, input_len: int, output_len: int, batch: int = 1) -> dict:
         kw = {"quantization": opts["quantization"]} if "quantization" in opts else {}
         if "int4_layout" in opts:
             kw["quantization.settings.int4_layout"] = opts["int4_layout"]
-        if "fuse_norm" in opts:
-            kw["quantization.settings.fuse_norm"] = opts["fuse_norm"]
+        for name in ("fuse_norm", "fuse_norm_max_tokens"):
+            if name in opts:
+                kw[f"quantization.settings.{name}"] = opts[name]
         llm = LLM(model=str(d), load_format="dummy", max_model_len=1024, gpu_memory_utilization=0.85, **kw)
         model = llm.llm_engine.runner.model
         wbytes = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))

@@ -92,12 +92,13 @@ def test_emulated_fused_swiglu(case, dtype, gen, monkeypatch):
         assert fake.calls[-1]["cfg"]["ACT"] == 1
 
 
-def _gate_up_layer(inter, k, group, dtype, device, gen, backend):
-    """An AWQ gate|up layer (``MergedColumnParallelLinear``) loaded shard by shard."""
+def _gate_up_layer(inter, k, group, dtype, device, gen, backend, **settings):
+    """An AWQ gate|up layer (``MergedColumnParallelLinear``) loaded shard by shard; ``settings``:
+    more AWQSettings."""
     from kvforge.layers.parallel_linear import MergedColumnParallelLinear
     from kvforge_plugins.quant.awq import AWQConfig, AWQSettings
     qc = AWQConfig({"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm"},
-                   AWQSettings(backend=backend, int4_layout="mma"))
+                   AWQSettings(backend=backend, int4_layout="mma", **settings))
     with torch.device(device):
         layer = MergedColumnParallelLinear(k, [inter, inter], False, qc, "model.layers.0.mlp.gate_up_proj", dtype,
                                            parallel=False)

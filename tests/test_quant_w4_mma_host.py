@@ -78,8 +78,9 @@ def test_shipped_configs_pass_the_config_check():
     entries = [(key, cfg) for gpu in table.values() for kind in ("w4_mma", w4_mma.PRENORM_KIND)
                for key, cfg in gpu.get(kind, {}).items()]
     assert entries
-    # the RMSNorm-prologue rows: one M = 1 row per shape, for M = 1..8
-    assert all(key.startswith("1|") for gpu in table.values() for key in gpu.get(w4_mma.PRENORM_KIND, {}))
+    # the RMSNorm-prologue rows: M buckets of the kernel's one token block (M <= MAX_NORM_M)
+    assert all(int(key.split("|")[0]) <= w4_mma.MAX_NORM_M for gpu in table.values()
+               for key in gpu.get(w4_mma.PRENORM_KIND, {}))
     for key, cfg in entries:
         m = int(key.split("|")[0])
         m = 8 if m == 1 else m  # an M = 1 entry also serves M = 2..8 (mma_gemm)
@@ -107,28 +108,32 @@ def test_m1_entry_serves_up_to_8_tokens(gen, monkeypatch):
 
 
 def test_prenorm_rows_serve_the_rmsnorm_kernel_only(gen, monkeypatch):
-    # a shape with a w4_mma_prenorm row: mma_gemm_rmsnorm (M 1..8) runs it, the plain GEMM its
-    # own w4_mma row; without a prenorm row the RMSNorm kernel takes the w4_mma row
+    # a shape with w4_mma_prenorm rows: mma_gemm_rmsnorm (M 1..8) runs its M bucket's row, else the
+    # M = 1 row; the plain GEMM its own w4_mma row; without prenorm rows the RMSNorm kernel takes
+    # the w4_mma row
     import w4_mma_emulate
+    from kvforge_plugins.quant.kernels.choices import m_bucket
     fake = w4_mma_emulate.install(monkeypatch)
-    rows = {"w4_mma": dict(NB=1, TW=2, WARPS=4, KW=2, S=2, schema=w4_mma.TABLE_SCHEMA),
-            w4_mma.PRENORM_KIND: dict(NB=1, TW=1, WARPS=8, KW=4, S=1, schema=w4_mma.TABLE_SCHEMA)}
+    rows = {("w4_mma", 1): dict(NB=1, TW=2, WARPS=4, KW=2, S=2, schema=w4_mma.TABLE_SCHEMA),
+            (w4_mma.PRENORM_KIND, 1): dict(NB=1, TW=1, WARPS=8, KW=4, S=1, schema=w4_mma.TABLE_SCHEMA),
+            (w4_mma.PRENORM_KIND, 8): dict(NB=1, TW=1, WARPS=4, KW=2, S=3, schema=w4_mma.TABLE_SCHEMA)}
     have = dict(rows)
-    monkeypatch.setattr(w4_mma, "lookup", lambda kind, m, n, k, device: have.get(kind) if m == 1 else None)
+    monkeypatch.setattr(w4_mma, "lookup", lambda kind, m, n, k, device: have.get((kind, m_bucket(m))))
     q, s, z, w_ref = _quant(256, 128, 64, gen)
     words, (ps, pz) = pack_mma(q), pack_mma_groups(s, z)
-    shape = ("NB", "TW", "WARPS", "KW")
-    for m in (1, 6):
+    shape = ("NB", "TW", "WARPS", "KW", "S")
+    for m, bucket in ((1, 1), (3, 1), (6, 8), (8, 8)):
         x, res = torch.randn(m, 256, generator=gen).half(), torch.randn(m, 256, generator=gen).half()
         norm_w = (1 + 0.3 * torch.randn(256, generator=gen)).half()
         w4_mma.mma_gemm_rmsnorm(x, res, norm_w, 1e-5, words, ps, pz, group_size=64, n=128)
-        assert {k: fake.calls[-1]["cfg"][k] for k in shape} == {k: rows[w4_mma.PRENORM_KIND][k] for k in shape}, m
+        want = rows[(w4_mma.PRENORM_KIND, bucket)]
+        assert {k: fake.calls[-1]["cfg"][k] for k in shape} == {k: want[k] for k in shape}, m
         w4_mma.mma_gemm(x, words, ps, pz, group_size=64, n=128)
-        assert {k: fake.calls[-1]["cfg"][k] for k in shape} == {k: rows["w4_mma"][k] for k in shape}, m
-    del have[w4_mma.PRENORM_KIND]
+        assert {k: fake.calls[-1]["cfg"][k] for k in shape} == {k: rows[("w4_mma", 1)][k] for k in shape}, m
+    del have[(w4_mma.PRENORM_KIND, 1)], have[(w4_mma.PRENORM_KIND, 8)]
     x, res = torch.randn(1, 256, generator=gen).half(), torch.randn(1, 256, generator=gen).half()
     w4_mma.mma_gemm_rmsnorm(x, res, torch.ones(256).half(), 1e-5, words, ps, pz, group_size=64, n=128)
-    assert {k: fake.calls[-1]["cfg"][k] for k in shape} == {k: rows["w4_mma"][k] for k in shape}
+    assert {k: fake.calls[-1]["cfg"][k] for k in shape} == {k: rows[("w4_mma", 1)][k] for k in shape}
 
 
 def test_gemm_refuses_stages_past_shared_memory(gen, monkeypatch):

@@ -85,14 +85,16 @@ def test_prenorm_refuses_bad_operands(gen):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_emulated_layer_prenorm(dtype, gen, monkeypatch):
-    # FusedLinear.forward_prenorm: the method's fused path for T <= 8, the fallback (norm,
-    # then the GEMM) past it, the same numbers either way
+    # FusedLinear.forward_prenorm: the method's fused path for T <= fuse_norm_max_tokens (2 by
+    # default, up to 8), the fallback (norm, then the GEMM) past it, the same numbers either way
     import w4_mma_emulate
     fake = w4_mma_emulate.install(monkeypatch)
     monkeypatch.setattr(w4_mma, "runtime_blocker", lambda device: None)
-    layer, w_ref = _gate_up_layer(96, 256, 64, dtype, "cpu", gen, backend="triton")
+    default = _gate_up_layer(96, 256, 64, dtype, "cpu", gen, backend="triton")
+    eight = _gate_up_layer(96, 256, 64, dtype, "cpu", gen, backend="triton", fuse_norm_max_tokens=8)
     norm = _norm(256, dtype, gen)
-    for m, fused in ((1, True), (8, True), (9, False)):
+    for (layer, w_ref), m, fused in ((default, 1, True), (default, 2, True), (default, 3, False),
+                                     (default, 8, False), (eight, 8, True), (eight, 9, False)):
         x, res = (torch.randn(m, 256, generator=gen).to(dtype) for _ in range(2))
         before = len(fake.calls)
         act, r = layer.forward_prenorm(x, res, norm, silu_and_mul=True)

@@ -99,12 +99,13 @@ def _rope_bound(m, dtype):
     return BOUND[dtype] * (2 if m > w4_mma.MAX_FUSED_M and dtype == torch.bfloat16 else 1)
 
 
-def _qkv_layer(k, hq, hk, hd, group, dtype, device, gen):
-    """An AWQ q|k|v layer (``QKVParallelLinear``, rope_heads set as the Llama attention does)."""
+def _qkv_layer(k, hq, hk, hd, group, dtype, device, gen, **settings):
+    """An AWQ q|k|v layer (``QKVParallelLinear``, rope_heads set as the Llama attention does);
+    ``settings``: more AWQSettings."""
     from kvforge.layers.parallel_linear import QKVParallelLinear
     from kvforge_plugins.quant.awq import AWQConfig, AWQSettings
     qc = AWQConfig({"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm"},
-                   AWQSettings(backend="auto" if device == "cuda" else "triton", int4_layout="mma"))
+                   AWQSettings(backend="auto" if device == "cuda" else "triton", int4_layout="mma", **settings))
     with torch.device(device):
         layer = QKVParallelLinear(k, hd, hq, hk, False, qc, "model.layers.0.self_attn.qkv_proj", dtype,
                                   parallel=False)
@@ -121,7 +122,8 @@ def test_emulated_qkv_layer(dtype, gen, monkeypatch):
     layer, w_ref = _qkv_layer(k, hq, hk, hd, 64, dtype, "cpu", gen)
     assert layer.wna16_rope == (hq + hk, hd)
     norm, rotary = _norm(k, dtype, gen), _rotary(hd)
-    for m, fused in ((1, True), (8, True), (9, False), (70, False)):
+    # fused at steps of <= fuse_norm_max_tokens (2 by default) tokens
+    for m, fused in ((1, True), (2, True), (3, False), (8, False), (9, False), (70, False)):
         x, res = (torch.randn(m, k, generator=gen).to(dtype) for _ in range(2))
         assert _err(layer(x), x.double() @ w_ref.double()) <= BOUND[dtype], f"M={m}: forward not in head order"
         positions = torch.randint(0, 64, (m,), generator=gen)
@@ -179,7 +181,7 @@ def test_norm_rows_too_long_for_shared_memory(gen, monkeypatch):
     fake = w4_mma_emulate.install(monkeypatch, smem_limit=99 * 1024)
     monkeypatch.setattr(w4_mma, "runtime_blocker", lambda device: None)
     assert not w4_mma.norm_fits(8, 8192, 2, torch.device("cpu")) and w4_mma.norm_fits(1, 8192, 2, torch.device("cpu"))
-    layer, w_ref = _qkv_layer(8192, 2, 1, 32, 1024, torch.float16, "cpu", gen)
+    layer, w_ref = _qkv_layer(8192, 2, 1, 32, 1024, torch.float16, "cpu", gen, fuse_norm_max_tokens=8)
     norm, rotary = _norm(8192, torch.float16, gen), _rotary(32)
     x, res = (torch.randn(8, 8192, generator=gen).half() for _ in range(2))
     positions = torch.randint(0, 64, (8,), generator=gen)

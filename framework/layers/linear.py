@@ -82,8 +82,8 @@ class FusedLinear(torch.nn.Module):
         ``kvforge.layers.rotary.RotaryEmbedding``), for a q|k|v layer: y's q and k heads come
         back rotated. The method folds the norm (and the rotation) into its GEMM where it can
         (``LinearMethod.apply_add_rmsnorm``: one kernel instead of three, e.g. the int4 mma
-        kernel at batch <= 8). Raises ValueError for ``silu_and_mul`` on a layer that is not a
-        gate|up pair, or ``rope`` on one that is not q|k|v."""
+        kernel at batch <= ``fuse_norm_max_tokens``, 2 by default). Raises ValueError for
+        ``silu_and_mul`` on a layer that is not a gate|up pair, or ``rope`` on one that is not q|k|v."""
         if silu_and_mul and not self.gate_up:
             raise ValueError(f"{self.prefix}: silu_and_mul needs a gate|up layer (MergedColumnParallelLinear)")
         if rope is not None and not hasattr(self, "rotate"):

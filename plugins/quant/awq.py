@@ -69,7 +69,8 @@ class AWQConfig(QuantizationConfig):
         self.skip = list(cfg.get("modules_to_not_convert") or [])
         self._method = WNA16LinearMethod("awq", 4, self.group_size, 0, self.settings.backend,
                                          "list it in quantization_config.modules_to_not_convert",
-                                         int4_layout=self.settings.int4_layout, fuse_norm=self.settings.fuse_norm)
+                                         int4_layout=self.settings.int4_layout, fuse_norm=self.settings.fuse_norm,
+                                         fuse_norm_max_tokens=self.settings.fuse_norm_max_tokens)
         self._dense = UnquantizedLinearMethod()
 
     def get_linear_method(self, prefix: str) -> LinearMethod:

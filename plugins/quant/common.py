@@ -14,7 +14,7 @@ import re
 from typing import Iterable, Literal, Sequence
 
 import torch
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 #: kvforge fused module name -> the HF module names of its shards, in shard order.
 FUSED_SHARDS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -50,13 +50,20 @@ class WeightOnlySettings(QuantSettings):
     cannot hold. ``checkpoint`` keeps the checkpoint's packing (the ``wna16`` kernels), for A/B runs.
 
     ``fuse_norm``: with the ``mma`` layout, a layer after a pre-norm (Llama's qkv and gate|up)
-    computes the add + RMSNorm in its GEMM's prologue at batch <= 8 (``w4_mma.mma_gemm_rmsnorm``),
-    and a q|k|v weight is repacked so that GEMM's epilogue applies RoPE too: one kernel where
-    there were three. False keeps the plain layout and runs them apart, for A/B runs.
+    computes the add + RMSNorm in its GEMM's prologue (``w4_mma.mma_gemm_rmsnorm``) when a step
+    has at most ``fuse_norm_max_tokens`` tokens, and a q|k|v weight is repacked so that GEMM's
+    epilogue applies RoPE too: one kernel where there were three. False keeps the plain layout
+    and runs them apart, for A/B runs.
+
+    ``fuse_norm_max_tokens`` (1..8, the kernel's one token block): every CTA of the fused kernel
+    normalizes all the step's rows itself, so its cost grows with the tokens. On an H200 with a
+    Llama-3-8B shape the fused step was 6% / 1.8% faster at 1 / 2 tokens and 5% / 7% / 21% slower
+    at 3 / 4 / 8 (BENCHMARKS.md, session 29), hence 2.
     """
 
     int4_layout: Int4Layout = "auto"
     fuse_norm: bool = True
+    fuse_norm_max_tokens: int = Field(2, ge=1, le=8)
 
 
 def require_checkpoint_method(cfg: dict, method: str, checkpoint: str) -> None:

@@ -123,7 +123,8 @@ class GPTQConfig(QuantizationConfig):
             self._methods[key] = WNA16LinearMethod(
                 "gptq", params["bits"], params["group_size"], self.zero_offset, self.settings.backend,
                 "exclude it with a quantization_config.dynamic '-:<regex>' entry", desc_act=params["desc_act"],
-                int4_layout=self.settings.int4_layout, fuse_norm=self.settings.fuse_norm)
+                int4_layout=self.settings.int4_layout, fuse_norm=self.settings.fuse_norm,
+                fuse_norm_max_tokens=self.settings.fuse_norm_max_tokens)
         return self._methods[key]
 
     def validate(self, dtype: torch.dtype, device: torch.device) -> list[str]:

@@ -57,12 +57,13 @@ class WNA16LinearMethod(LinearMethod):
         desc_act: GPTQ act-order; when False ``g_idx`` is trivial and ignored (as vLLM does).
         symmetric: compressed-tensors only: no zero-point tensor (zero point 2**(bits-1)).
         int4_layout: ``auto``, ``mma``, ``pairs`` or ``checkpoint`` (``common.WeightOnlySettings``).
-        fuse_norm: fold a pre-norm into the mma GEMM (:meth:`apply_add_rmsnorm`).
+        fuse_norm: fold a pre-norm into the mma GEMM (:meth:`apply_add_rmsnorm`) at steps of at most
+            ``fuse_norm_max_tokens`` tokens (<= ``w4_mma.MAX_NORM_M``).
     """
 
     def __init__(self, fmt: str, bits: int, group_size: int, zero_offset: int, backend: str,
                  skip_hint: str, desc_act: bool = False, symmetric: bool = False, int4_layout: str = "auto",
-                 fuse_norm: bool = True) -> None:
+                 fuse_norm: bool = True, fuse_norm_max_tokens: int = 2) -> None:
         assert fmt in ("awq", "gptq", "ct")
         self.fmt, self.bits, self.group_size, self.zero_offset = fmt, bits, group_size, zero_offset
         self.desc_act = desc_act
@@ -72,6 +73,7 @@ class WNA16LinearMethod(LinearMethod):
         self.skip_hint = skip_hint
         self.int4_layout = int4_layout
         self.fuse_norm = fuse_norm
+        self.fuse_norm_max_tokens = min(fuse_norm_max_tokens, w4_mma.MAX_NORM_M)
         self._told_reference = False
 
     # -- loading ---------------------------------------------------------------------------
@@ -330,13 +332,13 @@ class WNA16LinearMethod(LinearMethod):
 
     def apply_add_rmsnorm(self, layer, x, residual, norm_weight, eps, bias, silu_and_mul=False, rope=None):
         """The pre-norm folded into the mma kernel's prologue (``w4_mma.mma_gemm_rmsnorm``)
-        for T <= 8 tokens, and with ``rope`` (positions, rotary) the q|k heads rotated in its
+        for T <= ``fuse_norm_max_tokens`` tokens, and with ``rope`` (positions, rotary) the q|k heads rotated in its
         epilogue where the layer is in the rotary layout (else by the rotary kernel after it);
         None elsewhere: another layout, a bias, GPTQ act-order (x would be normalized in the
         permuted order), a gate|up layer asked for [gate | up], rows too long for shared memory."""
         if not (self.fuse_norm and layer.wna16_kernel and layer.wna16_layout == "mma" and bias is None
                 and layer.perm is None and silu_and_mul == bool(getattr(layer, "wna16_gated", False))
-                and x.dim() == 2 and 1 <= x.shape[0] <= w4_mma.MAX_NORM_M and x.dtype in w4_mma.DTYPES):
+                and x.dim() == 2 and 1 <= x.shape[0] <= self.fuse_norm_max_tokens and x.dtype in w4_mma.DTYPES):
             return None
         if not w4_mma.norm_fits(x.shape[0], x.shape[1], x.element_size(), x.device):
             return None  # the whole rows do not fit in shared memory beside the kernel's own

@@ -68,9 +68,10 @@ CONFIGS = {  # M <= 16: the winners at 14336 x 14336 on the H200 (BENCHMARKS.md,
 }
 TABLE_SCHEMA = 1
 #: Choices-table kind of the rows tuned on :func:`mma_gemm_rmsnorm`'s kernel (the RMSNorm prologue,
-#: with the model's RoPE or SwiGLU epilogue; one "1|N|K" row serves M = 1..8), which a model runs
-#: for q|k|v and gate|up at batch <= 8: the plain GEMM's best config there measured 5% slower end
-#: to end (BENCHMARKS.md, session 28). A shape without such a row takes the "w4_mma" rows.
+#: with the model's RoPE or SwiGLU epilogue; an "M|N|K" row serves its M bucket (2, 4, 8) and the
+#: "1|N|K" row the M = 1..8 that have none), which a model runs for q|k|v and gate|up at batch <=
+#: ``fuse_norm_max_tokens``: the plain GEMM's best config there measured 5% slower end to end
+#: (BENCHMARKS.md, session 28). A shape without such a row takes the "w4_mma" rows.
 PRENORM_KIND = "w4_mma_prenorm"
 # nibble shift of K offset e (0..3) inside a word for row half r (0: n0, 1: n1)
 _SHIFTS = torch.tensor([[4 * (2 * (e >> 1) + r) + 16 * (e & 1) for r in range(2)] for e in range(4)])
@@ -302,8 +303,10 @@ def _gemm(x, words, scales, zeros, group_size, n, config, silu_and_mul, norm, ro
         return (silu_and_mul_interleaved(y) if silu_and_mul else y), None
     given = config is not None
     if config is None:  # the defaults and the shipped table pass check_config (tests): not re-checked per call
-        # the RMSNorm-prologue kernel (M <= 8) has rows of its own, tuned on it; else the GEMM's serve
-        tuned = lookup(PRENORM_KIND, 1, n, k, x.device) if norm is not None else None
+        # the RMSNorm-prologue kernel (M <= 8) has rows of its own, tuned on it (its M bucket's, else
+        # the M = 1 row: one token block serves M <= 8); else the GEMM's serve
+        tuned = (lookup(PRENORM_KIND, m, n, k, x.device) or lookup(PRENORM_KIND, 1, n, k, x.device)
+                 if norm is not None else None)
         tuned = tuned if tuned is not None else lookup("w4_mma", m, n, k, x.device)
         if tuned is None and m <= 8:  # one token block serves M <= 8: the M = 1 entry's kernel is the same
             tuned = lookup("w4_mma", 1, n, k, x.device)
