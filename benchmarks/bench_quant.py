@@ -4,7 +4,8 @@
     python benchmarks/bench_quant.py --write-choices      # also store the faster FP8/INT8 GEMM per shape
     python benchmarks/bench_quant.py --tune               # also sweep W4A16 (pairs) launch configs, store the best
     python benchmarks/bench_quant.py --tune-ckpt          # the same for the checkpoint-layout W4A16 kernel
-    python benchmarks/bench_quant.py --tune-mma           # the same for the mma-layout kernel (CUDA C++), warm L2
+    python benchmarks/bench_quant.py --tune-mma           # the same for the mma-layout kernel (CUDA C++), warm L2,
+                                                          # printed only (--write-warm stores it)
     python benchmarks/w4_cold_tune.py                     # the mma kernel tuned cold, as the shipped table is
     python benchmarks/bench_quant.py --e2e                # also Llama-3-8B-shape decode at batch 1 per format
 
@@ -308,7 +309,10 @@ def main(argv=None) -> int:
     p.add_argument("--write-choices", action="store_true", help="store the faster W8A8 GEMM per shape")
     p.add_argument("--tune", action="store_true", help="sweep W4A16 (pairs layout) configs, store the best per shape")
     p.add_argument("--tune-ckpt", action="store_true", help="the same for the checkpoint-layout W4A16 kernel")
-    p.add_argument("--tune-mma", action="store_true", help="the same for the mma-layout W4A16 kernel (CUDA C++)")
+    p.add_argument("--tune-mma", action="store_true",
+                   help="the same for the mma-layout W4A16 kernel (CUDA C++), warm L2: printed, not stored")
+    p.add_argument("--write-warm", action="store_true",
+                   help="store the --tune-mma* winners (replacing the cold-tuned rows of w4_cold_tune.py)")
     p.add_argument("--tune-mma-wide", action="store_true",
                    help="the same over a 120-config grid (quant_tuning.wide_mma_candidates)")
     p.add_argument("--tune-mma-occupancy", action="store_true",
@@ -349,7 +353,7 @@ def main(argv=None) -> int:
         grid = (qt.wide_mma_candidates if a.tune_mma_wide else
                 qt.occupancy_mma_candidates if a.tune_mma_occupancy else
                 qt.cluster_mma_candidates if a.tune_mma_cluster else None)
-        qt.tune_wna16(shapes, ms, not a.no_cudagraph, "mma", grid)
+        qt.tune_wna16(shapes, ms, not a.no_cudagraph, "mma", grid, write=a.write_warm)
     if a.tune:
         qt.tune_wna16(shapes, ms, not a.no_cudagraph, "pairs")
     if a.tune_ckpt:

@@ -141,11 +141,12 @@ def wide_mma_candidates(m: int) -> list[dict]:
             for tw, wa, kw in tiles for st, cp in pipes for wv in (1, 2, 4)]
 
 
-def tune_wna16(shapes, ms, cudagraph: bool, layout: str = "pairs", candidates=None) -> None:
+def tune_wna16(shapes, ms, cudagraph: bool, layout: str = "pairs", candidates=None, write: bool = True) -> None:
     """Time the candidates per shape and M (bf16) for the pairs layout (``pairs_candidates``,
     table kind "w4_pairs"), the mma layout (``mma_candidates``, kind "w4_mma") or the AutoAWQ
     packing (``wna16_candidates``, kind "wna16"); ``candidates(m)``, where given, replaces the
-    layout's list. Store the fastest (merged with the defaults it ran with) in the choices table."""
+    layout's list. With ``write``, store the fastest (merged with the defaults it ran with) in
+    the choices table. The timing calls one weight over and over (warm L2)."""
     from kvforge_plugins.quant.kernels import w4_mma, w4_pairs, wna16
     from kvforge_plugins.quant.kernels.choices import key, write_table
     if layout == "pairs":
@@ -192,4 +193,8 @@ def tune_wna16(shapes, ms, cudagraph: bool, layout: str = "pairs", candidates=No
                 best_all[gpu][kind][key(m, n, k)] = {**best[1], "schema": schema}
         del ops, w_ref
         torch.cuda.empty_cache()
-    print(f"wrote W4A16 configs to {write_table(best_all)}")
+    if write:
+        print(f"wrote W4A16 configs to {write_table(best_all)}")
+    else:
+        print("not written: warm-L2 winners (the shipped w4_mma rows are tuned cold by benchmarks/w4_cold_tune.py; "
+              "--write-warm stores these instead)")
