@@ -25,7 +25,7 @@ table entry with the same M key (a config tuned for another shape). Compiles com
 and w4_mma_jit (sm_90a) keep the cubins on disk, where the timing process finds them.
 
 ``--prenorm qkv|gate_up`` (M <= 8) times instead the kernel a model runs for q|k|v and gate|up at
-batch <= 8: ``mma_gemm_rmsnorm``, the RMSNorm prologue with the RoPE or SwiGLU epilogue, checked
+batch <= ``fuse_norm_max_tokens`` (2 by default, up to 8): ``mma_gemm_rmsnorm``, the RMSNorm prologue with the RoPE or SwiGLU epilogue, checked
 against the current config's output. Its winners go to the table's ``w4_mma_prenorm`` rows
 (``w4_mma.PRENORM_KIND``), which only that kernel reads.
 """
@@ -134,7 +134,7 @@ def precompile(work: list, jobs: int) -> None:
 
 
 def fused_inputs(m: int, k: int, n: int, prenorm: str) -> dict:
-    """The extra operands of the model's batch <= 8 layer kernels (``mma_gemm_rmsnorm``):
+    """The extra operands of the model's fused-norm layer kernels (``mma_gemm_rmsnorm``, M <= 8):
     ``qkv`` (RMSNorm prologue, RoPE epilogue: 128-wide heads, the first 5/6 of N rotated, as
     Llama-3-8B's 32 q + 8 k of 48 heads) or ``gate_up`` (RMSNorm prologue, SwiGLU epilogue)."""
     f = {"residual": torch.randn(m, k, device="cuda", dtype=torch.bfloat16),

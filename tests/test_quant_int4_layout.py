@@ -283,6 +283,34 @@ def test_int4_layout_validation(cls):
     assert "int4_layout" in str(e.value), str(e.value)
 
 
+@pytest.mark.parametrize("cls", [AWQSettings, GPTQSettings])
+def test_fuse_norm_max_tokens_validation(cls):
+    from pydantic import ValidationError
+
+    from kvforge_plugins.quant.kernels import w4_mma
+    from kvforge_plugins.quant.weight_only import WNA16LinearMethod
+    assert cls().fuse_norm_max_tokens == 2
+    for ok in (1, w4_mma.MAX_NORM_M):
+        assert cls(fuse_norm_max_tokens=ok).fuse_norm_max_tokens == ok
+    for bad in (0, w4_mma.MAX_NORM_M + 1, "two"):
+        with pytest.raises(ValidationError, match="fuse_norm_max_tokens"):
+            cls(fuse_norm_max_tokens=bad)
+    for bad in (0, 9, 2.5, True):  # the method checks too (another caller than the settings)
+        with pytest.raises(ValueError, match="fuse_norm_max_tokens must be an int in 1..8"):
+            WNA16LinearMethod("awq", 4, 64, 0, "reference", "", fuse_norm_max_tokens=bad)
+
+
+@pytest.mark.parametrize("fmt", ["awq", "gptq"])
+def test_fuse_norm_max_tokens_reaches_the_method(fmt):
+    if fmt == "awq":
+        qc = AWQConfig({"quant_method": "awq", "bits": 4, "group_size": 64, "zero_point": True, "version": "gemm"},
+                       AWQSettings(fuse_norm_max_tokens=5))
+    else:
+        qc = GPTQConfig({"quant_method": "gptq", "bits": 4, "group_size": 64, "desc_act": False, "sym": False},
+                        GPTQSettings(fuse_norm_max_tokens=5))
+    assert qc.get_linear_method("model.layers.0.mlp.gate_up_proj").fuse_norm_max_tokens == 5
+
+
 def test_repack_of_a_wide_layer_in_column_chunks(gen):
     """A layer wider than the repack's 4096-column chunks (N = 4104: two chunks, the last
     one 8 columns): the pairs words read back exactly the checkpoint's weight (no kernel

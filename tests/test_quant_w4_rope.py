@@ -139,11 +139,12 @@ def test_emulated_qkv_layer(dtype, gen, monkeypatch):
 
 @cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gpu_qkv_layer_rope(dtype, gen):
+@pytest.mark.parametrize("max_tokens", [2, 8])  # fused at M <= max_tokens, norm / GEMM / rotary apart past it
+def test_gpu_qkv_layer_rope(dtype, max_tokens, gen):
     if w4_mma.runtime_blocker(torch.device("cuda")):
         pytest.skip(w4_mma.runtime_blocker(torch.device("cuda")))
     hq, hk, hd, k = 8, 2, 128, 1024
-    layer, w_ref = _qkv_layer(k, hq, hk, hd, 128, dtype, "cuda", gen)
+    layer, w_ref = _qkv_layer(k, hq, hk, hd, 128, dtype, "cuda", gen, fuse_norm_max_tokens=max_tokens)
     assert layer.wna16_rope == (hq + hk, hd)
     norm, rotary = _norm(k, dtype, gen, "cuda"), _rotary(hd, 4096).cuda()
     w_ref = w_ref.cuda()

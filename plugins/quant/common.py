@@ -37,6 +37,10 @@ class QuantSettings(BaseModel):
 Int4Layout = Literal["auto", "mma", "pairs", "checkpoint"]
 
 
+#: Default ``WeightOnlySettings.fuse_norm_max_tokens`` (measured, see its docstring).
+FUSE_NORM_MAX_TOKENS = 2
+
+
 class WeightOnlySettings(QuantSettings):
     """Settings of the weight-only int4/int8 quantizers (``awq``, ``gptq``).
 
@@ -57,13 +61,13 @@ class WeightOnlySettings(QuantSettings):
 
     ``fuse_norm_max_tokens`` (1..8, the kernel's one token block): every CTA of the fused kernel
     normalizes all the step's rows itself, so its cost grows with the tokens. On an H200 with a
-    Llama-3-8B shape the fused step was 6% / 1.8% faster at 1 / 2 tokens and 5% / 7% / 21% slower
+    Llama-3-8B shape the fused step was 6% / 1.8% faster at 1 / 2 tokens and 6% / 7% / 21% slower
     at 3 / 4 / 8 (BENCHMARKS.md, session 29), hence 2.
     """
 
     int4_layout: Int4Layout = "auto"
     fuse_norm: bool = True
-    fuse_norm_max_tokens: int = Field(2, ge=1, le=8)
+    fuse_norm_max_tokens: int = Field(FUSE_NORM_MAX_TOKENS, ge=1, le=8)  # le: w4_mma.MAX_NORM_M (a test checks)
 
 
 def require_checkpoint_method(cfg: dict, method: str, checkpoint: str) -> None:

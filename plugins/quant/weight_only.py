@@ -34,7 +34,7 @@ import torch
 
 from kvforge.interfaces import LinearMethod
 
-from .common import FLOAT_DTYPES, add_param, pack_rows, unpack_cols, unpack_rows
+from .common import FLOAT_DTYPES, FUSE_NORM_MAX_TOKENS, add_param, pack_rows, unpack_cols, unpack_rows
 from .kernels import HAS_TRITON
 from .kernels import w4_mma
 from .kernels.w4_pairs import DTYPES as PAIRS_DTYPES
@@ -58,12 +58,12 @@ class WNA16LinearMethod(LinearMethod):
         symmetric: compressed-tensors only: no zero-point tensor (zero point 2**(bits-1)).
         int4_layout: ``auto``, ``mma``, ``pairs`` or ``checkpoint`` (``common.WeightOnlySettings``).
         fuse_norm: fold a pre-norm into the mma GEMM (:meth:`apply_add_rmsnorm`) at steps of at most
-            ``fuse_norm_max_tokens`` tokens (<= ``w4_mma.MAX_NORM_M``).
+            ``fuse_norm_max_tokens`` tokens (1..``w4_mma.MAX_NORM_M``; ValueError otherwise).
     """
 
     def __init__(self, fmt: str, bits: int, group_size: int, zero_offset: int, backend: str,
                  skip_hint: str, desc_act: bool = False, symmetric: bool = False, int4_layout: str = "auto",
-                 fuse_norm: bool = True, fuse_norm_max_tokens: int = 2) -> None:
+                 fuse_norm: bool = True, fuse_norm_max_tokens: int = FUSE_NORM_MAX_TOKENS) -> None:
         assert fmt in ("awq", "gptq", "ct")
         self.fmt, self.bits, self.group_size, self.zero_offset = fmt, bits, group_size, zero_offset
         self.desc_act = desc_act
@@ -72,8 +72,11 @@ class WNA16LinearMethod(LinearMethod):
         self.pf = 32 // bits
         self.skip_hint = skip_hint
         self.int4_layout = int4_layout
+        if not (type(fuse_norm_max_tokens) is int and 1 <= fuse_norm_max_tokens <= w4_mma.MAX_NORM_M):
+            raise ValueError(f"fuse_norm_max_tokens must be an int in 1..{w4_mma.MAX_NORM_M} (the fused kernel's "
+                             f"token block), got {fuse_norm_max_tokens!r}")
         self.fuse_norm = fuse_norm
-        self.fuse_norm_max_tokens = min(fuse_norm_max_tokens, w4_mma.MAX_NORM_M)
+        self.fuse_norm_max_tokens = fuse_norm_max_tokens
         self._told_reference = False
 
     # -- loading ---------------------------------------------------------------------------

@@ -12,8 +12,9 @@ rounded up to a power of two, capped at 4096) -> entry:
   0.35-1.32x the defaults' speed at untuned shapes, so it keeps the defaults; BENCHMARKS.md).
 * kind ``"w4_mma"``: a launch config for the int4 mma kernel (``w4_mma.py``); a missing shape
   takes its nearest tuned neighbour's entry (:func:`nearest`), else ``w4_mma.CONFIGS``.
-* kind ``"w4_mma_prenorm"`` (``w4_mma.PRENORM_KIND``): "1|N|K" rows for the same kernel with its
-  RMSNorm prologue (``mma_gemm_rmsnorm``, M <= 8); a shape without one takes the "w4_mma" rows.
+* kind ``"w4_mma_prenorm"`` (``w4_mma.PRENORM_KIND``): rows for the same kernel with its RMSNorm
+  prologue (``mma_gemm_rmsnorm``, M <= 8): the M bucket's row (2, 4, 8), else the "1|N|K" row;
+  a shape without either takes the "w4_mma" rows.
 
 Written on the GPU by ``benchmarks/bench_quant.py --write-choices`` / ``--tune`` and, for the
 w4_mma kinds, ``benchmarks/w4_cold_tune.py --write`` (timed with cold L2). Set
