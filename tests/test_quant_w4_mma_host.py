@@ -168,8 +168,8 @@ def test_table_entries_lists_a_gpus_entries():
 
 def test_untuned_shape_runs_its_nearest_neighbours_config(gen, monkeypatch, tmp_path):
     """A shape the table lacks runs the config of the nearest tuned shape with the same M key
-    (log distance in N and K, each within 4x), M <= 8 falling back to the M = 1 rows; a shape
-    with no neighbour in reach keeps the M-bucket defaults."""
+    (log distance in N and K, each within 4x), at M <= 8 the M = 1 rows competing (the nearer
+    wins); a shape with no neighbour in reach keeps the M-bucket defaults."""
     import json
 
     import w4_mma_emulate
@@ -177,7 +177,8 @@ def test_untuned_shape_runs_its_nearest_neighbours_config(gen, monkeypatch, tmp_
     s = w4_mma.TABLE_SCHEMA
     rows = {"1|512|256": dict(NB=1, TW=2, WARPS=4, KW=2, S=2, schema=s),
             "1|2048|256": dict(NB=1, TW=1, WARPS=8, KW=4, S=1, schema=s),
-            "16|128|512": dict(NB=2, TW=1, WARPS=2, KW=1, S=1, schema=s)}
+            "16|128|512": dict(NB=2, TW=1, WARPS=2, KW=1, S=1, schema=s),
+            "8|1024|256": dict(NB=1, TW=1, WARPS=2, KW=2, S=3, schema=s)}
     path = tmp_path / "table.json"
     path.write_text(json.dumps({"cpu": {"w4_mma": rows}}))
     monkeypatch.setenv("KVFORGE_QUANT_CHOICES", str(path))
@@ -187,13 +188,19 @@ def test_untuned_shape_runs_its_nearest_neighbours_config(gen, monkeypatch, tmp_
     assert choices.nearest("w4_mma", 1, 512, 2048, cpu) is None  # K 8x away: out of reach
     assert choices.nearest("w4_mma", 16, 256, 256, cpu)[1] == "16|128|512"
     fake = w4_mma_emulate.install(monkeypatch)
-    q, sc, z, w_ref = _quant(256, 1536, 64, gen)
-    ps, pz = pack_mma_groups(sc, z)
-    for m, want in ((1, rows["1|2048|256"]), (6, rows["1|2048|256"]), (12, None)):
+    ops = {}
+    for n in (1536, 1280):
+        q, sc, z, w_ref = _quant(256, n, 64, gen)
+        ops[n] = (pack_mma(q), *pack_mma_groups(sc, z), w_ref)
+    # N 1536 at M 6: "1|2048|256" (log 4/3) is nearer than "8|1024|256" (log 3/2); at N 1280 the M = 8
+    # row (log 5/4) is nearer than "1|2048|256" (log 8/5)
+    for n, m, want in ((1536, 1, rows["1|2048|256"]), (1536, 6, rows["1|2048|256"]), (1536, 12, None),
+                       (1280, 6, rows["8|1024|256"]), (1280, 1, rows["1|2048|256"])):
+        words, ps, pz, wr = ops[n]
         x = torch.randn(m, 256, generator=gen).half()
-        y = w4_mma.mma_gemm(x, pack_mma(q), ps, pz, group_size=64, n=1536)
+        y = w4_mma.mma_gemm(x, words, ps, pz, group_size=64, n=n)
         want = {**w4_mma.CONFIGS[w4_mma.bucket(m)], **(want or {})}  # "16|128|512" is 12x away in N
-        assert {k: fake.calls[-1]["cfg"].get(k, 1) for k in ("NB", "TW", "WARPS", "KW")} == \
-            {k: want.get(k, 1) for k in ("NB", "TW", "WARPS", "KW")}, m
-        ref = x.double() @ w_ref.double()
+        assert {k: fake.calls[-1]["cfg"].get(k, 1) for k in ("NB", "TW", "WARPS", "KW", "S")} == \
+            {k: want.get(k, 1) for k in ("NB", "TW", "WARPS", "KW", "S")}, (n, m)
+        ref = x.double() @ wr.double()
         assert ((y.double() - ref).abs().max()).item() <= BOUND[torch.float16] * ref.abs().max().item()

@@ -89,16 +89,22 @@ def nearest(kind: str, m: int, n: int, k: int, device: torch.device, reach: floa
     return _nearest(table_path(), gpu, kind, m_bucket(m), n, k, reach)
 
 
+def shape_distance(row: str, n: int, k: int) -> float:
+    """|log N'/N| + |log K'/K| between the table row "M|N'|K'" and the shape (N, K)."""
+    import math
+    _, en, ek = (int(v) for v in row.split("|"))
+    return abs(math.log(en / n)) + abs(math.log(ek / k))
+
+
 @functools.lru_cache(maxsize=4096)
 def _nearest(path: str, gpu: str, kind: str, mk: int, n: int, k: int, reach: float):
-    import math
     rows = _table(path).get(gpu, {}).get(kind, {})
     near = []
     for row in rows:
         em, en, ek = (int(v) for v in row.split("|"))
         rn, rk = en / n, ek / k
         if em == mk and 1 / reach <= rn <= reach and 1 / reach <= rk <= reach:
-            near.append((abs(math.log(rn)) + abs(math.log(rk)), en, ek, row))
+            near.append((shape_distance(row, n, k), en, ek, row))
     if not near:
         return None
     row = min(near)[3]  # ties: the smaller shape

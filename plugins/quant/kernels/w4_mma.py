@@ -38,7 +38,7 @@ import torch
 from kvforge.layers.arrival_counters import arrival_counters
 from kvforge.layers.cupy_launch import nvrtc_reasons
 
-from .choices import lookup, nearest
+from .choices import lookup, nearest, shape_distance
 from .w4_mma_config import (CONFIG_KEYS, MAX_CLUSTER, MAX_FUSED_M, XR_PITCH, check_config,  # noqa: F401
                             check_config_keys, cluster_bytes, cluster_splits, reduce_bytes, stage_bytes,
                             ws_stage_bytes, x_bytes, xr_bytes)
@@ -310,9 +310,11 @@ def _gemm(x, words, scales, zeros, group_size, n, config, silu_and_mul, norm, ro
         tuned = tuned if tuned is not None else lookup("w4_mma", m, n, k, x.device)
         if tuned is None and m <= 8:  # one token block serves M <= 8: the M = 1 entry's kernel is the same
             tuned = lookup("w4_mma", 1, n, k, x.device)
-        if tuned is None:  # an untuned shape: its nearest tuned neighbour's config
-            near = nearest("w4_mma", m, n, k, x.device) or (nearest("w4_mma", 1, n, k, x.device) if m <= 8 else None)
-            tuned = near[0] if near else None
+        if tuned is None:  # an untuned shape: its nearest tuned neighbour's config; at M <= 8 the M = 1
+            # rows serve too (one token block): the nearer of the two (ties: the M bucket's)
+            near = [c for c in (nearest("w4_mma", m, n, k, x.device),
+                                nearest("w4_mma", 1, n, k, x.device) if m <= 8 else None) if c]
+            tuned = min(near, key=lambda c: shape_distance(c[1], n, k))[0] if near else None
         tuned = tuned or {}
         config = {key: v for key, v in tuned.items() if key != "schema"} if tuned.get("schema") == TABLE_SCHEMA else {}
     cfg = {**CONFIGS[bucket(m)], **config}
