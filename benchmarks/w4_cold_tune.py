@@ -25,9 +25,10 @@ table entry with the same M key (a config tuned for another shape). Compiles com
 and w4_mma_jit (sm_90a) keep the cubins on disk, where the timing process finds them.
 
 ``--prenorm qkv|gate_up`` (M <= 8) times instead the kernel a model runs for q|k|v and gate|up at
-batch <= ``fuse_norm_max_tokens`` (2 by default, up to 8): ``mma_gemm_rmsnorm``, the RMSNorm prologue with the RoPE or SwiGLU epilogue, checked
-against the current config's output. Its winners go to the table's ``w4_mma_prenorm`` rows
-(``w4_mma.PRENORM_KIND``), which only that kernel reads.
+batch <= ``fuse_norm_max_tokens`` (2 by default, up to 8): ``mma_gemm_rmsnorm``, the RMSNorm
+prologue with the RoPE or SwiGLU epilogue, checked against the current config's output. Its
+winners go to the table's ``w4_mma_prenorm`` rows (``w4_mma.PRENORM_KIND``), which only that
+kernel reads.
 """
 from __future__ import annotations
 

@@ -335,10 +335,11 @@ class WNA16LinearMethod(LinearMethod):
 
     def apply_add_rmsnorm(self, layer, x, residual, norm_weight, eps, bias, silu_and_mul=False, rope=None):
         """The pre-norm folded into the mma kernel's prologue (``w4_mma.mma_gemm_rmsnorm``)
-        for T <= ``fuse_norm_max_tokens`` tokens, and with ``rope`` (positions, rotary) the q|k heads rotated in its
-        epilogue where the layer is in the rotary layout (else by the rotary kernel after it);
-        None elsewhere: another layout, a bias, GPTQ act-order (x would be normalized in the
-        permuted order), a gate|up layer asked for [gate | up], rows too long for shared memory."""
+        for T <= ``fuse_norm_max_tokens`` tokens, and with ``rope`` (positions, rotary) the q|k
+        heads rotated in its epilogue where the layer is in the rotary layout (else by the rotary
+        kernel after it); None elsewhere: another layout, a bias, GPTQ act-order (x would be
+        normalized in the permuted order), a gate|up layer asked for [gate | up], rows too long
+        for shared memory."""
         if not (self.fuse_norm and layer.wna16_kernel and layer.wna16_layout == "mma" and bias is None
                 and layer.perm is None and silu_and_mul == bool(getattr(layer, "wna16_gated", False))
                 and x.dim() == 2 and 1 <= x.shape[0] <= self.fuse_norm_max_tokens and x.dtype in w4_mma.DTYPES):
