@@ -194,7 +194,7 @@ def tune_one(k: int, n: int, m: int, finalists: int, margin: float, prenorm: "st
         for name, cfg in arms:
             times[name].append(graph_time(cold_calls(layer_fn(x, n, cfg, fused), reps), reps=20, replays=7))
     best, won = pick(times, margin)
-    mean = {name: sum(v) / len(v) for name, v in times.items()}
+    mean = means(times)
     cur = mean["current"]
     print(f"  K={k:<6d} N={n:<6d} M={m:<3d}{' ' + prenorm if prenorm else ''} cold: current {cur * 1e6:7.2f} us "
           f"({', '.join(f'{v * 1e6:.2f}' for v in times['current'])})"
@@ -205,12 +205,17 @@ def tune_one(k: int, n: int, m: int, finalists: int, margin: float, prenorm: "st
     return cur, (mean[best] if best else cur), (dict(arms)[best] if won else None)
 
 
+def means(times: dict) -> dict:
+    """{arm: mean of its round-2 times} for ``times`` {arm: [seconds, ...]}."""
+    return {name: sum(v) / len(v) for name, v in times.items()}
+
+
 def pick(times: dict, margin: float) -> "tuple[str | None, bool]":
     """(the fastest finalist by mean time, whether it replaces the table's entry): ``times``
     maps "current" and each finalist to its round-2 times in seconds; a finalist wins only
     when its mean is at least ``margin`` (a fraction) below the current config's, so noise
     between equal configs does not churn the table."""
-    mean = {name: sum(v) / len(v) for name, v in times.items()}
+    mean = means(times)
     rivals = [name for name in times if name != "current"]
     if not rivals:
         return None, False
