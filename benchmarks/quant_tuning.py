@@ -141,6 +141,22 @@ def wide_mma_candidates(m: int) -> list[dict]:
             for tw, wa, kw in tiles for st, cp in pipes for wv in (1, 2, 4)]
 
 
+def small_cta_mma_candidates(m: int) -> list[dict]:
+    """``w4_cold_tune.py --grid small-ctas`` (session 30): the fastest plain read of a weight's
+    bytes ran as thousands of 256-thread CTAs with one load per thread (``w4_floor_cuda.py``),
+    not as a few large CTAs with deep pipelines. These tilings keep a CTA to one or two 16-row
+    tiles and 2-8 warps that all split K, and split K further across CTAs (2-8 splits summed
+    in a cluster, or up to 16 through global memory), with MINB 1 or 4 (fewer registers, more
+    CTAs per SM). M <= 16 only. A MINB 4 winner can spill once built with the RMSNorm + RoPE
+    prologue, which an untuned shape may run a plain row with: ``tests/test_cuda_sources_compile.py``
+    then fails, and the row must not ship (session 30: 4096 x 28672)."""
+    if m > 16:
+        return []
+    return [dict(TW=tw, WARPS=wa, KW=wa, S=st, CPA=0, LDW=1, MINB=mb, SCALE_A=False, XS=0, split_k=sk, CLU=clu)
+            for tw, wa in ((1, 2), (1, 4), (1, 8), (2, 4), (2, 8)) for st in (1, 2) for mb in (1, 4)
+            for sk, clu in ((1, 0), (2, 1), (4, 1), (8, 1), (4, 0), (8, 0), (16, 0))]
+
+
 def tune_wna16(shapes, ms, cudagraph: bool, layout: str = "pairs", candidates=None, write: bool = True) -> None:
     """Time the candidates per shape and M (bf16) for the pairs layout (``pairs_candidates``,
     table kind "w4_pairs"), the mma layout (``mma_candidates``, kind "w4_mma") or the AutoAWQ

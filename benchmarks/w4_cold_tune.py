@@ -19,7 +19,7 @@ Per (shape, M), bf16 activations (the issue's baseline):
 
 With ``--write`` a finalist replaces the table's entry only when it is at least ``--margin``
 (default 2%) faster than the current config in round 2. Candidates: quant_tuning's grids (mma,
-wide and cluster; occupancy at M > 16), the register pipeline deepened (S 3 and 4), and every
+wide, cluster and small CTAs; occupancy at M > 16), the register pipeline deepened (S 3 and 4), and every
 table entry with the same M key (a config tuned for another shape). Compiles come first, in
 ``--jobs`` processes: NVRTC builds one module at a time per process, and CuPy (sm_90 modules)
 and w4_mma_jit (sm_90a) keep the cubins on disk, where the timing process finds them.
@@ -49,21 +49,24 @@ from w4_floor import copies, graph_time  # noqa: E402
 KEYS_NOT_COMPILED = ("waves", "split_k")  # launch-time only: candidates differing in these share a module
 
 
-def candidates(m: int, gpu: str, prenorm: bool = False) -> list[dict]:
+def candidates(m: int, gpu: str, prenorm: bool = False, grid: str = "all") -> list[dict]:
     """Distinct partial configs (merged over the M bucket's defaults when run) worth timing at M
-    on the GPU named ``gpu`` (whose table entries join the grids). ``prenorm``: for the
+    on the GPU named ``gpu`` (whose table entries join the grids); ``grid`` "small-ctas": only
+    ``quant_tuning.small_cta_mma_candidates`` and the table's entries. ``prenorm``: for the
     RMSNorm-prologue kernel, which keeps x in shared memory (XS 1) and so has no XR / WG tiles:
     those are left out, and configs that differ only in XS count once."""
     from kvforge_plugins.quant.kernels import w4_mma
     from kvforge_plugins.quant.kernels.choices import m_bucket, table_entries
-    grids = qt.mma_candidates(m) + qt.cluster_mma_candidates(m)
-    if m <= 16:
+    grids = qt.small_cta_mma_candidates(m)
+    if grid == "all":
+        grids += qt.mma_candidates(m) + qt.cluster_mma_candidates(m)
+    if m <= 16 and grid == "all":
         grids += qt.wide_mma_candidates(m)
         # deeper register pipelines than any grid holds: more weight loads in flight per warp
         grids += [dict(TW=tw, WARPS=wa, KW=kw, S=s, CPA=0, waves=wv, LDW=1, MINB=1, SCALE_A=False, XS=0)
                   for tw, wa, kw in ((1, 16, 16), (1, 8, 8), (2, 8, 8), (2, 8, 4), (4, 4, 4), (4, 8, 4))
                   for s in (3, 4) for wv in (1, 2)]
-    else:
+    elif grid == "all":
         grids += qt.occupancy_mma_candidates(m)
     for kind in ("w4_mma", w4_mma.PRENORM_KIND) if prenorm else ("w4_mma",):
         grids += [{k: v for k, v in e.items() if k != "schema"}
@@ -160,7 +163,8 @@ def cold_calls(fn, reps: list) -> list:
     return [lambda r=r: fn(*r) for r in reps]
 
 
-def tune_one(k: int, n: int, m: int, finalists: int, margin: float, prenorm: "str | None" = None):
+def tune_one(k: int, n: int, m: int, finalists: int, margin: float, prenorm: "str | None" = None,
+             grid: str = "all"):
     """Returns (current time, best time, best full config or None) for one shape and M; with
     ``prenorm``, of the fused layer kernel (``fused_inputs``), checked against the current
     config's output (itself checked by ``w4_table_check.py``)."""
@@ -173,7 +177,7 @@ def tune_one(k: int, n: int, m: int, finalists: int, margin: float, prenorm: "st
     ref = (layer_fn(x, n, None, fused)(o["words"], o["scales"], o["zeros"]) if fused else x.float() @ o["ref"]).float()
     base = w4_mma.CONFIGS[w4_mma.bucket(m)]
     first = []
-    for cand in candidates(m, torch.cuda.get_device_name(), bool(prenorm)):
+    for cand in candidates(m, torch.cuda.get_device_name(), bool(prenorm), grid):
         cfg = {**base, **cand}
         try:
             y = layer_fn(x, n, cfg, fused)(o["words"], o["scales"], o["zeros"])
@@ -234,6 +238,8 @@ def main(argv=None) -> int:
     p.add_argument("--prenorm", choices=("qkv", "gate_up"),
                    help="time the model's fused layer kernel (M <= 8: RMSNorm prologue; RoPE or SwiGLU epilogue); "
                         "winners go to the table's w4_mma_prenorm rows")
+    p.add_argument("--grid", choices=("all", "small-ctas"), default="all",
+                   help="candidates: every grid, or only small CTAs with K split across them (and the table's rows)")
     a = p.parse_args(argv)
     from kvforge_plugins.quant.kernels import w4_mma
     from kvforge_plugins.quant.kernels.choices import key, write_table
@@ -252,12 +258,12 @@ def main(argv=None) -> int:
     if a.jobs:  # (a failure here only costs time: the timing pass compiles what is missing)
         try:
             precompile([(k, n, m, {**w4_mma.CONFIGS[w4_mma.bucket(m)], **c}, a.prenorm) for k, n in shapes for m in ms
-                        for c in candidates(m, gpu, bool(a.prenorm))], a.jobs)
+                        for c in candidates(m, gpu, bool(a.prenorm), a.grid)], a.jobs)
         except Exception as e:  # noqa: BLE001
             print(f"precompile failed ({type(e).__name__}: {e}); compiling while timing", flush=True)
     for k, n in shapes:
         for m in ms:
-            _, _, cfg = tune_one(k, n, m, a.finalists, a.margin, a.prenorm)
+            _, _, cfg = tune_one(k, n, m, a.finalists, a.margin, a.prenorm, a.grid)
             if cfg is not None and a.write:
                 row = {key(m, n, k): {**cfg, "schema": w4_mma.TABLE_SCHEMA}}
                 print(f"wrote {kind} {key(m, n, k)} to {write_table({gpu: {kind: row}})}", flush=True)

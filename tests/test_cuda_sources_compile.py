@@ -119,6 +119,17 @@ def test_w4_ss_probe_compiles(nvrtc):
                  "90a")
 
 
+def test_w4_floor_cuda_compiles(nvrtc):
+    """benchmarks/w4_floor_cuda.py's read-floor kernels (an empty kernel, 16-byte loads, bulk copies
+    through mbarrier stages) build with the defines its sweep uses, smallest and largest."""
+    import sys
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import w4_floor_cuda
+    for u, st, cb in ((1, 2, 4096), (8, 8, 16384)):
+        _compile(nvrtc, w4_floor_cuda.SOURCE, "w4_floor_cuda.cu", ("-std=c++17", f"-DU={u}", f"-DS={st}", f"-DCB={cb}"),
+                 ("empty_kernel", "ldg_read", "bulk_read"))
+
+
 def test_wgmma_probe_compiles(nvrtc):
     """benchmarks/wgmma_probe.cu (a measurement probe): register and shared-memory A, one and
     four accumulator sets, the smallest and largest N."""

@@ -44,6 +44,26 @@ def test_candidates_hold_the_tables_same_m_entries(m):
         assert json.dumps({**base, **{k: v for k, v in e.items() if k != "schema"}}, sort_keys=True) in got
 
 
+@pytest.mark.parametrize("m", [1, 16, 64])
+def test_small_cta_grid_is_part_of_the_full_grid(m):
+    # --grid small-ctas times the small-CTA tilings (<= 2 tiles, 2-8 warps all splitting K) and
+    # the table's same-M rows; the full grid holds all of them. At M > 16 the grid is empty.
+    base = w4_mma.CONFIGS[w4_mma.bucket(m)]
+    small = [{**base, **c} for c in w4_cold_tune.candidates(m, GPU, grid="small-ctas")]
+    full = {json.dumps({**base, **c}, sort_keys=True) for c in w4_cold_tune.candidates(m, GPU)}
+    assert all(json.dumps(c, sort_keys=True) in full for c in small)
+    table = json.loads(Path(table_path()).read_text())[GPU]["w4_mma"]
+    rows = {json.dumps({**base, **{k: v for k, v in e.items() if k != "schema"}}, sort_keys=True)
+            for key, e in table.items() if int(key.split("|")[0]) == m}
+    grid = [c for c in small if json.dumps(c, sort_keys=True) not in rows]
+    if m > 16:
+        assert grid == []
+    else:
+        assert len(grid) > 100
+        assert all(c["TW"] <= 2 and c["WARPS"] <= 8 and c["KW"] == c["WARPS"] for c in grid)
+        assert {c["split_k"] for c in grid} == {1, 2, 4, 8, 16}
+
+
 def test_prenorm_candidates_are_the_kernels_it_has():
     # the RMSNorm-prologue kernel keeps x in shared memory: no XR ring, no warpgroup MMAs, and
     # XS 0 / 1 are one kernel; its own table rows are among the candidates
