@@ -60,14 +60,14 @@ def candidates(m: int, gpu: str, prenorm: bool = False, grid: str = "all") -> li
     grids = qt.small_cta_mma_candidates(m)
     if grid == "all":
         grids += qt.mma_candidates(m) + qt.cluster_mma_candidates(m)
-    if m <= 16 and grid == "all":
-        grids += qt.wide_mma_candidates(m)
-        # deeper register pipelines than any grid holds: more weight loads in flight per warp
-        grids += [dict(TW=tw, WARPS=wa, KW=kw, S=s, CPA=0, waves=wv, LDW=1, MINB=1, SCALE_A=False, XS=0)
-                  for tw, wa, kw in ((1, 16, 16), (1, 8, 8), (2, 8, 8), (2, 8, 4), (4, 4, 4), (4, 8, 4))
-                  for s in (3, 4) for wv in (1, 2)]
-    elif grid == "all":
-        grids += qt.occupancy_mma_candidates(m)
+        if m <= 16:
+            grids += qt.wide_mma_candidates(m)
+            # deeper register pipelines than any grid holds: more weight loads in flight per warp
+            grids += [dict(TW=tw, WARPS=wa, KW=kw, S=s, CPA=0, waves=wv, LDW=1, MINB=1, SCALE_A=False, XS=0)
+                      for tw, wa, kw in ((1, 16, 16), (1, 8, 8), (2, 8, 8), (2, 8, 4), (4, 4, 4), (4, 8, 4))
+                      for s in (3, 4) for wv in (1, 2)]
+        else:
+            grids += qt.occupancy_mma_candidates(m)
     for kind in ("w4_mma", w4_mma.PRENORM_KIND) if prenorm else ("w4_mma",):
         grids += [{k: v for k, v in e.items() if k != "schema"}
                   for row, e in sorted(table_entries(kind, gpu).items())
