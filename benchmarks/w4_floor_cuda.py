@@ -9,8 +9,9 @@ back-to-back calls, as ``w4_floor.py`` and the A/B scripts time):
   flight) and folds them, over a grid of threads per CTA x U;
 * ``bulk``: one thread per CTA streams a contiguous range of the buffer through S shared-memory
   stages with 1-D bulk copies (``cp.async.bulk``, the TMA engine; PTX ISA 8.0) and mbarriers,
-  over a grid of chunk bytes x stages x CTAs per SM. No register file or LSU in the way: the
-  fastest way an SM can pull bytes in;
+  over a grid of chunk bytes x stages x CTAs per SM, folding each chunk's first word into a
+  per-CTA checksum once its barrier completes (``tests/test_w4_floor_cuda.py`` checks it on the
+  GPU). No register file or LSU in the way of the bytes;
 * the Triton read floor of ``w4_floor.py`` (its best config), bf16 cuBLAS and the table's W4A16
   kernel, in the same process.
 
@@ -62,10 +63,12 @@ extern "C" __global__ void ldg_read(const uint4* __restrict__ src, long long n16
     unsigned acc = 0;
 #pragma unroll
     for (int u = 0; u < U; ++u) acc ^= a[u] ^ b[u] ^ c[u] ^ d[u];
-    if (acc == 0x9e3779b9u) out[blockIdx.x] = acc;  // keeps the loads live; (almost) never stores
+    if (acc == 0x9e3779b9u) out[0] = acc;  // keeps the loads live; (almost) never stores
 }
 
 // One thread per CTA: bytes [begin, end) of src (multiples of 16) through S stages of CB bytes.
+// out[blockIdx.x] = XOR of each chunk's first word, read from its stage after its barrier (a check
+// that the bytes arrived before the stage was reused; tests/test_w4_floor_cuda.py).
 extern "C" __global__ void bulk_read(const char* __restrict__ src, long long nbytes, int* __restrict__ out) {
     extern __shared__ __align__(128) char stage[];
     __shared__ __align__(8) unsigned long long bars[S];
@@ -79,11 +82,13 @@ extern "C" __global__ void bulk_read(const char* __restrict__ src, long long nby
         asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar0 + 8 * s) : "memory");
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     long long chunks = (end - begin + CB - 1) / CB;
+    unsigned acc = 0;
     for (long long j = 0; j < chunks + S; ++j) {
         if (j >= S) {  // wait for chunk j - S, whose stage chunk j reuses
             unsigned bar = bar0 + 8 * ((j - S) % S), phase = ((j - S) / S) & 1;
             asm volatile("{\n.reg .pred p;\nW%=:\nmbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n@!p bra W%=;\n}"
                          ::"r"(bar), "r"(phase) : "memory");
+            acc ^= *reinterpret_cast<const volatile unsigned*>(stage + ((j - S) % S) * CB);
         }
         if (j < chunks) {
             long long off = begin + j * CB;
@@ -95,7 +100,7 @@ extern "C" __global__ void bulk_read(const char* __restrict__ src, long long nby
                          ::"r"(base + (unsigned)((j % S) * CB)), "l"(src + off), "r"(bytes), "r"(bar) : "memory");
         }
     }
-    if (nbytes < 0) out[blockIdx.x] = 0;
+    out[blockIdx.x] = acc;
 }
 """
 
@@ -120,6 +125,35 @@ class Kernels:
         with self.streams.current(torch.device("cuda")):
             f((grid,), (block,), args, shared_mem=smem)
 
+    def bulk_read(self, buf: torch.Tensor, out: torch.Tensor, cb: int, stages: int, grid: int) -> None:
+        """Launch ``bulk_read`` over ``buf`` (contiguous CUDA, a multiple of 16 bytes) with ``grid``
+        one-thread CTAs; ``out`` int32 [>= grid] gets each CTA's checksum (:func:`bulk_checksums`)."""
+        import numpy as np
+        from kvforge.layers.cupy_launch import ptr
+        nbytes = buf.numel() * buf.element_size()
+        if nbytes % 16 or out.numel() < grid:
+            raise ValueError(f"bulk_read: {nbytes} bytes (must be a multiple of 16), out of {out.numel()} < grid {grid}")
+        self.launch(self.fn("bulk_read", CB=cb, S=stages), grid, 32, (ptr(buf), np.int64(nbytes), ptr(out)),
+                    cb * stages)
+
+
+def bulk_checksums(buf: torch.Tensor, cb: int, grid: int) -> torch.Tensor:
+    """What ``bulk_read`` writes per CTA: the XOR of the first 32-bit word of each CB-byte chunk of
+    the CTA's range (ranges of ceil(bytes / grid) rounded up to 16 bytes; 0 for an empty range).
+    int32 [grid]."""
+    words = buf.view(torch.int32).flatten()
+    nbytes = words.numel() * 4
+    per = (-(-nbytes // grid) + 15) // 16 * 16  # the kernel's range: ceil(bytes / grid), rounded up to 16
+    sums = []
+    for b in range(grid):
+        begin, end = b * per, min(nbytes, (b + 1) * per)
+        first = words[torch.arange(begin, end, cb, device=words.device) // 4] if begin < end else words[:0]
+        acc = 0
+        for v in first.tolist():
+            acc ^= v
+        sums.append(acc)
+    return torch.tensor(sums, dtype=torch.int32)
+
 
 def main(argv=None) -> int:
     import numpy as np
@@ -141,6 +175,7 @@ def main(argv=None) -> int:
           "best read | 3x needs | 3x needs / best read")
     for k, n in [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]:
         nb = floor_bytes(k, n)
+        assert nb % 16 == 0, f"{k} x {n}: {nb} bytes is not a multiple of 16 (bulk copies move 16-byte units)"
         bufs = [torch.randint(-2 ** 30, 2 ** 30, (nb // 4,), dtype=torch.int32, device="cuda")
                 for _ in range(copies(nb, True))]
         floors = {}
@@ -159,9 +194,7 @@ def main(argv=None) -> int:
                 for per_sm in (1, 2, 4):
                     if cb * s * per_sm > 200 * 1024:
                         continue
-                    f, grid = kern.fn("bulk_read", CB=cb, S=s), per_sm * sms
-                    t = graph_time([lambda b=b: kern.launch(f, grid, 32, (ptr(b), np.int64(nb), ptr(out)), cb * s)
-                                    for b in bufs])
+                    t = graph_time([lambda b=b: kern.bulk_read(b, out, cb, s, per_sm * sms) for b in bufs])
                     floors["bulk"] = min(floors.get("bulk", (1e9, "")), (t, f"{cb // 1024} KB x {s} stages, "
                                                                           f"{per_sm} CTA/SM"))
         del bufs

@@ -61,7 +61,9 @@ def test_small_cta_grid_is_part_of_the_full_grid(m):
     else:
         assert len(grid) > 100
         assert all(c["TW"] <= 2 and c["WARPS"] <= 8 and c["KW"] == c["WARPS"] for c in grid)
-        assert {c["split_k"] for c in grid} == {1, 2, 4, 8, 16}
+        # splits of 2..8 sum in a cluster (its portable size), more through global memory
+        assert {(c["split_k"], c["CLU"]) for c in grid} == {(1, 0), (2, 1), (4, 1), (8, 1), (4, 0), (8, 0), (16, 0)}
+        assert {c["MINB"] for c in grid} == {1, 4}
 
 
 def test_prenorm_candidates_are_the_kernels_it_has():
