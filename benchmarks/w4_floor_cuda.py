@@ -131,8 +131,10 @@ class Kernels:
         import numpy as np
         from kvforge.layers.cupy_launch import ptr
         nbytes = buf.numel() * buf.element_size()
-        if nbytes % 16 or out.numel() < grid:
-            raise ValueError(f"bulk_read: {nbytes} bytes (must be a multiple of 16), out of {out.numel()} < grid {grid}")
+        if nbytes % 16:
+            raise ValueError(f"bulk_read: buf holds {nbytes} bytes, not a multiple of 16 (bulk copies move 16-byte units)")
+        if out.numel() < grid:
+            raise ValueError(f"bulk_read: out holds {out.numel()} checksums, fewer than the grid's {grid} CTAs")
         self.launch(self.fn("bulk_read", CB=cb, S=stages), grid, 32, (ptr(buf), np.int64(nbytes), ptr(out)),
                     cb * stages)
 

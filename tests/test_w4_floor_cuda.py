@@ -26,10 +26,14 @@ def test_bulk_checksums_hand_example():
     assert w4_floor_cuda.bulk_checksums(buf, cb=48, grid=1).tolist() == [0 ^ 12]
 
 
-def test_bulk_read_refuses_a_partial_16_byte_unit():
-    with pytest.raises(ValueError, match="multiple of 16"):
+def test_bulk_read_refuses_bad_sizes_before_launching():
+    # (no CuPy needed: the checks come first; Kernels() itself would import CuPy)
+    with pytest.raises(ValueError, match="not a multiple of 16"):
         w4_floor_cuda.Kernels.bulk_read(None, torch.zeros(5, dtype=torch.int32), torch.zeros(4, dtype=torch.int32),
                                         4096, 2, 1)
+    with pytest.raises(ValueError, match="fewer than the grid's 8 CTAs"):
+        w4_floor_cuda.Kernels.bulk_read(None, torch.zeros(8, dtype=torch.int32), torch.zeros(4, dtype=torch.int32),
+                                        4096, 2, 8)
 
 
 @cuda
