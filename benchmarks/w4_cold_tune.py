@@ -46,6 +46,7 @@ import quant_tuning as qt  # noqa: E402
 from bench_quant import GROUP  # noqa: E402
 from w4_floor import copies, graph_time  # noqa: E402
 
+GRIDS = ("all", "small-ctas")  # candidates(): every grid, or the small-CTA one (and the table's rows)
 KEYS_NOT_COMPILED = ("waves", "split_k")  # launch-time only: candidates differing in these share a module
 
 
@@ -57,6 +58,8 @@ def candidates(m: int, gpu: str, prenorm: bool = False, grid: str = "all") -> li
     those are left out, and configs that differ only in XS count once."""
     from kvforge_plugins.quant.kernels import w4_mma
     from kvforge_plugins.quant.kernels.choices import m_bucket, table_entries
+    if grid not in GRIDS:
+        raise ValueError(f"grid must be one of {GRIDS}, got {grid!r}")
     grids = qt.small_cta_mma_candidates(m)
     if grid == "all":
         grids += qt.mma_candidates(m) + qt.cluster_mma_candidates(m)
@@ -238,7 +241,7 @@ def main(argv=None) -> int:
     p.add_argument("--prenorm", choices=("qkv", "gate_up"),
                    help="time the model's fused layer kernel (M <= 8: RMSNorm prologue; RoPE or SwiGLU epilogue); "
                         "winners go to the table's w4_mma_prenorm rows")
-    p.add_argument("--grid", choices=("all", "small-ctas"), default="all",
+    p.add_argument("--grid", choices=GRIDS, default="all",
                    help="candidates: every grid, or only small CTAs with K split across them (and the table's rows)")
     a = p.parse_args(argv)
     from kvforge_plugins.quant.kernels import w4_mma

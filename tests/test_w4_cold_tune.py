@@ -64,6 +64,8 @@ def test_small_cta_grid_is_part_of_the_full_grid(m):
         # splits of 2..8 sum in a cluster (its portable size), more through global memory
         assert {(c["split_k"], c["CLU"]) for c in grid} == {(1, 0), (2, 1), (4, 1), (8, 1), (4, 0), (8, 0), (16, 0)}
         assert {c["MINB"] for c in grid} == {1, 4}
+    with pytest.raises(ValueError, match="grid must be one of"):
+        w4_cold_tune.candidates(m, GPU, grid="small")
 
 
 def test_prenorm_candidates_are_the_kernels_it_has():

@@ -303,17 +303,21 @@ def _gemm(x, words, scales, zeros, group_size, n, config, silu_and_mul, norm, ro
         return (silu_and_mul_interleaved(y) if silu_and_mul else y), None
     given = config is not None
     if config is None:  # the defaults and the shipped table pass check_config (tests): not re-checked per call
-        # the RMSNorm-prologue kernel (M <= 8) has rows of its own, tuned on it (its M bucket's, else
-        # the M = 1 row: one token block serves M <= 8); else the GEMM's serve
-        tuned = (lookup(PRENORM_KIND, m, n, k, x.device) or lookup(PRENORM_KIND, 1, n, k, x.device)
-                 if norm is not None else None)
-        tuned = tuned if tuned is not None else lookup("w4_mma", m, n, k, x.device)
-        if tuned is None and m <= 8:  # one token block serves M <= 8: the M = 1 entry's kernel is the same
-            tuned = lookup("w4_mma", 1, n, k, x.device)
-        if tuned is None:  # an untuned shape: its nearest tuned neighbour's config; at M <= 8 the M = 1
-            # rows serve too (one token block): the nearer of the two (ties: the M bucket's)
+        # the RMSNorm-prologue kernel (M <= 8) has rows of its own, tuned on it; else the GEMM's serve.
+        # In each kind the M bucket's row comes first, then at M = 2..8 the M = 1 row (one token
+        # block serves M <= 8: the same kernel)
+        one_block = 1 < m <= 8
+        tuned = None
+        for kind in (PRENORM_KIND, "w4_mma") if norm is not None else ("w4_mma",):
+            tuned = lookup(kind, m, n, k, x.device)
+            if tuned is None and one_block:
+                tuned = lookup(kind, 1, n, k, x.device)
+            if tuned is not None:
+                break
+        if tuned is None:  # an untuned shape: its nearest tuned neighbour's config; at M = 2..8 the
+            # M = 1 rows serve too (one token block): the nearer of the two (ties: the M bucket's)
             near = [c for c in (nearest("w4_mma", m, n, k, x.device),
-                                nearest("w4_mma", 1, n, k, x.device) if m <= 8 else None) if c]
+                                nearest("w4_mma", 1, n, k, x.device) if one_block else None) if c]
             tuned = min(near, key=lambda c: shape_distance(c[1], n, k))[0] if near else None
         tuned = tuned or {}
         config = {key: v for key, v in tuned.items() if key != "schema"} if tuned.get("schema") == TABLE_SCHEMA else {}
