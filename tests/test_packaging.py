@@ -1,4 +1,5 @@
-"""pyproject.toml lists every package (explicit because of the package-dir renames)."""
+"""pyproject.toml lists every package (explicit because of the package-dir renames), and the
+packages' metadata builds under current setuptools without deprecations."""
 import os
 import subprocess
 import sys
