@@ -157,6 +157,22 @@ def small_cta_mma_candidates(m: int) -> list[dict]:
             for sk, clu in ((1, 0), (2, 1), (4, 1), (8, 1), (4, 0), (8, 0), (16, 0))]
 
 
+def xs_deep_mma_candidates(m: int) -> list[dict]:
+    """``w4_cold_tune.py --grid xs-deep`` (session 32): deep register pipelines (S 2-6) with x
+    in shared memory (XS 1). Every other M <= 16 grid keeps XS 0, where each stage holds a
+    warp's x run (8 * NB registers per lane, twice the weight's 4 at M = 1), so S 4 took 96
+    registers and one 512-thread CTA per SM; with XS 1 the same pipeline takes 64 and all of a
+    warp's weight loads at 4096 x 4096 are in flight before its first MMA. The fused-norm
+    rows, which need XS 1, won with S 2-4. (TW, WARPS, KW) x S x split rule. M <= 16 only."""
+    if m > 16:
+        return []
+    tiles = ((1, 16, 16), (1, 8, 8), (2, 8, 8), (2, 8, 4), (4, 4, 4), (4, 8, 4), (1, 4, 4), (2, 4, 4), (4, 4, 1),
+             (1, 8, 4))
+    splits = (dict(waves=1), dict(waves=2), dict(split_k=2, CLU=1), dict(split_k=4, CLU=1))
+    return [dict(TW=tw, WARPS=wa, KW=kw, S=st, CPA=0, LDW=1, MINB=1, SCALE_A=False, XS=1, **sp)
+            for tw, wa, kw in tiles for st in (2, 3, 4, 6) for sp in splits]
+
+
 def tune_wna16(shapes, ms, cudagraph: bool, layout: str = "pairs", candidates=None, write: bool = True) -> None:
     """Time the candidates per shape and M (bf16) for the pairs layout (``pairs_candidates``,
     table kind "w4_pairs"), the mma layout (``mma_candidates``, kind "w4_mma") or the AutoAWQ

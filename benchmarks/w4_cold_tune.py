@@ -46,23 +46,26 @@ import quant_tuning as qt  # noqa: E402
 from bench_quant import GROUP  # noqa: E402
 from w4_floor import copies, graph_time  # noqa: E402
 
-GRIDS = ("all", "small-ctas")  # candidates(): every grid, or the small-CTA one (and the table's rows)
+GRIDS = ("all", "small-ctas", "xs-deep", "cur")  # candidates(): every grid, or one of three (and the table's rows)
 KEYS_NOT_COMPILED = ("waves", "split_k")  # launch-time only: candidates differing in these share a module
 
 
 def candidates(m: int, gpu: str, prenorm: bool = False, grid: str = "all") -> list[dict]:
     """Distinct partial configs (merged over the M bucket's defaults when run) worth timing at M
     on the GPU named ``gpu`` (whose table entries join the grids); ``grid`` "small-ctas": only
-    ``quant_tuning.small_cta_mma_candidates`` and the table's entries. ``prenorm``: for the
+    ``quant_tuning.small_cta_mma_candidates`` and the table's entries; "xs-deep": only
+    ``quant_tuning.xs_deep_mma_candidates`` and the table's entries; "cur": the CUR 1 twins (chunk
+    addresses from per-warp bases) of every grid's register-path configs, and the table's entries.
+    In "all", each register-path config (CPA 0, no XR) is timed with CUR 0 and 1. ``prenorm``: for the
     RMSNorm-prologue kernel, which keeps x in shared memory (XS 1) and so has no XR / WG tiles:
     those are left out, and configs that differ only in XS count once."""
     from kvforge_plugins.quant.kernels import w4_mma
     from kvforge_plugins.quant.kernels.choices import m_bucket, table_entries
     if grid not in GRIDS:
         raise ValueError(f"grid must be one of {GRIDS}, got {grid!r}")
-    grids = qt.small_cta_mma_candidates(m)
-    if grid == "all":
-        grids += qt.mma_candidates(m) + qt.cluster_mma_candidates(m)
+    grids = qt.xs_deep_mma_candidates(m) if grid == "xs-deep" else qt.small_cta_mma_candidates(m)
+    if grid in ("all", "cur"):
+        grids += qt.mma_candidates(m) + qt.cluster_mma_candidates(m) + qt.xs_deep_mma_candidates(m)
         if m <= 16:
             grids += qt.wide_mma_candidates(m)
             # deeper register pipelines than any grid holds: more weight loads in flight per warp
@@ -71,10 +74,14 @@ def candidates(m: int, gpu: str, prenorm: bool = False, grid: str = "all") -> li
                       for s in (3, 4) for wv in (1, 2)]
         else:
             grids += qt.occupancy_mma_candidates(m)
-    for kind in ("w4_mma", w4_mma.PRENORM_KIND) if prenorm else ("w4_mma",):
-        grids += [{k: v for k, v in e.items() if k != "schema"}
-                  for row, e in sorted(table_entries(kind, gpu).items())
-                  if int(row.split("|")[0]) == m_bucket(m) and e.get("schema") == w4_mma.TABLE_SCHEMA]
+    rows = [{k: v for k, v in e.items() if k != "schema"}
+            for kind in (("w4_mma", w4_mma.PRENORM_KIND) if prenorm else ("w4_mma",))
+            for row, e in sorted(table_entries(kind, gpu).items())
+            if int(row.split("|")[0]) == m_bucket(m) and e.get("schema") == w4_mma.TABLE_SCHEMA]
+    if grid in ("all", "cur"):  # the register path's configs (CPA 0, no XR), also with CUR 1
+        twins = [{**c, "CUR": 1} for c in grids + rows if not c.get("CPA") and not c.get("XR")]
+        grids = twins if grid == "cur" else grids + twins
+    grids += rows
     seen, out = set(), []
     for c in grids:
         full = {**w4_mma.CONFIGS[w4_mma.bucket(m)], **c}
@@ -242,7 +249,8 @@ def main(argv=None) -> int:
                    help="time the model's fused layer kernel (M <= 8: RMSNorm prologue; RoPE or SwiGLU epilogue); "
                         "winners go to the table's w4_mma_prenorm rows")
     p.add_argument("--grid", choices=GRIDS, default="all",
-                   help="candidates: every grid, or only small CTAs with K split across them (and the table's rows)")
+                   help="candidates: every grid, or only small CTAs with K split across them, or only deep register "
+                        "pipelines with x in shared memory, or only CUR 1 register-path configs (and the table's rows)")
     a = p.parse_args(argv)
     from kvforge_plugins.quant.kernels import w4_mma
     from kvforge_plugins.quant.kernels.choices import key, write_table

@@ -192,7 +192,12 @@ GPU_CONFIGS = [dict(split_k=1), dict(WARPS=1, TW=1, S=3, XS=1), dict(WARPS=2, TW
                # split K summed inside a thread block cluster (CLU): WG 2, WG, and KW sums first
                dict(TW=1, WARPS=4, CPA=8, XR=1, WG=2, SCALE_A=True, split_k=2, CLU=1),
                dict(TW=1, WARPS=8, CPA=3, XR=1, WG=1, SCALE_A=True, split_k=3, CLU=1),
-               dict(TW=4, WARPS=4, KW=2, SCALE_A=True, split_k=3, CLU=1)]
+               dict(TW=4, WARPS=4, KW=2, SCALE_A=True, split_k=3, CLU=1),
+               # chunk addresses from per-warp bases (CUR): S dividing the group's chunks or not (the
+               # bounds tests kept), x in shared memory, split K through global memory and a cluster
+               dict(TW=1, WARPS=16, KW=16, S=2, CUR=1), dict(TW=1, WARPS=8, KW=8, S=1, CUR=1),
+               dict(TW=2, WARPS=4, S=3, XS=1, CUR=1, split_k=2),
+               dict(TW=4, WARPS=4, KW=2, S=4, CUR=1, split_k=3, CLU=1)]
 
 
 @cuda

@@ -33,12 +33,14 @@ def _ref(x, residual, norm):
     return norm._norm(r), r
 
 
-# (K, N, group, M, config): defaults, KW, split K with CPA stages, the SwiGLU epilogue, and a
-# tuned x-ring config (XR / WG: the prologue's rows take the ring's place, so it runs without)
+# (K, N, group, M, config): defaults, KW, split K with CPA stages, the SwiGLU epilogue, a
+# tuned x-ring config (XR / WG: the prologue's rows take the ring's place, so it runs without),
+# and chunk addresses from per-warp bases (CUR)
 CASES = [(256, 128, 64, 1, None, False), (512, 192, 128, 5, dict(TW=2, WARPS=4, KW=2, S=2), False),
          (640, 256, 128, 8, dict(TW=1, WARPS=2, split_k=3, S=1, CPA=3), False),
          (512, 2 * 96, 64, 3, dict(TW=1, WARPS=4, KW=4, split_k=2), True),
-         (512, 128, 64, 4, dict(TW=1, WARPS=4, CPA=3, XR=1, WG=1, SCALE_A=True), False)]
+         (512, 128, 64, 4, dict(TW=1, WARPS=4, CPA=3, XR=1, WG=1, SCALE_A=True), False),
+         (512, 192, 128, 2, dict(TW=2, WARPS=4, KW=2, S=2, CUR=1), False)]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -44,18 +44,24 @@ def test_candidates_hold_the_tables_same_m_entries(m):
         assert json.dumps({**base, **{k: v for k, v in e.items() if k != "schema"}}, sort_keys=True) in got
 
 
+def _grid_beyond_table(m: int, grid: str) -> list[dict]:
+    """The full configs ``--grid grid`` times at M, less the table's same-M rows; checks that the
+    full grid holds every one of them."""
+    base = w4_mma.CONFIGS[w4_mma.bucket(m)]
+    sub = [{**base, **c} for c in w4_cold_tune.candidates(m, GPU, grid=grid)]
+    full = {json.dumps({**base, **c}, sort_keys=True) for c in w4_cold_tune.candidates(m, GPU)}
+    assert all(json.dumps(c, sort_keys=True) in full for c in sub)
+    table = json.loads(Path(table_path()).read_text())[GPU]["w4_mma"]
+    rows = {json.dumps({**base, **{k: v for k, v in e.items() if k != "schema"}}, sort_keys=True)
+            for key, e in table.items() if int(key.split("|")[0]) == m}
+    return [c for c in sub if json.dumps(c, sort_keys=True) not in rows]
+
+
 @pytest.mark.parametrize("m", [1, 16, 64])
 def test_small_cta_grid_is_part_of_the_full_grid(m):
     # --grid small-ctas times the small-CTA tilings (<= 2 tiles, 2-8 warps all splitting K) and
     # the table's same-M rows; the full grid holds all of them. At M > 16 the grid is empty.
-    base = w4_mma.CONFIGS[w4_mma.bucket(m)]
-    small = [{**base, **c} for c in w4_cold_tune.candidates(m, GPU, grid="small-ctas")]
-    full = {json.dumps({**base, **c}, sort_keys=True) for c in w4_cold_tune.candidates(m, GPU)}
-    assert all(json.dumps(c, sort_keys=True) in full for c in small)
-    table = json.loads(Path(table_path()).read_text())[GPU]["w4_mma"]
-    rows = {json.dumps({**base, **{k: v for k, v in e.items() if k != "schema"}}, sort_keys=True)
-            for key, e in table.items() if int(key.split("|")[0]) == m}
-    grid = [c for c in small if json.dumps(c, sort_keys=True) not in rows]
+    grid = _grid_beyond_table(m, "small-ctas")
     if m > 16:
         assert grid == []
     else:
@@ -66,6 +72,20 @@ def test_small_cta_grid_is_part_of_the_full_grid(m):
         assert {c["MINB"] for c in grid} == {1, 4}
     with pytest.raises(ValueError, match="grid must be one of"):
         w4_cold_tune.candidates(m, GPU, grid="small")
+
+
+@pytest.mark.parametrize("m", [1, 16, 64])
+def test_xs_deep_grid_is_part_of_the_full_grid(m):
+    # --grid xs-deep: register pipelines S 2..6 with x in shared memory, which no other M <= 16
+    # grid has (they all keep XS 0)
+    grid = _grid_beyond_table(m, "xs-deep")
+    if m > 16:
+        assert grid == []
+    else:
+        assert len(grid) > 100
+        assert all(c["XS"] == 1 and c["CPA"] == 0 for c in grid)
+        assert {c["S"] for c in grid} == {2, 3, 4, 6}
+        assert not any(c.get("XS") for c in _grid_beyond_table(m, "small-ctas"))
 
 
 def test_prenorm_candidates_are_the_kernels_it_has():
@@ -97,3 +117,17 @@ def test_a_finalist_replaces_the_entry_only_past_the_margin():
     # slower than the current config: never
     assert w4_cold_tune.pick({"current": [cur], "#0": [cur * 1.01]}, 0.0) == ("#0", False)
     assert w4_cold_tune.pick({"current": [cur]}, 0.02) == (None, False)
+
+
+@pytest.mark.parametrize("m", [1, 16, 64])
+def test_cur_grid_twins_the_register_path_configs(m):
+    # --grid cur: each register-path config (CPA 0, no x ring) of the full grid with CUR 1, which
+    # the full grid also holds; configs with CPA stages have no twin (CUR needs CPA 0)
+    grid = _grid_beyond_table(m, "cur")
+    assert grid and all(c.get("CUR") == 1 and not c.get("CPA") and not c.get("XR") for c in grid)
+    base = w4_mma.CONFIGS[w4_mma.bucket(m)]
+    full = [{**base, **c} for c in w4_cold_tune.candidates(m, GPU)]
+    plain = {json.dumps({**c, "CUR": 1}, sort_keys=True) for c in full if not c.get("CUR") and not c.get("CPA")
+             and not c.get("XR")}
+    assert {json.dumps(c, sort_keys=True) for c in grid} <= plain
+    assert any(c.get("CPA") for c in full)

@@ -30,7 +30,8 @@
 // global partials, fence and arrival counter: ~2.5 us per call on the H200, BENCHMARKS.md),
 // CLU (0: split K's partials go through global memory, below; else the split count, when the
 // splits of a column block are one thread block cluster and sum in distributed shared memory:
-// w4_cluster.cuh).
+// w4_cluster.cuh), CUR (1, with CPA 0: chunk addresses from per-warp bases, Cursor in w4_mma_ops.cuh;
+// fewer loop instructions but more registers, so a tuning choice: BENCHMARKS.md session 32).
 //
 // Layout (w4_mma.py has the packer): 64-row blocks of N ("nblk"), 64-wide chunks of K. Chunk
 // c of nblk is 512 int32 words, [tile T (16 rows)][lane][MMA i]: lane = 4g + t holds, for the
@@ -152,12 +153,18 @@ w4_mma_gemm(const dt* __restrict__ x, int M, long long stride_x, const uint4* __
     }
 #else
     Stage st[S];
+#if CUR  // local chunk j's operands from per-warp bases (Cursor); else from its chunk index
+    const Cursor cur(wp, xp, sc, zp, rec0, rec_step, chunk_of(0), GC);
+#define LOAD_CHUNK(stage, j) cur.load(stage, j, GC)
+#else
+#define LOAD_CHUNK(stage, j) load_stage(stage, wp, xp, sc, zp, rec0, rec_step, chunk_of(j), GC)
+#endif
     if (live) {  // prologue: chunks cbeg .. cbeg + S - 2 in flight
 #pragma unroll
         for (int s = 0; s < S - 1; ++s)
-            if (s < nloc) load_stage(st[s], wp, xp, sc, zp, rec0, rec_step, chunk_of(s), GC);
+            if (s < nloc) LOAD_CHUNK(st[s], s);
         // the norm prologue waits on L2 round trips: with S = 1 the first chunk loads meanwhile
-        if (NORM && S == 1 && nloc > 0) load_stage(st[0], wp, xp, sc, zp, rec0, rec_step, chunk_of(0), GC);
+        if (NORM && S == 1 && nloc > 0) LOAD_CHUNK(st[0], 0);
     }
 #endif
 #if NORM
@@ -268,15 +275,21 @@ w4_mma_gemm(const dt* __restrict__ x, int M, long long stride_x, const uint4* __
         }
         cp_async_wait<0>();  // no copy may land after the CTA ends (empty groups complete at once)
 #else
+        // CUR: a warp holds whole groups, so when S divides the (compile-time) group's chunks no
+        // trip runs past its last chunk: no per-chunk test (a branch and a convergence barrier
+        // each), and the look-ahead past the last chunk reloads it instead
+        constexpr bool WHOLE = CUR && GCC > 0 && GCC % S == 0;
         for (int j0 = 0; j0 < nloc; j0 += S) {
 #pragma unroll
             for (int s = 0; s < S; ++s) {
                 const int j = j0 + s;
-                if (S == 1 && j < nloc && !(NORM && j == 0))  // load, then compute (fewer registers, more warps)
-                    load_stage(st[0], wp, xp, sc, zp, rec0, rec_step, chunk_of(j), GC);
-                else if (S > 1 && j + S - 1 < nloc)  // keep S - 1 chunks in flight
-                    load_stage(st[(s + S - 1) % S], wp, xp, sc, zp, rec0, rec_step, chunk_of(j + S - 1), GC);
-                if (j < nloc) {
+                if (S == 1 && (WHOLE || j < nloc) && !(NORM && j == 0))  // load, then compute (fewer registers, more warps)
+                    LOAD_CHUNK(st[0], j);
+                else if (S > 1 && WHOLE)  // keep S - 1 chunks in flight
+                    LOAD_CHUNK(st[(s + S - 1) % S], min(j + S - 1, nloc - 1));
+                else if (S > 1 && j + S - 1 < nloc)
+                    LOAD_CHUNK(st[(s + S - 1) % S], j + S - 1);
+                if (WHOLE || j < nloc) {
 #if XS
                     x_from_smem(st[s], xp, chunk_of(j));
 #endif
@@ -289,6 +302,7 @@ w4_mma_gemm(const dt* __restrict__ x, int M, long long stride_x, const uint4* __
 #endif  // XR
 
 #undef chunk_of
+#undef LOAD_CHUNK
 #if PDL  // the loads are done: the next kernel (if launched as a dependent) may start its prologue
     asm volatile("griddepcontrol.launch_dependents;");
 #endif

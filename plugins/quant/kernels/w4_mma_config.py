@@ -16,8 +16,8 @@ def x_bytes(cfg: dict, m: int, k: int, cps: int, esize: int) -> int:
 
 
 #: Launch-config keys: the kernel's compile-time constants (GCC is set per call) and the split rule.
-CONFIG_KEYS = ("NB", "TW", "WARPS", "S", "XS", "SCALE_A", "MINB", "LDW", "CPA", "KW", "XR", "WG", "CLU", "waves",
-               "split_k")
+CONFIG_KEYS = ("NB", "TW", "WARPS", "S", "XS", "SCALE_A", "MINB", "LDW", "CPA", "KW", "XR", "WG", "CLU", "CUR",
+               "waves", "split_k")
 
 
 def check_config_keys(cfg: dict) -> None:
@@ -40,11 +40,14 @@ def check_config(cfg: dict, m: int) -> None:
     M <= 8 * NB <= MAX_FUSED_M, TW in 1/2/4, 1 <= WARPS <= 32 (1024 threads), S >= 1, XS /
     SCALE_A / LDW / XR 0 or 1, MINB >= 1, CPA 0 or 2..8, KW >= 1 dividing WARPS, split_k >= 0 (0 /
     None: by ``waves``), CLU 0 or 1 (1: 2..8 splits reduce in a thread block cluster, more
-    splits through global memory); XR needs CPA and excludes XS; WG (1, or 2: with a producer warp) needs
+    splits through global memory), CUR 0 or 1 (1: the register path's chunk addresses from per-warp
+    bases; needs CPA 0); XR needs CPA and excludes XS; WG (1, or 2: with a producer warp) needs
     XR, TW 1, KW 1, WARPS a multiple of 4, SCALE_A, NB in 1, 2, 4, 8 (wgmma's N = 8 * NB) and
     CPA >= 3; WG 2 adds a producer warp, so WARPS <= 28 there."""
     check_config_keys(cfg)
-    flags = all(int(cfg.get(key, 0)) in (0, 1) for key in ("XS", "SCALE_A", "LDW", "XR", "CLU")) and cfg.get("WG", 0) in (0, 1, 2)
+    flags = all(int(cfg.get(key, 0)) in (0, 1) for key in ("XS", "SCALE_A", "LDW", "XR", "CLU", "CUR")) and cfg.get("WG", 0) in (0, 1, 2)
+    if cfg.get("CUR") and cfg.get("CPA"):
+        raise ValueError(f"w4 mma GEMM: config {cfg}: CUR (the register path's chunk addresses) needs CPA 0")
     if cfg.get("XR") and (not cfg.get("CPA") or cfg.get("XS")):
         raise ValueError(f"w4 mma GEMM: config {cfg}: XR (the x ring) needs CPA >= 2 (its stages) and XS 0")
     if cfg.get("WG") and not (cfg.get("XR") and cfg["TW"] == 1 and cfg.get("KW", 1) == 1 and cfg["WARPS"] % 4 == 0
@@ -61,7 +64,7 @@ def check_config(cfg: dict, m: int) -> None:
         raise ValueError(f"w4 mma GEMM: config {cfg} does not cover M {m} or cannot launch (needs M <= 8 * NB <= "
                          f"{MAX_FUSED_M}, TW in 1/2/4, 1 <= WARPS <= 32, S >= 1, XS / SCALE_A / LDW 0 or 1, "
                          "MINB >= 1, CPA 0 or 2..8, KW >= 1 dividing WARPS, split_k >= 0, waves > 0, XR / CLU 0 or 1, "
-                         "WG 0, 1 or 2)")
+                         "WG 0, 1 or 2, CUR 0 or 1)")
 
 
 def stage_bytes(cfg: dict) -> int:

@@ -169,3 +169,60 @@ __device__ __forceinline__ void load_stage(Stage& st, const uint4* wp, const dt*
         st.z[0] >>= 4 * (rec & 3);                 // (TW 1, an odd tile: its entries sit 8 bits up)
     }
 }
+
+// The register path's chunk addresses (S stages, no CPA), from per-warp bases and 32-bit offsets:
+// local chunk j of share kw is chunk cbeg + ((j / GC) * KW + kw) * GC + j % GC (chunk_at), so
+// its weights lie off(j) = ((j / GC) * KW * GC + j % GC) * 128 vectors past the share's first
+// chunk, and its group's records (j / GC) * KW record steps past the share's first group's. One
+// IMAD.WIDE per pointer, where load_stage's 64-bit chunk products took ~20 instructions a chunk.
+template <typename T>
+__device__ __forceinline__ T* opaque(T* p) {
+    asm("mov.b64 %0, %0;" : "+l"(p));
+    return p;
+}
+struct Cursor {
+    const uint4* w;
+    const dt* x[NB];
+    const unsigned short* s;
+    const unsigned* z;
+    int zsh, gstep;  // zero-word shift (rec0 & 3); records between a share's consecutive groups
+    __device__ __forceinline__ Cursor(const uint4* wp, const dt* const* xp, const unsigned short* sc,
+                                      const unsigned* zp, size_t rec0, size_t rec_step, int c0, int GC) {
+        w = wp + (size_t)c0 * 128;
+#pragma unroll
+        for (int b = 0; b < NB; ++b) x[b] = xp[b] + (size_t)c0 * 64;
+        const size_t rec = rec0 + (size_t)(c0 / GC) * rec_step;
+        s = sc + rec;
+        z = zp + (rec >> 2);  // (rec_step is a multiple of 4: the shift stays rec0's)
+        zsh = 4 * (int)(rec & 3);
+        gstep = KW * (int)rec_step;
+        // opaque: else the compiler folds the bases back into the kernel parameters and redoes
+        // the 64-bit products per chunk
+        w = opaque(w);
+#pragma unroll
+        for (int b = 0; b < NB; ++b) x[b] = opaque(x[b]);
+        s = opaque(s);
+        z = opaque(z);
+    }
+    // local chunk j into st; gstart: j opens a group (its scales and zero points load too)
+    __device__ __forceinline__ void load(Stage& st, int j, int GC) const {
+        const unsigned lg = (unsigned)j / GC, off = lg * (KW * GC) + (unsigned)j % GC;
+#pragma unroll
+        for (int a = 0; a < TW; ++a) st.w[a] = ld_weights(w + off * 128 + a * 32);
+#if !XIN
+#pragma unroll
+        for (int b = 0; b < NB; ++b) {
+            const uint4* p = reinterpret_cast<const uint4*>(x[b] + off * 64);
+            st.x[b][0] = __ldg(p);
+            st.x[b][1] = __ldg(p + 1);
+        }
+#endif
+        if ((unsigned)j % GC == 0) {
+            const unsigned r = lg * gstep;
+            ldg_bytes<4 * TW>(st.s, s + r);
+            ldg_bytes<4 * ZW>(st.z, z + (r >> 2));
+            st.z[0] >>= zsh;
+        }
+    }
+};
+
