@@ -10,7 +10,8 @@ import torch
 
 from kvforge.config import EngineConfig
 from kvforge.engine.capabilities import check_capabilities
-from kvforge.engine.resolve import choose_attention, resolve_device, resolve_dtype, validate_plugin_settings
+from kvforge.engine.resolve import (checkpoint_quant_config, choose_attention, resolve_device, resolve_dtype,
+                                    resolve_quant_method, validate_plugin_settings)
 from kvforge.engine.sizing import default_max_num_batched_tokens, default_max_num_seqs, fit_max_model_len, kv_block_bytes, num_kv_blocks
 from kvforge.interfaces import (AttentionBackend, AttentionRequirements, KVAllocator, Model, ModelContext,
                                 QuantizationConfig, Scheduler, SchedulerContext)
@@ -129,12 +130,8 @@ def build_quant_config(registry: Registry, hf_config, quant_method: str, quant_s
             quantizer that cannot run here (its ``validate`` reasons).
         PluginError: a factory that cannot be called as its hook spec says (see ``build_plugin``).
     """
-    hf_quant = getattr(hf_config, "quantization_config", None)
-    if hf_quant is not None and not isinstance(hf_quant, dict):
-        hf_quant = hf_quant.to_dict()
-    qname = quant_method
-    if qname == "auto":
-        qname = (hf_quant or {}).get("quant_method", "unquantized")
+    hf_quant = checkpoint_quant_config(hf_config)
+    qname = resolve_quant_method(quant_method, hf_quant)
     quant_spec = registry.get("quantizer", qname)
     quant_settings = validate_plugin_settings(quant_spec, quant_settings, "quantization.settings")
     quant_config: QuantizationConfig = build_plugin(quant_spec, hf_quant, quant_settings)

@@ -158,17 +158,13 @@ def resolve_specs(config: "EngineConfig", registry: "Registry", hf_config, dtype
     """The spec of every plugin the config selects, resolved without building anything
     (``attention.backend: auto`` is resolved by the backends' ``validate``, as the builder does)."""
     from kvforge.engine.builder import choose_attention
+    from kvforge.engine.resolve import checkpoint_quant_config, resolve_quant_method
     from kvforge.interfaces import AttentionRequirements
     specs = {"scheduler": registry.get("scheduler", config.scheduler.name),
              "kv_allocator": registry.get("kv_allocator", config.cache.allocator)}
     if config.speculative.method is not None:
         specs["drafter"] = registry.get("drafter", config.speculative.method)
-    hf_quant = getattr(hf_config, "quantization_config", None)
-    if hf_quant is not None and not isinstance(hf_quant, dict):
-        hf_quant = hf_quant.to_dict()
-    qname = config.quantization.method
-    if qname == "auto":
-        qname = (hf_quant or {}).get("quant_method", "unquantized")
+    qname = resolve_quant_method(config.quantization.method, checkpoint_quant_config(hf_config))
     specs["quantizer"] = registry.get("quantizer", qname)
     num_heads = hf_config.num_attention_heads
     num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads

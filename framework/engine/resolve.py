@@ -1,4 +1,5 @@
-"""Resolving names in the config: plugin settings, device, dtype and the attention backend."""
+"""Resolving names in the config: plugin settings, device, dtype, the quantizer and the
+attention backend."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -9,6 +10,7 @@ from pydantic import ValidationError
 
 from kvforge.config import boolean_for_number, boolean_for_number_message, validation_message
 from kvforge.interfaces import AttentionRequirements
+from kvforge.interfaces.quantization import checkpoint_quant_method
 from kvforge.plugin_manager import PluginError, PluginSpec, Registry, describe_plugin, validate_backend
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -111,3 +113,24 @@ def choose_attention(registry: Registry, name: str, req: AttentionRequirements, 
         raise ValueError(f"attention.backend 'auto': no backend can run here ({detail})")
     ok.sort(key=lambda s: -int(s.capabilities.get("priority", 0)))
     return ok[0], rejected
+
+
+def checkpoint_quant_config(hf_config) -> dict | None:
+    """config.json's ``quantization_config`` as a dict (None when absent or null)."""
+    hf_quant = getattr(hf_config, "quantization_config", None)
+    if hf_quant is not None and not isinstance(hf_quant, dict):
+        hf_quant = hf_quant.to_dict()
+    return hf_quant
+
+
+def resolve_quant_method(quant_method: str, hf_quant: dict | None) -> str:
+    """The quantizer name for ``quantization.method`` ``quant_method``: itself, or for ``auto``
+    the checkpoint's ``quantization_config.quant_method`` matched ignoring case
+    (``checkpoint_quant_method``), else ``unquantized``.
+
+    Raises:
+        ValueError: the checkpoint's ``quant_method`` is not a string, naming the field.
+    """
+    if quant_method != "auto":
+        return quant_method
+    return checkpoint_quant_method(hf_quant) or "unquantized"

@@ -29,6 +29,12 @@ class LinearMethod(ABC):
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         """Called once after every checkpoint tensor was loaded."""
 
+    def unknown_param_hint(self, param_name: str) -> str:
+        """Optional: text appended to the load error for a checkpoint tensor ``*.{param_name}``
+        this format has no parameter for (e.g. why a quantized tensor reached a dense layer);
+        "" for none."""
+        return ""
+
     def apply_silu_and_mul(self, layer: torch.nn.Module, x: torch.Tensor,
                            bias: torch.Tensor | None) -> torch.Tensor | None:
         """Optional fused SwiGLU for a gate|up layer (``layer.gate_up`` True: two equal
@@ -51,6 +57,23 @@ class LinearMethod(ABC):
         this method has no such path for these operands (the layer then runs
         ``kvforge.layers.layernorm.RMSNorm``, the GEMM and the rotation separately)."""
         return None
+
+
+def checkpoint_quant_method(hf_quant_config: dict | None) -> str | None:
+    """config.json's ``quantization_config.quant_method`` lowercased; None when the section or
+    the key is absent or null. Quantizer names are lower case, as Hugging Face configs write
+    them, but some exporters do not (``"AWQ"``), so the builder and the quantizers match the
+    method ignoring case through this one function.
+
+    Raises:
+        ValueError: ``quant_method`` is not a string, naming the field.
+    """
+    method = (hf_quant_config or {}).get("quant_method")
+    if method is None:
+        return None
+    if not isinstance(method, str):
+        raise ValueError(f"quantization_config.quant_method: expected a string, got {method!r}")
+    return method.lower()
 
 
 class QuantizationConfig(ABC):

@@ -37,10 +37,17 @@ class FusedLinear(torch.nn.Module):
             self.register_parameter("bias", None)
 
     def load(self, param_name: str, tensor: torch.Tensor, shard: int | None) -> None:
-        """Load checkpoint tensor ``tensor`` into parameter ``param_name`` (shard None = whole)."""
+        """Load checkpoint tensor ``tensor`` into parameter ``param_name`` (shard None = whole).
+
+        Raises:
+            ValueError: the method's format has no such parameter (with the method's
+                ``unknown_param_hint``, e.g. a quantized tensor in a checkpoint loaded as
+                unquantized), or its loader refuses the tensor; prefixed with the parameter.
+        """
         param = getattr(self, param_name, None)
         if param is None:
-            raise ValueError(f"{self.prefix}: no parameter {param_name!r} in this layer's weight format")
+            hint = getattr(self.method, "unknown_param_hint", lambda name: "")(param_name)
+            raise ValueError(f"{self.prefix}: no parameter {param_name!r} in this layer's weight format{hint}")
         if param_name == "bias":
             lo, hi = (0, self._offsets[-1]) if shard is None else self._offsets[shard:shard + 2]
             if tensor.shape != (hi - lo,):

@@ -26,6 +26,7 @@ import torch
 from kvforge import hookimpl
 from kvforge.interfaces import LinearMethod, QuantizationConfig
 
+from .checks import bool_field, int_field
 from .common import (WeightOnlySettings, decide_per_shard, matches_any, require_checkpoint_method,
                      triton_backend_reasons)
 from .unquantized import UnquantizedLinearMethod
@@ -37,6 +38,18 @@ KVFORGE_HOOK_API = "1"
 class AWQSettings(WeightOnlySettings):
     """``backend``: ``auto`` (Triton W4A16 on CUDA, dequantize+matmul elsewhere), ``triton``,
     ``reference``; ``int4_layout``: see :class:`WeightOnlySettings`."""
+
+
+def _int_option(cfg: dict, keys: tuple[str, ...], default: int) -> int:
+    """The first of ``keys`` (AutoAWQ's name, then its older alias) present in ``cfg``, as an int.
+
+    Raises:
+        ValueError: not an integer, naming the field (``checks.int_field``).
+    """
+    for key in keys:
+        if key in cfg:
+            return int_field(cfg[key], f"quantization_config.{key}")
+    return default
 
 
 class AWQConfig(QuantizationConfig):
@@ -53,15 +66,15 @@ class AWQConfig(QuantizationConfig):
         cfg = hf_quant_config or {}
         require_checkpoint_method(cfg, "awq", "an AutoAWQ checkpoint")
         self.settings = settings or AWQSettings()
-        self.bits = int(cfg.get("bits", cfg.get("w_bit", 4)))
-        self.group_size = int(cfg.get("group_size", cfg.get("q_group_size", 128)))
+        self.bits = _int_option(cfg, ("bits", "w_bit"), 4)
+        self.group_size = _int_option(cfg, ("group_size", "q_group_size"), 128)
         version = str(cfg.get("version", "gemm")).lower()
         if version != "gemm":
             raise ValueError(f"awq: version {version!r} is not supported; kvforge loads AutoAWQ 'gemm' checkpoints "
                              "('gemv'/'gemv_fast'/'marlin'/'exllama' pack weights differently)")
         if self.bits != 4:
             raise ValueError(f"awq: {self.bits}-bit weights are not supported; AutoAWQ GEMM checkpoints are 4-bit")
-        if not cfg.get("zero_point", True):
+        if not bool_field(cfg.get("zero_point", True), "quantization_config.zero_point"):
             raise ValueError("awq: zero_point false (symmetric AWQ) is not supported; AutoAWQ GEMM checkpoints "
                              "carry zero points")
         if self.group_size <= 0:

@@ -16,6 +16,10 @@ from typing import Iterable, Literal, Sequence
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from kvforge.interfaces.quantization import checkpoint_quant_method
+
+from .checks import refuse_bad_scales
+
 #: kvforge fused module name -> the HF module names of its shards, in shard order.
 FUSED_SHARDS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
@@ -71,10 +75,11 @@ class WeightOnlySettings(QuantSettings):
 
 
 def require_checkpoint_method(cfg: dict, method: str, checkpoint: str) -> None:
-    """Raise ValueError unless ``cfg`` (config.json's ``quantization_config``) is ``method``'s:
-    ``checkpoint`` names what is needed ("an AutoAWQ checkpoint"). Formats made by calibration
-    (AWQ, GPTQ) cannot be produced from a plain checkpoint at load time, and the message says so."""
-    got = cfg.get("quant_method")
+    """Raise ValueError unless ``cfg`` (config.json's ``quantization_config``) is ``method``'s
+    (``quant_method`` matched ignoring case): ``checkpoint`` names what is needed ("an AutoAWQ
+    checkpoint"). Formats made by calibration (AWQ, GPTQ) cannot be produced from a plain
+    checkpoint at load time, and the message says so."""
+    got = checkpoint_quant_method(cfg)
     if got == method:
         return
     if got:
@@ -140,7 +145,7 @@ def layer_ignored(name: str, patterns: Iterable[str] | None) -> bool:
 def add_param(layer: torch.nn.Module, name: str, shape: Sequence[int], dtype: torch.dtype, *,
               dim: int | None, shard_sizes: Sequence[int], allowed: Sequence[torch.dtype],
               packed_factor: int | None = None, what: str = "", loader=None,
-              input_dim: int | None = None) -> torch.nn.Parameter:
+              input_dim: int | None = None, scale_values: str | None = None) -> torch.nn.Parameter:
     """Register a zero-filled parameter whose checkpoint shards are concatenated along ``dim``.
 
     ``shard_sizes`` are the per-shard extents along ``dim`` (in stored units, i.e. already
@@ -150,6 +155,9 @@ def add_param(layer: torch.nn.Module, name: str, shape: Sequence[int], dtype: to
     ``input_dim``: the dimension of the CHECKPOINT tensor running along the input features
     (packed or grouped), for
     tensor-parallel row slicing (``kvforge.layers.parallel_linear``); None = replicated.
+    ``scale_values``: the parameter holds quantization scales, whose checkpoint values
+    :func:`load_checked` refuses when non-finite (``"finite"``) or also when <= 0
+    (``"positive"``); None checks no values.
     """
     p = torch.nn.Parameter(torch.zeros(tuple(shape), dtype=dtype), requires_grad=False)
     p.output_dim = dim
@@ -164,6 +172,7 @@ def add_param(layer: torch.nn.Module, name: str, shape: Sequence[int], dtype: to
     p.tensor_names = [f"{n}.{name}" for n in shard_names(layer.prefix, len(shard_sizes))]
     p.format_hint = what
     p.load_raw = True
+    p.scale_values = scale_values
     p.weight_loader = loader or load_checked
     p.loaded_shards = set()
     layer.register_parameter(name, p)
@@ -196,7 +205,12 @@ def checked_tensor(param: torch.nn.Parameter, loaded: torch.Tensor, shard: int |
 
 
 def load_checked(param: torch.nn.Parameter, loaded: torch.Tensor, shard: int | None) -> None:
-    """``weight_loader`` of :func:`add_param` parameters: check dtype and shape, then copy."""
+    """``weight_loader`` of :func:`add_param` parameters: check dtype, shape and (scales) values,
+    then copy.
+
+    Raises:
+        ValueError: naming the checkpoint tensor, before anything is copied.
+    """
     dim = param.output_dim
     if dim is None:
         if param.dim() == loaded.dim() + 1:  # per-shard copy of a whole tensor (stacked on dim 0)
@@ -209,6 +223,8 @@ def load_checked(param: torch.nn.Parameter, loaded: torch.Tensor, shard: int | N
         lo, hi = param.shard_offsets[shard], param.shard_offsets[shard + 1]
         dst = param.data.narrow(dim, lo, hi - lo)
     checked_tensor(param, loaded, shard, dst.shape)
+    if getattr(param, "scale_values", None):
+        refuse_bad_scales(loaded, tensor_name(param, shard), param.scale_values == "positive")
     dst.copy_(loaded.to(dst.dtype))
     param.loaded_shards.add(shard)
 

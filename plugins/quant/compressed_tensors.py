@@ -16,7 +16,8 @@ names or ``re:`` regexes; ``ignore`` keeps modules unquantized):
 
 Refused with a message: other formats (sparse, nvfp4, mxfp4, naive float weights), group
 act-order (``actorder: group``), asymmetric activations or W8A8 weights, a KV-cache
-scheme, a status other than ``compressed``.
+scheme, a status other than ``compressed``, an invalid ``re:`` regex in ``ignore`` /
+``targets``; at load, non-finite scales (W8A8 scales also <= 0), naming the tensor.
 """
 from __future__ import annotations
 
@@ -26,7 +27,9 @@ import torch
 
 from kvforge import hookimpl
 from kvforge.interfaces import LinearMethod, QuantizationConfig
+from kvforge.interfaces.quantization import checkpoint_quant_method
 
+from .checks import check_module_patterns, int_field
 from .common import cuda_capability_reasons, decide_per_shard, float8_reasons, layer_ignored, triton_backend_reasons
 from .unquantized import UnquantizedLinearMethod
 from .w8a8 import W8A8LinearMethod, W8A8Settings
@@ -67,7 +70,7 @@ class CompressedTensorsConfig(QuantizationConfig):
 
     def __init__(self, hf_quant_config: dict | None = None, settings: CompressedTensorsSettings | None = None) -> None:
         cfg = hf_quant_config or {}
-        if cfg.get("quant_method") != "compressed-tensors":
+        if checkpoint_quant_method(cfg) != "compressed-tensors":
             raise ValueError("quantization method 'compressed-tensors' needs a checkpoint with quant_method "
                              f"'compressed-tensors'; this one has {cfg.get('quant_method')!r}")
         self.settings = settings or CompressedTensorsSettings()
@@ -78,10 +81,12 @@ class CompressedTensorsConfig(QuantizationConfig):
             raise ValueError("compressed-tensors: a kv_cache_scheme (quantized KV cache) is not supported")
         if cfg.get("sparsity_config"):
             raise ValueError("compressed-tensors: sparse checkpoints (sparsity_config) are not supported")
-        self.ignore = list(cfg.get("ignore") or [])
+        self.ignore = check_module_patterns(cfg.get("ignore"), "quantization_config.ignore")
         self.groups: list[tuple[list[str], LinearMethod, bool]] = []
         for gname, group in (cfg.get("config_groups") or {}).items():
-            self.groups.append((list(group.get("targets") or []), *self._method(gname, group, cfg.get("format"))))
+            targets = check_module_patterns(group.get("targets"),
+                                            f"quantization_config.config_groups[{gname!r}].targets")
+            self.groups.append((targets, *self._method(gname, group, cfg.get("format"))))
         if not self.groups:
             raise ValueError("compressed-tensors: config_groups is empty")
         self._dense = UnquantizedLinearMethod()
@@ -103,7 +108,9 @@ class CompressedTensorsConfig(QuantizationConfig):
             if wtype != "int" or bits not in (4, 8) or strategy not in ("group", "channel"):
                 raise ValueError(f"{where}: pack-quantized weights must be int4/int8 per group or channel, got "
                                  f"{wtype} {bits}-bit {strategy}")
-            gs = int(w["group_size"]) if strategy == "group" else -1
+            gs = int_field(w.get("group_size"), f"{where}.weights.group_size") if strategy == "group" else -1
+            if strategy == "group" and gs <= 0:
+                raise ValueError(f"{where}: weights.group_size {gs} is not supported (a positive group size)")
             sym = bool(w.get("symmetric", True))
             return WNA16LinearMethod("ct", bits, gs, 0, "reference" if self.settings.backend == "reference" else
                                      "triton" if self.settings.backend == "triton" else "auto",

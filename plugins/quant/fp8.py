@@ -9,7 +9,9 @@ AutoFP8 / llm-compressor and read by vLLM): per linear layer ``weight`` float8_e
 [out, 1]), and with ``activation_scheme: "static"`` an ``input_scale`` float32 [] / [1].
 ``activation_scheme: "dynamic"`` (default) quantizes activations per token at run time.
 ``ignored_layers`` / ``modules_to_not_convert`` list modules kept in the model dtype.
-Refused: ``weight_block_size`` (block-wise scales), a ``fmt`` other than e4m3.
+Refused: ``weight_block_size`` (block-wise scales), a ``fmt`` other than e4m3, an invalid
+``re:`` regex in the module lists, and at load a ``weight_scale`` / ``input_scale`` that is
+not finite and > 0 (naming the tensor).
 
 Online: ``quantization.method: fp8`` on an unquantized (fp32/fp16/bf16) checkpoint
 quantizes every linear layer at load time (per-channel weight scales by default,
@@ -27,7 +29,9 @@ import torch
 
 from kvforge import hookimpl
 from kvforge.interfaces import LinearMethod, QuantizationConfig
+from kvforge.interfaces.quantization import checkpoint_quant_method
 
+from .checks import check_module_patterns
 from .common import cuda_capability_reasons, decide_per_shard, float8_reasons, layer_ignored, triton_backend_reasons
 from .unquantized import UnquantizedLinearMethod
 from .w8a8 import W8A8LinearMethod, W8A8Settings
@@ -55,7 +59,7 @@ class FP8Config(QuantizationConfig):
             raise ValueError(f"quantization method 'fp8': {'; '.join(float8_reasons())}")
         self.settings = settings or FP8Settings()
         cfg = hf_quant_config or {}
-        method = cfg.get("quant_method")
+        method = checkpoint_quant_method(cfg)
         if method not in (None, "fp8"):
             raise ValueError(f"quantization method 'fp8': the checkpoint is quantized with {method!r}; fp8 loads "
                              "fp8 checkpoints or quantizes an unquantized one online")
@@ -70,7 +74,8 @@ class FP8Config(QuantizationConfig):
         if fmt != "e4m3":
             raise ValueError(f"fp8 checkpoint: fmt {fmt!r} is not supported (only e4m3)")
         self.static_input = self.from_checkpoint and scheme == "static"
-        self.ignored = list(cfg.get("ignored_layers") or []) + list(cfg.get("modules_to_not_convert") or [])
+        self.ignored = [p for key in ("ignored_layers", "modules_to_not_convert")
+                        for p in check_module_patterns(cfg.get(key), f"quantization_config.{key}")]
         self._method = W8A8LinearMethod(torch.float8_e4m3fn, self.from_checkpoint, self.static_input,
                                         self.settings, self.settings.weight_strategy == "channel")
         self._dense = UnquantizedLinearMethod()

@@ -21,13 +21,14 @@ default) format the packer stores ``z - 1`` (a quirk of the first GPTQ CUDA kern
 every later reader reproduces), so kvforge adds 1 back: symmetric 4-bit layers store 7
 (``0x77777777``) for the true zero point 8, 8-bit store 127 for 128. ``"gptq_v2"``
 (GPTQModel) stores the true ``z``. ``sym`` only tells how the zeros were chosen; the
-stored zeros are always used. With ``desc_act: false`` ``g_idx`` is trivial and ignored.
+stored zeros are always used. A non-trivial ``g_idx`` is honoured even under ``desc_act:
+false`` (where vLLM ignores it), with a warning: see ``act_order.py``.
 
 Layers left unquantized: GPTQModel ``dynamic`` keys ``"-:<regex>"`` (negative match; a
 positive regex key overrides ``bits``/``group_size``/``desc_act``/``sym`` for matching
 modules) and transformers' ``modules_in_block_to_quantize``. Refused: bits other than 4/8,
 ``lm_head: true``, formats other than gptq / gptq_v2 (e.g. marlin, bitblas), a pack dtype
-other than int32.
+other than int32; fields of the wrong type or an invalid ``dynamic`` regex, naming the field.
 """
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ import torch
 from kvforge import hookimpl
 from kvforge.interfaces import LinearMethod, QuantizationConfig
 
+from .checks import bool_field, compile_regex, int_field
 from .common import WeightOnlySettings, decide_per_shard, require_checkpoint_method, triton_backend_reasons
 from .unquantized import UnquantizedLinearMethod
 from .weight_only import WNA16LinearMethod
@@ -51,7 +53,55 @@ class GPTQSettings(WeightOnlySettings):
     ``int4_layout``: see :class:`WeightOnlySettings`."""
 
 
+def _read_overrides(src: dict, where: str) -> dict:
+    """The :data:`_OVERRIDABLE` fields config section ``where`` (``quantization_config``, or
+    ``quantization_config.dynamic['+:.*q_proj']``) sets in ``src``, checked; a null bool is unset.
+
+    Raises:
+        ValueError: a field of the wrong type (``bits: "eight"``, ``group_size: 32.7``,
+            ``desc_act: "false"``), naming it (``checks.int_field`` / ``bool_field``).
+    """
+    out = {}
+    for key in ("bits", "group_size"):
+        if key in src:
+            out[key] = int_field(src[key], f"{where}.{key}")
+    for key in ("desc_act", "sym"):
+        if src.get(key) is not None:
+            out[key] = bool_field(src[key], f"{where}.{key}")
+    return out
+
+
+def _read_dynamic(dynamic, base: dict) -> list[tuple[bool, re.Pattern, dict]]:
+    """GPTQModel's ``dynamic``: ``{"-:<regex>": {}}`` keeps matching modules unquantized,
+    ``"+:<regex>"`` (or a bare regex) overrides :data:`_OVERRIDABLE` fields for them.
+    Returns (skip, compiled regex, checked overrides) per key, in order.
+
+    Raises:
+        ValueError: not a dict of dicts, an invalid regex, an override of another field or a
+            bad value, naming ``quantization_config.dynamic[key]``.
+    """
+    if not isinstance(dynamic, dict):
+        raise ValueError(f"quantization_config.dynamic: expected a dict of regex -> overrides, got {dynamic!r}")
+    rules = []
+    for key, over in dynamic.items():
+        where = f"quantization_config.dynamic[{key!r}]"
+        skip = key.startswith("-:")
+        regex = compile_regex(key[2:] if key.startswith(("-:", "+:")) else key, where)
+        if not isinstance(over, dict):
+            raise ValueError(f"{where}: expected a dict of overrides, got {over!r}")
+        checked = {}
+        if not skip:
+            unknown = set(over) - set(_OVERRIDABLE)
+            if unknown:
+                raise ValueError(f"gptq: dynamic[{key!r}] overrides {sorted(unknown)}; supported: {_OVERRIDABLE}")
+            checked = _read_overrides(over, where)
+            _check_params({**base, **checked}, f" dynamic[{key!r}]")
+        rules.append((skip, regex, checked))
+    return rules
+
+
 def _check_params(p: dict, where: str) -> None:
+    """Raise ValueError for bits or a group size this loader cannot hold (``where``: the dynamic key)."""
     if p["bits"] not in (4, 8):
         raise ValueError(f"gptq{where}: {p['bits']}-bit weights are not supported (4 or 8; 2/3-bit words "
                          "straddle int32 boundaries)")
@@ -74,25 +124,19 @@ class GPTQConfig(QuantizationConfig):
         cfg = hf_quant_config or {}
         require_checkpoint_method(cfg, "gptq", "a GPTQ checkpoint")
         self.settings = settings or GPTQSettings()
-        self.base = {"bits": int(cfg.get("bits", 4)), "group_size": int(cfg.get("group_size", 128)),
-                     "desc_act": bool(cfg.get("desc_act", False)), "sym": bool(cfg.get("sym", True))}
+        self.base = {"bits": 4, "group_size": 128, "desc_act": False, "sym": True,
+                     **_read_overrides(cfg, "quantization_config")}
         _check_params(self.base, "")
         fmt = cfg.get("checkpoint_format") or cfg.get("format") or "gptq"
         if fmt not in ("gptq", "gptq_v2"):
             raise ValueError(f"gptq: checkpoint format {fmt!r} is not supported (gptq or gptq_v2)")
         self.zero_offset = 1 if fmt == "gptq" else 0
-        if cfg.get("lm_head"):
+        if cfg.get("lm_head") is not None and bool_field(cfg["lm_head"], "quantization_config.lm_head"):
             raise ValueError("gptq: a quantized lm_head (lm_head: true) is not supported")
         pack = cfg.get("pack_dtype", "int32")
         if str(pack).replace("torch.", "") != "int32":
             raise ValueError(f"gptq: pack_dtype {pack!r} is not supported (int32)")
-        self.dynamic: dict[str, dict] = dict(cfg.get("dynamic") or {})
-        for key, over in self.dynamic.items():
-            if not key.startswith("-:"):
-                unknown = set(over) - set(_OVERRIDABLE)
-                if unknown:
-                    raise ValueError(f"gptq: dynamic[{key!r}] overrides {sorted(unknown)}; supported: {_OVERRIDABLE}")
-                _check_params({**self.base, **over}, f" dynamic[{key!r}]")
+        self.dynamic = _read_dynamic(cfg.get("dynamic") or {}, self.base)
         blocks = cfg.get("modules_in_block_to_quantize")
         self.in_block: list[str] | None = None
         if blocks:
@@ -106,11 +150,10 @@ class GPTQConfig(QuantizationConfig):
                 name == m or name.endswith("." + m) for m in self.in_block):
             return None
         params = dict(self.base)
-        for key, over in self.dynamic.items():
-            if key.startswith("-:"):
-                if re.match(key[2:], name):
+        for skip, regex, over in self.dynamic:
+            if regex.match(name):
+                if skip:
                     return None
-            elif re.match(key[2:] if key.startswith("+:") else key, name):
                 params.update(over)
         return params
 

@@ -21,7 +21,9 @@ import torch
 
 from kvforge import hookimpl
 from kvforge.interfaces import LinearMethod, QuantizationConfig
+from kvforge.interfaces.quantization import checkpoint_quant_method
 
+from .checks import check_module_patterns
 from .common import cuda_capability_reasons, decide_per_shard, layer_ignored, triton_backend_reasons
 from .unquantized import UnquantizedLinearMethod
 from .w8a8 import W8A8LinearMethod, W8A8Settings
@@ -43,10 +45,11 @@ class Int8Config(QuantizationConfig):
 
     def __init__(self, hf_quant_config: dict | None = None, settings: Int8Settings | None = None) -> None:
         self.settings = settings or Int8Settings()
-        method = (hf_quant_config or {}).get("quant_method")
+        method = checkpoint_quant_method(hf_quant_config)
         if method is not None:
             raise ValueError(f"quantization method 'int8' quantizes an unquantized checkpoint online; this checkpoint "
                              f"is already quantized with {method!r} (use quantization.method 'auto')")
+        check_module_patterns(self.settings.ignore, "quantization.settings.ignore")
         self._method = W8A8LinearMethod(torch.int8, False, False, self.settings)
         self._dense = UnquantizedLinearMethod()
 

@@ -23,6 +23,7 @@ from typing import Literal
 import torch
 from pydantic import Field
 
+from .checks import refuse_bad_scales
 from .common import QuantSettings, add_param, tensor_name, use_kernels
 from .kernels import HAS_TRITON
 from .kernels.choices import choose
@@ -48,29 +49,41 @@ class W8A8Settings(QuantSettings):
 
 
 def _load_weight_scale(param: torch.nn.Parameter, t: torch.Tensor, shard: int | None) -> None:
-    """Per-tensor ([] / [1]) or per-channel ([n] / [n, 1]) scale of one shard -> its rows."""
+    """Per-tensor ([] / [1]) or per-channel ([n] / [n, 1]) scale of one shard -> its rows.
+
+    Raises:
+        ValueError: naming the checkpoint tensor, before anything is copied: not a float
+            tensor, a wrong shape, or a value that is not finite and > 0 (the symmetric
+            8-bit formats' scales are amax / qmax, which AutoFP8 and llm-compressor clamp
+            above 0).
+    """
     lo, hi = (0, param.shape[0]) if shard is None else param.shard_offsets[shard:shard + 2]
     n = hi - lo
     name = tensor_name(param, shard)
     if not t.is_floating_point() or t.dtype not in param.allowed_dtypes:
         raise ValueError(f"checkpoint tensor {name!r} has dtype {t.dtype}, expected a float scale")
-    if t.numel() == 1:
-        param.data[lo:hi] = t.float().reshape(())
-    elif tuple(t.shape) in ((n,), (n, 1)):
-        param.data[lo:hi] = t.float().reshape(n)
-    else:
+    if t.numel() != 1 and tuple(t.shape) not in ((n,), (n, 1)):
         raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(t.shape)}, expected a per-tensor "
                          f"scale ([] or [1]) or per-channel scales ([{n}] or [{n}, 1])")
+    refuse_bad_scales(t, name, positive=True)
+    param.data[lo:hi] = t.float().reshape(()) if t.numel() == 1 else t.float().reshape(n)
     param.loaded_shards.add(shard)
 
 
 def _load_input_scale(param: torch.nn.Parameter, t: torch.Tensor, shard: int | None) -> None:
+    """Static per-tensor activation scale ([] / [1]) of one shard.
+
+    Raises:
+        ValueError: naming the checkpoint tensor: not one float value, or not finite and
+            > 0 (activations are divided by it: 0 or NaN would make every output NaN).
+    """
     name = tensor_name(param, shard)
     if not t.is_floating_point():
         raise ValueError(f"checkpoint tensor {name!r} has dtype {t.dtype}, expected a float scale")
     if t.numel() != 1:
         raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(t.shape)}, expected a per-tensor "
                          "activation scale ([] or [1])")
+    refuse_bad_scales(t, name, positive=True)
     param.data[shard or 0] = t.float().reshape(())
     param.loaded_shards.add(shard)
 

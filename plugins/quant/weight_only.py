@@ -34,7 +34,8 @@ import torch
 
 from kvforge.interfaces import LinearMethod
 
-from .common import FLOAT_DTYPES, FUSE_NORM_MAX_TOKENS, add_param, pack_rows, unpack_cols, unpack_rows
+from .act_order import apply_act_order
+from .common import FLOAT_DTYPES, FUSE_NORM_MAX_TOKENS, add_param, unpack_cols, unpack_rows
 from .kernels import HAS_TRITON
 from .kernels import w4_mma
 from .kernels.w4_pairs import DTYPES as PAIRS_DTYPES
@@ -54,7 +55,8 @@ class WNA16LinearMethod(LinearMethod):
         zero_offset: added to stored zero points (1 for GPTQ v1 checkpoints, else 0).
         backend: ``auto`` (Triton on CUDA, reference elsewhere), ``triton``, ``reference``.
         skip_hint: how this format's config keeps a layer unquantized (for error messages).
-        desc_act: GPTQ act-order; when False ``g_idx`` is trivial and ignored (as vLLM does).
+        desc_act: GPTQ act-order. A non-trivial ``g_idx`` is honoured either way (``act_order.py``
+            says why); False only tolerates a row-parallel rank's slice of the trivial one.
         symmetric: compressed-tensors only: no zero-point tensor (zero point 2**(bits-1)).
         int4_layout: ``auto``, ``mma``, ``pairs`` or ``checkpoint`` (``common.WeightOnlySettings``).
         fuse_norm: fold a pre-norm into the mma GEMM (:meth:`apply_add_rmsnorm`) at steps of at most
@@ -78,6 +80,7 @@ class WNA16LinearMethod(LinearMethod):
         self.fuse_norm = fuse_norm
         self.fuse_norm_max_tokens = fuse_norm_max_tokens
         self._told_reference = False
+        self._told_g_idx = False
 
     # -- loading ---------------------------------------------------------------------------
     def create_weights(self, layer, input_size, output_sizes, params_dtype):
@@ -113,8 +116,10 @@ class WNA16LinearMethod(LinearMethod):
             gi.data.copy_((torch.arange(k) // gs).expand(len(output_sizes), k))
         add_param(layer, "qzeros", (groups, n // pf), torch.int32, dim=1, shard_sizes=packed_n, allowed=ints,
                   packed_factor=pf, what=f"int32 [groups={groups}, out/{pf}]", input_dim=0)
+        # finite only: a zero scale (an all-zero group) is harmless, and some exporters write
+        # negative symmetric scales (q - z) * s with s < 0; neither is divided by
         add_param(layer, "scales", (groups, n), torch.float32, dim=1, shard_sizes=output_sizes,
-                  allowed=FLOAT_DTYPES, what=f"float [groups={groups}, out]", input_dim=0)
+                  allowed=FLOAT_DTYPES, what=f"float [groups={groups}, out]", input_dim=0, scale_values="finite")
 
     def _create_ct(self, layer, k, output_sizes, groups):
         """compressed-tensors pack-quantized: ``weight_packed`` int32 [N, K/pf] (packed along K,
@@ -125,7 +130,7 @@ class WNA16LinearMethod(LinearMethod):
         add_param(layer, "weight_packed", (n, k // pf), torch.int32, dim=0, shard_sizes=output_sizes,
                   allowed=(torch.int32,), packed_factor=pf, what=f"int32 [out, in/{pf}]", input_dim=1)
         add_param(layer, "weight_scale", (n, groups), torch.float32, dim=0, shard_sizes=output_sizes,
-                  allowed=FLOAT_DTYPES, what=f"float [out, groups={groups}]", input_dim=1)
+                  allowed=FLOAT_DTYPES, what=f"float [out, groups={groups}]", input_dim=1, scale_values="finite")
         if not self.symmetric:
             add_param(layer, "weight_zero_point", (n // pf, groups), torch.int32, dim=0,
                       shard_sizes=[o // pf for o in output_sizes], allowed=(torch.int32,), packed_factor=pf,
@@ -152,7 +157,6 @@ class WNA16LinearMethod(LinearMethod):
         return zeros
 
     def process_weights_after_loading(self, layer):
-        k, gs = layer.wna16_k, layer.wna16_group
         if self.fmt == "ct":
             zeros = self._canonical_ct(layer)
         else:
@@ -175,8 +179,11 @@ class WNA16LinearMethod(LinearMethod):
         layer.wna16_layout = "checkpoint"
         layer.wna16_gated = False  # set when a gate|up pair is repacked interleaved (mma layout)
         layer.wna16_rope = None  # (heads, head_dim) when q|k rows are repacked in the rotary layout (mma)
-        if self.fmt == "gptq":
-            self._act_order(layer, k, gs, device)
+        against_config = apply_act_order(layer, self.desc_act, self.bits) if self.fmt == "gptq" else None
+        if against_config and not self._told_g_idx:
+            self._told_g_idx = True  # once per quantizer, not per layer
+            log.warning("%s (and maybe other layers): quantization_config.desc_act is false but g_idx is an "
+                        "act-order permutation; using g_idx (vLLM would ignore it: wrong groups)", against_config)
         want = self.int4_layout
         why = self._pairs_blocker(layer) if want != "mma" else self._mma_blocker(layer)
         if why and want in ("pairs", "mma"):  # on every backend: the setting asks for a layout it cannot have
@@ -192,33 +199,6 @@ class WNA16LinearMethod(LinearMethod):
             self._repack_mma(layer)
         else:
             self._repack_pairs(layer)
-
-    def _act_order(self, layer, k, gs, device):
-        g = layer.g_idx.data.long()
-        del layer.g_idx
-        if not self.desc_act:
-            return
-        if g.numel() and (g.min() < 0 or g.max() >= layer.scales.shape[0]):
-            raise ValueError(f"{layer.prefix}.g_idx: group index out of range [0, {layer.scales.shape[0]})")
-        if not bool((g == g[0:1]).all()):
-            raise ValueError(f"{layer.prefix}.g_idx: the fused projections have different act-order g_idx; "
-                             "kvforge runs them as one GEMM and needs one input order")
-        g = g[0]
-        trivial = torch.arange(k, device=device) // gs
-        if torch.equal(g, trivial):
-            return
-        layer.g_idx_ref = g
-        if not layer.wna16_kernel:
-            return
-        perm = torch.argsort(g, stable=True)
-        if not torch.equal(g[perm], trivial):
-            log.warning("%s: g_idx groups are not of size %d; using the dequantize reference", layer.prefix, gs)
-            layer.wna16_kernel = False
-            return
-        q = unpack_rows(layer.qweight.data, self.bits)[perm]
-        layer.qweight = torch.nn.Parameter(pack_rows(q, self.bits), requires_grad=False)
-        layer.perm = perm
-        layer.g_idx_ref = None
 
     def _pairs_blocker(self, layer) -> "str | None":
         """Why the pairs layout cannot hold this layer's weight, or None if it can."""
