@@ -148,3 +148,20 @@ def test_dummy_weights_generate(fmt, tmp_path):
     while eng.has_unfinished_requests():
         outs += [o for o in eng.step() if o.finished]
     assert len(outs) == 1 and len(outs[0].outputs[0].token_ids) == 4
+
+
+def test_weight_memory_reported(tmp_path, caplog):
+    # the engine reports its loaded weights' memory (EngineParts.weight_bytes, and in the load
+    # log): unquantized, exactly the checkpoint's tensor bytes; AWQ (int4 attention) less
+    from safetensors import safe_open
+    total = 0
+    for f in STORIES.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as h:
+            tensors = [h.get_tensor(k) for k in h.keys()]
+            total += sum(t.numel() * t.element_size() for t in tensors)
+    with caplog.at_level("INFO", logger="kvforge"):
+        fp32 = _engine(STORIES).parts.weight_bytes
+    assert fp32 == total
+    assert f"weights {total / 2 ** 30:.3f} GiB" in caplog.text
+    awq = _engine(build_awq(tmp_path / "awq")).parts.weight_bytes
+    assert 0 < awq < fp32

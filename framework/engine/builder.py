@@ -40,6 +40,14 @@ class EngineParts:
     use_cuda_graphs: bool = False
     drafters: Any = None  # name -> kvforge.interfaces.Drafter (speculative.method, request_choices.drafters)
     attn_capabilities: dict = field(default_factory=dict)  # the attention plugin's declared capabilities
+    weight_bytes: int = 0  # the loaded model's parameters (:func:`model_weight_bytes`); 0 when workers hold it
+
+
+def model_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes the loaded ``model``'s parameters take in memory (packed quantized weights, their
+    scales and zero points, norms, embeddings), each storage once (tied or shared tensors count
+    once): the figure vLLM logs after loading, and issue 6's weight memory per format."""
+    return sum({p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters()}.values())
 
 
 def load_hf_config(path: str, field: str = "model.model"):
@@ -320,8 +328,9 @@ def build_engine_parts(config: EngineConfig, registry: Registry) -> EngineParts:
                "attention": attn_spec.name, "quantizer": quant_spec.name}
     if config.speculative.method is not None:
         choices["drafter"] = config.speculative.method
-    log.info("kvforge engine: %s on %s %s, %d KV blocks of %d tokens (%s)", choices, device, dtype, num_blocks,
-             config.cache.block_size, stack.kv_dtype)
+    weight_bytes = model_weight_bytes(model)
+    log.info("kvforge engine: %s on %s %s, weights %.3f GiB, %d KV blocks of %d tokens (%s)", choices, device, dtype,
+             weight_bytes / 2 ** 30, num_blocks, config.cache.block_size, stack.kv_dtype)
     return EngineParts(config, hf_config, device, dtype, model, backend, allocator, scheduler, kv_caches,
                        cpu_caches, max_model_len, choices, use_graphs, drafters=drafters,
-                       attn_capabilities=dict(attn_spec.capabilities))
+                       attn_capabilities=dict(attn_spec.capabilities), weight_bytes=weight_bytes)
