@@ -56,7 +56,9 @@ class WNA16LinearMethod(LinearMethod):
         backend: ``auto`` (Triton on CUDA, reference elsewhere), ``triton``, ``reference``.
         skip_hint: how this format's config keeps a layer unquantized (for error messages).
         desc_act: GPTQ act-order. A non-trivial ``g_idx`` is honoured either way (``act_order.py``
-            says why); False only tolerates a row-parallel rank's slice of the trivial one.
+            says why), except on a row-parallel split: there True keeps every group's scales and
+            zero points on each rank (``layer.wna16_all_groups``), False splits them by group and
+            tolerates only a rank's slice of the trivial g_idx.
         symmetric: compressed-tensors only: no zero-point tensor (zero point 2**(bits-1)).
         int4_layout: ``auto``, ``mma``, ``pairs`` or ``checkpoint`` (``common.WeightOnlySettings``).
         fuse_norm: fold a pre-norm into the mma GEMM (:meth:`apply_add_rmsnorm`) at steps of at most
@@ -98,12 +100,23 @@ class WNA16LinearMethod(LinearMethod):
             raise ValueError(f"{self.fmt}: layer {where} cannot be stored in this format: {'; '.join(bad)}. "
                              f"A real checkpoint keeps such layers unquantized ({self.skip_hint})")
         groups = -(-k // gs)
+        # Row-parallel split (RowParallelLinear: k = this rank's rows of global_input_size):
+        # with one group (-1) or GPTQ act-order a rank's rows belong to groups of every rank,
+        # so scales and zero points stay whole on each rank (as in vLLM) and g_idx keeps global
+        # group numbers; act_order.py trims them back to the rank's own groups where it can.
+        # Other layers keep their groups' share (proportional slicing along ``input_dim``).
+        k_all = getattr(layer, "global_input_size", k)
+        all_groups = k_all != k and (self.group_size == -1 or (self.fmt == "gptq" and self.desc_act))
+        if all_groups and self.group_size != -1:  # (-1: gs is the local k; the one group stays one)
+            groups = -(-k_all // gs)
+        g_dim = None if all_groups else 0
+        layer.wna16_all_groups = all_groups
         layer.wna16_k, layer.wna16_n, layer.wna16_group = k, n, gs
         layer.wna16_dtype = params_dtype
         packed_n = [o // pf for o in output_sizes]
         ints = (torch.int32,)
         if self.fmt == "ct":
-            self._create_ct(layer, k, output_sizes, groups)
+            self._create_ct(layer, k, output_sizes, groups, None if all_groups else 1)
             return
         if self.fmt == "awq":
             add_param(layer, "qweight", (k, n // pf), torch.int32, dim=1, shard_sizes=packed_n, allowed=ints,
@@ -113,28 +126,30 @@ class WNA16LinearMethod(LinearMethod):
                       what=f"GPTQ int32 [in/{pf}, out]", input_dim=0)
             gi = add_param(layer, "g_idx", (len(output_sizes), k), torch.int32, dim=None, shard_sizes=output_sizes,
                            allowed=(torch.int32, torch.int64), what="GPTQ int32 [in]", input_dim=0)
-            gi.data.copy_((torch.arange(k) // gs).expand(len(output_sizes), k))
+            row0 = getattr(layer, "tp_rank", 0) * k if all_groups else 0  # global rows: the default is global too
+            gi.data.copy_((torch.arange(row0, row0 + k) // gs).expand(len(output_sizes), k))
         add_param(layer, "qzeros", (groups, n // pf), torch.int32, dim=1, shard_sizes=packed_n, allowed=ints,
-                  packed_factor=pf, what=f"int32 [groups={groups}, out/{pf}]", input_dim=0)
+                  packed_factor=pf, what=f"int32 [groups={groups}, out/{pf}]", input_dim=g_dim)
         # finite only: a zero scale (an all-zero group) is harmless, and some exporters write
         # negative symmetric scales (q - z) * s with s < 0; neither is divided by
         add_param(layer, "scales", (groups, n), torch.float32, dim=1, shard_sizes=output_sizes,
-                  allowed=FLOAT_DTYPES, what=f"float [groups={groups}, out]", input_dim=0, scale_values="finite")
+                  allowed=FLOAT_DTYPES, what=f"float [groups={groups}, out]", input_dim=g_dim, scale_values="finite")
 
-    def _create_ct(self, layer, k, output_sizes, groups):
+    def _create_ct(self, layer, k, output_sizes, groups, g_dim):
         """compressed-tensors pack-quantized: ``weight_packed`` int32 [N, K/pf] (packed along K,
         plain order: the transpose of GPTQ's qweight), ``weight_scale`` [N, G], asymmetric
         ``weight_zero_point`` int32 [N/pf, G] (packed along N), ``weight_shape`` int [2] = (N_i, K).
-        Stored values are offset by 2**(bits-1) (signed -> unsigned), zero points too."""
+        Stored values are offset by 2**(bits-1) (signed -> unsigned), zero points too. ``g_dim``:
+        the ``input_dim`` of scales and zero points (None: whole on every rank)."""
         pf, n = self.pf, sum(output_sizes)
         add_param(layer, "weight_packed", (n, k // pf), torch.int32, dim=0, shard_sizes=output_sizes,
                   allowed=(torch.int32,), packed_factor=pf, what=f"int32 [out, in/{pf}]", input_dim=1)
         add_param(layer, "weight_scale", (n, groups), torch.float32, dim=0, shard_sizes=output_sizes,
-                  allowed=FLOAT_DTYPES, what=f"float [out, groups={groups}]", input_dim=1, scale_values="finite")
+                  allowed=FLOAT_DTYPES, what=f"float [out, groups={groups}]", input_dim=g_dim, scale_values="finite")
         if not self.symmetric:
             add_param(layer, "weight_zero_point", (n // pf, groups), torch.int32, dim=0,
                       shard_sizes=[o // pf for o in output_sizes], allowed=(torch.int32,), packed_factor=pf,
-                      what=f"int32 [out/{pf}, groups={groups}]", input_dim=1)
+                      what=f"int32 [out/{pf}, groups={groups}]", input_dim=g_dim)
         ws = add_param(layer, "weight_shape", (len(output_sizes), 2), torch.int64, dim=None, shard_sizes=output_sizes,
                        allowed=(torch.int64, torch.int32), what="int [2] = (out, in)")
         ws.expected = torch.tensor([[o, k] for o in output_sizes], device="cpu")  # (not a default device's)
