@@ -231,9 +231,9 @@ def test_make_dummy_model_llama3_shape_and_roofline(tmp_path):
     assert 3.3e-3 < r1["decode_s"] / r1["decode_steps"] < 3.9e-3
 
 
-def test_loaded_weight_bytes_counts_each_storage_once_and_skips_the_input_table():
+def test_weight_bytes_count_each_storage_once_and_step_reads_skip_the_input_table():
     import torch
-    from kvforge.bench.roofline import loaded_weight_bytes
+    from kvforge.engine.sizing import model_weight_bytes
 
     class Tiny(torch.nn.Module):
         def __init__(self, tied: bool):
@@ -251,8 +251,11 @@ def test_loaded_weight_bytes_counts_each_storage_once_and_skips_the_input_table(
             super().__init__()
             self.register_buffer("cos", torch.ones(4096, 4), persistent=False)
 
-    assert loaded_weight_bytes(Tiny(tied=False)) == 256 + 16 + 3200  # the lookup table is not read whole
-    assert loaded_weight_bytes(Tiny(tied=True)) == 256 + 16 + 3200   # the shared table counts once, as the head
+    assert model_weight_bytes(Tiny(tied=False), step_reads=True) == 256 + 16 + 3200  # the lookup table is not read whole
+    assert model_weight_bytes(Tiny(tied=True), step_reads=True) == 256 + 16 + 3200   # the shared table counts once, as the head
+    # in memory the input table counts (once when tied); the rotary tables never do
+    assert model_weight_bytes(Tiny(tied=False)) == 3200 + 256 + 16 + 3200
+    assert model_weight_bytes(Tiny(tied=True)) == 3200 + 256 + 16
 
 
 def test_latency_roofline_reads_a_quantized_models_own_bytes(tmp_path):

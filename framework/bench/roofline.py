@@ -63,35 +63,9 @@ class ModelShape:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
 
 
-def loaded_weight_bytes(model: Any) -> int:
-    """Bytes of weights one forward step of a loaded model reads: every parameter and buffer
-    (packed quantized weights, scales, zero points, norms), each storage once, less input
-    embedding tables that are not also the LM head (a lookup reads a few rows), rotary
-    cos/sin tables (a step reads its positions' rows, not max_position_embeddings of them) and
-    attention layers' FP8 KV scales (``kv_scale``: 8 bytes a layer, attention's, not a GEMM's).
-    Modules are told apart by class name (``*Embedding``, ``Rotary*``), so model plugins'
-    own classes count alike."""
-    sizes = {t.data_ptr(): t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]}
-    head = getattr(model, "lm_head", None)
-    head_ptrs = {t.data_ptr() for t in head.parameters()} if head is not None else set()
-    for m in model.modules():
-        name = type(m).__name__
-        kv_scale = m._buffers.get("kv_scale")
-        if kv_scale is not None:
-            sizes.pop(kv_scale.data_ptr(), None)
-        if "Rotary" in name:
-            for t in m.buffers(recurse=False):
-                sizes.pop(t.data_ptr(), None)
-        elif "Embedding" in name and m is not head:
-            for t in m.parameters(recurse=False):
-                if t.data_ptr() not in head_ptrs:
-                    sizes.pop(t.data_ptr(), None)
-    return sum(sizes.values())
-
-
 def step_weight_bytes_for(llm: Any, shape: ModelShape, dtype_bytes: int) -> tuple[int, str]:
     """(bytes, source) of the weights a step reads, for the roofline: the analytic figure of an
-    unquantized model, the loaded model's own tensors (:func:`loaded_weight_bytes`) for a
+    unquantized model, the loaded model's own tensors (``sizing.model_weight_bytes``, step reads) for a
     quantized one when it lives in this process (else the analytic figure, marked so)."""
     engine = llm.llm_engine
     if engine.parts.choices.get("quantizer", "unquantized") == "unquantized":
@@ -99,7 +73,8 @@ def step_weight_bytes_for(llm: Any, shape: ModelShape, dtype_bytes: int) -> tupl
     model = getattr(getattr(engine, "runner", None), "model", None)
     if model is None:
         return shape.step_weight_bytes(dtype_bytes), "analytic (model dtype; quantized weights live in workers)"
-    return loaded_weight_bytes(model), "measured (the loaded quantized model's tensors)"
+    from kvforge.engine.sizing import model_weight_bytes
+    return model_weight_bytes(model, step_reads=True), "measured (the loaded quantized model's tensors)"
 
 
 def kv_cache_bytes(engine: Any) -> int:

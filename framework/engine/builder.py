@@ -12,7 +12,8 @@ from kvforge.config import EngineConfig
 from kvforge.engine.capabilities import check_capabilities
 from kvforge.engine.resolve import (checkpoint_quant_config, choose_attention, resolve_device, resolve_dtype,
                                     resolve_quant_method, validate_plugin_settings)
-from kvforge.engine.sizing import default_max_num_batched_tokens, default_max_num_seqs, fit_max_model_len, kv_block_bytes, num_kv_blocks
+from kvforge.engine.sizing import (default_max_num_batched_tokens, default_max_num_seqs, fit_max_model_len, kv_block_bytes,
+                                   model_weight_bytes, num_kv_blocks)
 from kvforge.interfaces import (AttentionBackend, AttentionRequirements, KVAllocator, Model, ModelContext,
                                 QuantizationConfig, Scheduler, SchedulerContext)
 from kvforge.layers.kv_cache_dtype import is_fp8, resolve_kv_cache_dtype, warn_default_kv_scales
@@ -40,14 +41,7 @@ class EngineParts:
     use_cuda_graphs: bool = False
     drafters: Any = None  # name -> kvforge.interfaces.Drafter (speculative.method, request_choices.drafters)
     attn_capabilities: dict = field(default_factory=dict)  # the attention plugin's declared capabilities
-    weight_bytes: int = 0  # the loaded model's parameters (:func:`model_weight_bytes`); 0 when workers hold it
-
-
-def model_weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes the loaded ``model``'s parameters take in memory (packed quantized weights, their
-    scales and zero points, norms, embeddings), each storage once (tied or shared tensors count
-    once): the figure vLLM logs after loading, and issue 6's weight memory per format."""
-    return sum({p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters()}.values())
+    weight_bytes: int = 0  # the loaded weights (sizing.model_weight_bytes); 0 when workers hold them
 
 
 def load_hf_config(path: str, field: str = "model.model"):

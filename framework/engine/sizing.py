@@ -113,3 +113,34 @@ def num_kv_blocks(cfg: EngineConfig, device: torch.device, block_bytes: int, max
                  else "cache.gpu_memory_utilization or set cache.kv_cache_memory_bytes")
         raise ValueError(f"cache: KV budget of {budget} bytes holds no block of {block_bytes} bytes; raise {knobs}")
     return int(n)
+
+
+def model_weight_bytes(model: torch.nn.Module, *, step_reads: bool = False) -> int:
+    """Bytes of a loaded model's weights: every parameter and buffer (packed quantized weights,
+    scales and zero points, which some layouts keep as buffers, norms, embeddings), each
+    storage once (tied or shared tensors count once), less rotary cos/sin tables and attention
+    layers' FP8 KV scales (``kv_scale``), which are not weights. What the weights take in
+    memory: the figure vLLM logs after loading, issue 6's weight memory per format.
+
+    ``step_reads``: also less the input embedding tables that are not the LM head's too (a
+    lookup reads a few rows): the bytes one forward step reads, for the roofline. Modules are
+    told apart by class name (``*Embedding``, ``Rotary*``), so model plugins' own classes count
+    alike."""
+    sizes = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+             for t in [*model.parameters(), *model.buffers()]}
+    head = getattr(model, "lm_head", None)
+    head_ptrs = {t.untyped_storage().data_ptr() for t in head.parameters()} if head is not None else set()
+    for m in model.modules():
+        name = type(m).__name__
+        kv_scale = m._buffers.get("kv_scale")
+        if kv_scale is not None:
+            sizes.pop(kv_scale.untyped_storage().data_ptr(), None)
+        if "Rotary" in name:
+            for t in m.buffers(recurse=False):
+                sizes.pop(t.untyped_storage().data_ptr(), None)
+        elif step_reads and "Embedding" in name and m is not head:
+            for t in m.parameters(recurse=False):
+                if t.untyped_storage().data_ptr() not in head_ptrs:
+                    sizes.pop(t.untyped_storage().data_ptr(), None)
+    return sum(sizes.values())
+
