@@ -157,6 +157,21 @@ def small_cta_mma_candidates(m: int) -> list[dict]:
             for sk, clu in ((1, 0), (2, 1), (4, 1), (8, 1), (4, 0), (8, 0), (16, 0))]
 
 
+def columns_mma_candidates(m: int) -> list[dict]:
+    """``w4_cold_tune.py --grid cols`` (session 33): CTAs of 2-4 columns of warps (WARPS / KW) over
+    one to four 16-row tiles each, so a CTA's warps share each x run (through L1, or XS 1: shared
+    memory). At M = 16 a one-column CTA of 16 rows reads x once per 16 rows of N: four times the
+    weights' bytes. CUR 1 register path; K split by the warps and across CTAs (in a cluster or by
+    waves). (TW, WARPS, KW) x S x XS x split rule. M <= 16 only."""
+    if m > 16:
+        return []
+    tiles = ((1, 16, 4), (1, 16, 8), (1, 32, 8), (1, 32, 16), (2, 16, 8), (2, 16, 4), (1, 8, 2), (2, 8, 2),
+             (1, 4, 1))
+    splits = (dict(waves=1), dict(waves=2), dict(waves=4), dict(split_k=2, CLU=1), dict(split_k=4, CLU=1))
+    return [dict(TW=tw, WARPS=wa, KW=kw, S=st, CPA=0, CUR=1, LDW=1, MINB=1, SCALE_A=False, XS=xs, **sp)
+            for tw, wa, kw in tiles for st in (1, 2) for xs in (0, 1) for sp in splits]
+
+
 def xs_deep_mma_candidates(m: int) -> list[dict]:
     """``w4_cold_tune.py --grid xs-deep`` (session 32): deep register pipelines (S 2-6) with x
     in shared memory (XS 1). Every other M <= 16 grid keeps XS 0, where each stage holds a

@@ -46,7 +46,7 @@ import quant_tuning as qt  # noqa: E402
 from bench_quant import GROUP  # noqa: E402
 from w4_floor import copies, graph_time  # noqa: E402
 
-GRIDS = ("all", "small-ctas", "xs-deep", "cur")  # candidates(): every grid, or one of three (and the table's rows)
+GRIDS = ("all", "small-ctas", "xs-deep", "cur", "cols")  # candidates(): every grid, or one of four (and the table's rows)
 KEYS_NOT_COMPILED = ("waves", "split_k")  # launch-time only: candidates differing in these share a module
 
 
@@ -55,7 +55,8 @@ def candidates(m: int, gpu: str, prenorm: bool = False, grid: str = "all") -> li
     on the GPU named ``gpu`` (whose table entries join the grids); ``grid`` "small-ctas": only
     ``quant_tuning.small_cta_mma_candidates`` and the table's entries; "xs-deep": only
     ``quant_tuning.xs_deep_mma_candidates`` and the table's entries; "cur": the CUR 1 twins (chunk
-    addresses from per-warp bases) of every grid's register-path configs, and the table's entries.
+    addresses from per-warp bases) of every grid's register-path configs, and the table's entries;
+    "cols": only ``quant_tuning.columns_mma_candidates`` and the table's entries.
     In "all", each register-path config (CPA 0, no XR) is timed with CUR 0 and 1. ``prenorm``: for the
     RMSNorm-prologue kernel, which keeps x in shared memory (XS 1) and so has no XR / WG tiles:
     those are left out, and configs that differ only in XS count once."""
@@ -63,7 +64,8 @@ def candidates(m: int, gpu: str, prenorm: bool = False, grid: str = "all") -> li
     from kvforge_plugins.quant.kernels.choices import m_bucket, table_entries
     if grid not in GRIDS:
         raise ValueError(f"grid must be one of {GRIDS}, got {grid!r}")
-    grids = qt.xs_deep_mma_candidates(m) if grid == "xs-deep" else qt.small_cta_mma_candidates(m)
+    grids = {"xs-deep": qt.xs_deep_mma_candidates, "cols": qt.columns_mma_candidates}.get(
+        grid, qt.small_cta_mma_candidates)(m)
     if grid in ("all", "cur"):
         grids += qt.mma_candidates(m) + qt.cluster_mma_candidates(m) + qt.xs_deep_mma_candidates(m)
         if m <= 16:
@@ -80,7 +82,7 @@ def candidates(m: int, gpu: str, prenorm: bool = False, grid: str = "all") -> li
             if int(row.split("|")[0]) == m_bucket(m) and e.get("schema") == w4_mma.TABLE_SCHEMA]
     if grid in ("all", "cur"):  # the register path's configs (CPA 0, no XR), also with CUR 1
         twins = [{**c, "CUR": 1} for c in grids + rows if not c.get("CPA") and not c.get("XR")]
-        grids = twins if grid == "cur" else grids + twins
+        grids = twins if grid == "cur" else grids + twins + qt.columns_mma_candidates(m)  # (already CUR 1)
     grids += rows
     seen, out = set(), []
     for c in grids:
@@ -250,7 +252,8 @@ def main(argv=None) -> int:
                         "winners go to the table's w4_mma_prenorm rows")
     p.add_argument("--grid", choices=GRIDS, default="all",
                    help="candidates: every grid, or only small CTAs with K split across them, or only deep register "
-                        "pipelines with x in shared memory, or only CUR 1 register-path configs (and the table's rows)")
+                        "pipelines with x in shared memory, or only CUR 1 register-path configs, or only CTAs of several "
+                        "columns of warps (and the table's rows)")
     a = p.parse_args(argv)
     from kvforge_plugins.quant.kernels import w4_mma
     from kvforge_plugins.quant.kernels.choices import key, write_table

@@ -88,6 +88,20 @@ def test_xs_deep_grid_is_part_of_the_full_grid(m):
         assert not any(c.get("XS") for c in _grid_beyond_table(m, "small-ctas"))
 
 
+@pytest.mark.parametrize("m", [1, 16, 64])
+def test_columns_grid_is_part_of_the_full_grid(m):
+    # --grid cols: CTAs of 2 or 4 columns of warps (WARPS / KW) sharing x, on the CUR 1 register
+    # path, with and without x in shared memory
+    grid = _grid_beyond_table(m, "cols")
+    if m > 16:
+        assert grid == []
+    else:
+        assert len(grid) > 100
+        assert all(c["CUR"] == 1 and c["CPA"] == 0 for c in grid)
+        assert {c["WARPS"] // c["KW"] for c in grid} == {2, 4}
+        assert {c["XS"] for c in grid} == {0, 1}
+
+
 def test_prenorm_candidates_are_the_kernels_it_has():
     # the RMSNorm-prologue kernel keeps x in shared memory: no XR ring, no warpgroup MMAs, and
     # XS 0 / 1 are one kernel; its own table rows are among the candidates
