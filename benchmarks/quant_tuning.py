@@ -158,7 +158,7 @@ def small_cta_mma_candidates(m: int) -> list[dict]:
 
 
 def columns_mma_candidates(m: int) -> list[dict]:
-    """``w4_cold_tune.py --grid cols`` (session 33): CTAs of 2-4 columns of warps (WARPS / KW) over
+    """``w4_cold_tune.py --grid cols`` (session 33): CTAs of 2 or 4 columns of warps (WARPS / KW) over
     one to four 16-row tiles each, so a CTA's warps share each x run (through L1, or XS 1: shared
     memory). At M = 16 a one-column CTA of 16 rows reads x once per 16 rows of N: four times the
     weights' bytes. CUR 1 register path; K split by the warps and across CTAs (in a cluster or by

@@ -1,6 +1,7 @@
 """GPU check of the tuned table (``gemm_choices.json``) on the Llama-3-8B shapes it is keyed by.
 The tests' GPU cases use small shapes, which no table entry matches, so a tuned entry (a split
-count, a stage count) only runs at these shapes. For M in 1 / 16 / 32 / 64, bf16 and fp16:
+count, a stage count) only runs at these shapes. For M in 1 / 2 / 4 / 8 / 16 / 32 / 64 (each
+M key the table can hold up to 64), bf16 and fp16:
 each plain GEMM through the table (``config=None``), the q|k|v layer with RMSNorm and RoPE
 folded in, and the gate|up layer with the SwiGLU epilogue, against the fp32 / fp64 references
 of the tests (same bounds). Prints one line per case and the failure count; exit 1 on a failure.
@@ -19,7 +20,7 @@ from test_quant_w4_mma import BOUND, gpu_kernel_cases  # noqa: E402
 from test_quant_w4_prenorm import _norm  # noqa: E402
 from test_quant_w4_rope import _err, _qkv_layer, _roped_ref, _rotary  # noqa: E402
 
-MS = (1, 16, 32, 64)
+MS = (1, 2, 4, 8, 16, 32, 64)
 GROUP = 128
 
 
