@@ -170,3 +170,22 @@ def test_tp2_act_order_stories_matches_tp1(tmp_path):
             assert rel_err(have, want) <= 1e-5, f"TP=2 prompt logits rel_err {rel_err(have, want):.3g} vs TP=1"
     finally:
         llm.llm_engine.executor.shutdown()
+
+
+def test_tp_quant_config_errors_before_workers_start(tmp_path, monkeypatch):
+    """A quantization config the quantizer refuses (here bits 3) fails in the driver, with the
+    quantizer's one-line message, before any worker process starts (workers would print their
+    tracebacks first)."""
+    import json
+    from kvforge import LLM
+    from kvforge.distributed import launch
+    from test_quant_fixtures import build_awq
+    d = build_awq(tmp_path / "awq")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["quantization_config"]["bits"] = 3
+    (d / "config.json").write_text(json.dumps(cfg))
+    started = []
+    monkeypatch.setattr(launch, "build_parallel_parts", lambda *a, **k: started.append(1))
+    with pytest.raises(ValueError, match="awq: 3-bit weights are not supported"):
+        LLM(model=str(d), num_gpu_blocks=32, dtype="float32", tensor_parallel_size=2)
+    assert not started

@@ -202,6 +202,30 @@ def test_bad_config_fields_named(fmt, edit, needle, awq_dir, gptq_dir, fp8_dir, 
         _engine(d)
 
 
+@pytest.mark.parametrize("fmt,keys,needle", [
+    ("awq", ("bits", "w_bit"), r"quantization_config\.bits: missing \(also read as w_bit\)"),
+    ("awq", ("group_size", "q_group_size"), r"quantization_config\.group_size: missing \(also read as q_group_size\)"),
+    ("gptq", ("bits",), r"quantization_config\.bits: missing"),
+    ("gptq", ("group_size",), r"quantization_config\.group_size: missing"),
+])
+def test_missing_bits_or_group_size_named(fmt, keys, needle, awq_dir, gptq_dir, tmp_path):
+    """A checkpoint config without its bit width or group size is refused, naming the field (as
+    vLLM does): a guessed 4 / 128 failed later, pointing at the wrong cause."""
+    d = _rewrite(awq_dir if fmt == "awq" else gptq_dir, tmp_path / "bad",
+                 edit_qc=lambda qc: [qc.pop(k, None) for k in keys])
+    with pytest.raises(ValueError, match=needle):
+        _engine(d)
+
+
+def test_missing_gptq_desc_act_and_sym_assumed_with_a_warning(gptq_dir, tmp_path, caplog):
+    # the act-order fixture: without desc_act its g_idx is still honoured (section 2)
+    d = _rewrite(gptq_dir, tmp_path / "ok", edit_qc=lambda qc: [qc.pop(k) for k in ("desc_act", "sym")])
+    with caplog.at_level("WARNING"):
+        _engine(d)
+    assert "quantization_config.desc_act missing; assuming false" in caplog.text
+    assert "quantization_config.sym missing; assuming true" in caplog.text
+
+
 def test_integral_float_group_size_accepted(awq_dir, tmp_path):
     d = _rewrite(awq_dir, tmp_path / "ok", edit_qc=lambda qc: qc.update(group_size=32.0))
     assert _engine(d).runner.model.get_submodule("model.layers.0.self_attn.qkv_proj").wna16_group == 32
@@ -257,3 +281,41 @@ def test_row_parallel_slice_of_a_trivial_g_idx_is_not_act_order():
     g.data.copy_((torch.arange(rank * k, (rank + 1) * k) // gs).view(1, k))
     layer.g_idx_ref = None
     assert apply_act_order(layer, False, 4) is None and layer.g_idx_ref is None and not hasattr(layer, "g_idx")
+
+
+@pytest.mark.parametrize("method", ["fp8", "int8"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_weights_refused_by_online_quantization(method, value, tmp_path):
+    """Online FP8 / INT8 quantization computes each row's scale from max|w|: a NaN / Inf weight
+    would make the scale non-finite and every output token garbage, so the load refuses it,
+    naming the tensor (the fused q|k|v or gate|up shard) and the row."""
+    from test_quant_fixtures import STORIES
+    seed = urandom_seed()
+    print(f"seed {seed}")
+    gen = torch.Generator().manual_seed(seed % 2 ** 63)
+    proj = _pick(gen, ATTN + ("gate_proj", "up_proj", "down_proj"))
+    name = f"model.layers.{int(torch.randint(5, (1,), generator=gen))}.{'self_attn' if proj in ATTN else 'mlp'}" \
+           f".{proj}.weight"
+    row = []
+
+    def edit(st):
+        t = st[name].clone()
+        row.append(int(torch.randint(t.shape[0], (1,), generator=gen)))
+        t[row[0], int(torch.randint(t.shape[1], (1,), generator=gen))] = value
+        st[name] = t
+    from test_quant_formats import _rewrite as rewrite
+    d = rewrite(STORIES, tmp_path / "bad", edit_tensors=edit)
+    with pytest.raises(ValueError, match=re.escape(f"checkpoint tensor '{name}' has non-finite values (first in "
+                                                   f"row {row[0]};")):
+        _engine(d, quantization=method)
+
+
+@pytest.mark.parametrize("value", ["awq", ["awq"], 4])
+def test_quantization_config_of_the_wrong_type_named(value, tmp_path):
+    from test_quant_fixtures import STORIES
+    d = _rewrite(STORIES, tmp_path / "bad")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["quantization_config"] = value
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"quantization_config: expected an object, got "):
+        _engine(d)

@@ -122,10 +122,11 @@ def test_quantized_stories_close_to_fp32(case, ref, tok, tmp_path):
     assert scored <= GREEDY_NLL_MAX, msg
 
 
-@pytest.mark.parametrize("fmt", ["awq", "gptq", "fp8", "int8"])
+@pytest.mark.parametrize("fmt", ["awq", "gptq", "fp8", "int8", "fp8-checkpoint", "fp8-static-checkpoint"])
 def test_dummy_weights_generate(fmt, tmp_path):
     """The benchmark path: ``load_format: dummy`` with a quantized config (or online method)
-    builds, post-processes and generates (tiny Llama shape from benchmarks/make_dummy_model.py)."""
+    builds, post-processes and generates (tiny Llama shape from benchmarks/make_dummy_model.py).
+    The FP8 checkpoint formats hold float8 parameters, which torch cannot draw uniform values in."""
     import json
     import sys
     from pathlib import Path as _P
@@ -139,6 +140,11 @@ def test_dummy_weights_generate(fmt, tmp_path):
                                       if fmt == "awq" else
                                       {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": True, "sym": True})
         (d / "config.json").write_text(json.dumps(cfg))
+    elif fmt.endswith("checkpoint"):
+        cfg = json.loads((d / "config.json").read_text())
+        cfg["quantization_config"] = {"quant_method": "fp8",
+                                      "activation_scheme": "static" if "static" in fmt else "dynamic"}
+        (d / "config.json").write_text(json.dumps(cfg))
     else:
         kw["quantization"] = fmt
     eng = make_engine(model=str(d), device="cpu", load_format="dummy", kv_cache_memory_bytes=1 << 20, **kw)
@@ -148,6 +154,9 @@ def test_dummy_weights_generate(fmt, tmp_path):
     while eng.has_unfinished_requests():
         outs += [o for o in eng.step() if o.finished]
     assert len(outs) == 1 and len(outs[0].outputs[0].token_ids) == 4
+    if fmt.endswith("checkpoint"):  # the float8 parameters were drawn, not left as allocated
+        w = eng.parts.model.model.layers[0].self_attn.o_proj.weight
+        assert w.dtype == torch.float8_e4m3fn and w.float().abs().max() > 0
 
 
 def test_weight_memory_reported(tmp_path, caplog):
@@ -162,6 +171,8 @@ def test_weight_memory_reported(tmp_path, caplog):
     with caplog.at_level("INFO", logger="kvforge"):
         fp32 = _engine(STORIES).parts.weight_bytes
     assert fp32 == total
-    assert f"weights {total / 2 ** 30:.3f} GiB" in caplog.text
+    # (in the unit that keeps the figure >= 1: stories260K's ~1 MB is not "0.001 GiB")
+    unit, size = ("MiB", 2 ** 20) if total >= 2 ** 20 else ("KiB", 2 ** 10)
+    assert f"weights {total / size:.2f} {unit}," in caplog.text
     awq = _engine(build_awq(tmp_path / "awq")).parts.weight_bytes
     assert 0 < awq < fp32

@@ -56,6 +56,7 @@ def test_hermes_and_required_parsing_by_hand():
 
 
 def test_named_and_required_calls(server, monkeypatch):
+    import openai
     from kvforge.entrypoints.openai import tool_calls
     real = tool_calls.constraint
 
@@ -100,8 +101,13 @@ def test_named_and_required_calls(server, monkeypatch):
     assert json.loads("".join(tc.function.arguments for tc in streamed)) == \
         json.loads(whole.message.tool_calls[0].function.arguments)
     assert chunks[-1].finish_reason == whole.finish_reason == "tool_calls"
-    # tools without tool_choice on a server without a parser: rendered, answered as text
-    r = client.chat.completions.create(model=MODEL_NAME, messages=U, tools=[WEATHER], max_tokens=8, temperature=0)
+    # tools without tool_choice mean 'auto' (OpenAI's and vLLM's default), which a server without a
+    # parser refuses as it refuses an explicit 'auto'; 'none' answers as text
+    for extra in ({}, {"tool_choice": "auto"}):
+        with pytest.raises(openai.BadRequestError, match="tool_choice: 'auto'"):
+            client.chat.completions.create(model=MODEL_NAME, messages=U, tools=[WEATHER], max_tokens=8, **extra)
+    r = client.chat.completions.create(model=MODEL_NAME, messages=U, tools=[WEATHER], tool_choice="none",
+                                       max_tokens=8, temperature=0)
     assert r.choices[0].message.tool_calls is None and r.choices[0].message.content
 
 

@@ -12,8 +12,8 @@ from kvforge.config import EngineConfig
 from kvforge.engine.capabilities import check_capabilities
 from kvforge.engine.resolve import (checkpoint_quant_config, choose_attention, resolve_device, resolve_dtype,
                                     resolve_quant_method, validate_plugin_settings)
-from kvforge.engine.sizing import (default_max_num_batched_tokens, default_max_num_seqs, fit_max_model_len, kv_block_bytes,
-                                   model_weight_bytes, num_kv_blocks)
+from kvforge.engine.sizing import (default_max_num_batched_tokens, default_max_num_seqs, fit_max_model_len, format_bytes,
+                                   kv_block_bytes, model_weight_bytes, num_kv_blocks)
 from kvforge.interfaces import (AttentionBackend, AttentionRequirements, KVAllocator, Model, ModelContext,
                                 QuantizationConfig, Scheduler, SchedulerContext)
 from kvforge.layers.kv_cache_dtype import is_fp8, resolve_kv_cache_dtype, warn_default_kv_scales
@@ -63,7 +63,23 @@ def load_hf_config(path: str, field: str = "model.model"):
     try:
         return AutoConfig.from_pretrained(path, local_files_only=True)
     except Exception as e:
-        raise ValueError(f"{field}: cannot read a Hugging Face config from {path!r}: {e}") from None
+        raise ValueError(f"{field}: cannot read a Hugging Face config from {path!r}: {e}{_config_hint(path)}") from None
+
+
+def _config_hint(path: str) -> str:
+    """Why transformers could not read ``path``/config.json, where a field's type explains it
+    (a ``quantization_config`` that is not an object fails deep inside transformers)."""
+    import json
+    import os
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            raw = json.load(f)
+    except (OSError, ValueError):
+        return ""
+    qc = raw.get("quantization_config") if isinstance(raw, dict) else None
+    if qc is not None and not isinstance(qc, dict):
+        return f" (config.json quantization_config: expected an object, got {type(qc).__name__} {qc!r:.60})"
+    return ""
 
 
 @dataclass
@@ -282,6 +298,10 @@ def build_engine_parts(config: EngineConfig, registry: Registry) -> EngineParts:
         if drafter_specs:
             raise ValueError("speculative decoding (speculative.method, request_choices.drafters) runs on a "
                              "single rank only; set tensor/pipeline_parallel_size to 1 to use it")
+        # the quantizer's config checks (bits, group size, format, method against the checkpoint)
+        # read no weights: run them here, so a bad config fails before any worker starts
+        build_quant_config(registry, hf_config, config.quantization.method, config.quantization.settings, dtype,
+                           device)
         from kvforge.distributed.launch import build_parallel_parts
         return build_parallel_parts(config, registry, hf_config, arch, device, dtype, max_model_len,
                                     sched_spec, sched_settings, alloc_spec, alloc_settings)
@@ -323,8 +343,8 @@ def build_engine_parts(config: EngineConfig, registry: Registry) -> EngineParts:
     if config.speculative.method is not None:
         choices["drafter"] = config.speculative.method
     weight_bytes = model_weight_bytes(model)
-    log.info("kvforge engine: %s on %s %s, weights %.3f GiB, %d KV blocks of %d tokens (%s)", choices, device, dtype,
-             weight_bytes / 2 ** 30, num_blocks, config.cache.block_size, stack.kv_dtype)
+    log.info("kvforge engine: %s on %s %s, weights %s, %d KV blocks of %d tokens (%s)", choices, device, dtype,
+             format_bytes(weight_bytes), num_blocks, config.cache.block_size, stack.kv_dtype)
     return EngineParts(config, hf_config, device, dtype, model, backend, allocator, scheduler, kv_caches,
                        cpu_caches, max_model_len, choices, use_graphs, drafters=drafters,
                        attn_capabilities=dict(attn_spec.capabilities), weight_bytes=weight_bytes)

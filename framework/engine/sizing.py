@@ -144,3 +144,12 @@ def model_weight_bytes(model: torch.nn.Module, *, step_reads: bool = False) -> i
                     sizes.pop(t.untyped_storage().data_ptr(), None)
     return sum(sizes.values())
 
+
+
+def format_bytes(n: int) -> str:
+    """``n`` bytes in the largest binary unit that keeps the figure >= 1 (B, KiB, MiB, GiB), so a
+    260K-parameter model's weights do not print as 0.000 GiB."""
+    for unit, size in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"

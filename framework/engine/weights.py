@@ -61,7 +61,10 @@ def load_weights(model: torch.nn.Module, model_dir: str, load_format: str, seed:
         for p in model.parameters():
             if p.is_floating_point():  # drawn on the parameter's device: 8B params in seconds on a GPU
                 g = gens.setdefault(p.device, torch.Generator(device=p.device).manual_seed(seed))
-                p.data.uniform_(-1e-3, 1e-3, generator=g)
+                if torch.finfo(p.dtype).bits < 16:  # FP8: torch draws no uniform values in it; draw, then cast
+                    p.data.copy_(torch.empty(p.shape, device=p.device).uniform_(-1e-3, 1e-3, generator=g))
+                else:
+                    p.data.uniform_(-1e-3, 1e-3, generator=g)
         for m in model.modules():
             if hasattr(m, "method"):
                 m.method.process_weights_after_loading(m)

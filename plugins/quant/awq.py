@@ -40,16 +40,19 @@ class AWQSettings(WeightOnlySettings):
     ``reference``; ``int4_layout``: see :class:`WeightOnlySettings`."""
 
 
-def _int_option(cfg: dict, keys: tuple[str, ...], default: int) -> int:
+def _int_option(cfg: dict, keys: tuple[str, ...]) -> int:
     """The first of ``keys`` (AutoAWQ's name, then its older alias) present in ``cfg``, as an int.
 
     Raises:
-        ValueError: not an integer, naming the field (``checks.int_field``).
+        ValueError: not an integer (``checks.int_field``), or none of ``keys`` present (a guessed
+            bit width or group size would fail later, pointing at the wrong cause; vLLM requires
+            them too), naming the field.
     """
     for key in keys:
         if key in cfg:
             return int_field(cfg[key], f"quantization_config.{key}")
-    return default
+    raise ValueError(f"quantization_config.{keys[0]}: missing (also read as {', '.join(keys[1:])}); an AWQ "
+                     "checkpoint's config states it")
 
 
 class AWQConfig(QuantizationConfig):
@@ -66,8 +69,8 @@ class AWQConfig(QuantizationConfig):
         cfg = hf_quant_config or {}
         require_checkpoint_method(cfg, "awq", "an AutoAWQ checkpoint")
         self.settings = settings or AWQSettings()
-        self.bits = _int_option(cfg, ("bits", "w_bit"), 4)
-        self.group_size = _int_option(cfg, ("group_size", "q_group_size"), 128)
+        self.bits = _int_option(cfg, ("bits", "w_bit"))
+        self.group_size = _int_option(cfg, ("group_size", "q_group_size"))
         version = str(cfg.get("version", "gemm")).lower()
         if version != "gemm":
             raise ValueError(f"awq: version {version!r} is not supported; kvforge loads AutoAWQ 'gemm' checkpoints "

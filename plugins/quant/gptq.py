@@ -32,6 +32,7 @@ other than int32; fields of the wrong type or an invalid ``dynamic`` regex, nami
 """
 from __future__ import annotations
 
+import logging
 import re
 
 import torch
@@ -43,6 +44,8 @@ from .checks import bool_field, compile_regex, int_field
 from .common import WeightOnlySettings, decide_per_shard, require_checkpoint_method, triton_backend_reasons
 from .unquantized import UnquantizedLinearMethod
 from .weight_only import WNA16LinearMethod
+
+log = logging.getLogger(__name__)
 
 KVFORGE_HOOK_API = "1"
 _OVERRIDABLE = ("bits", "group_size", "desc_act", "sym")
@@ -124,8 +127,14 @@ class GPTQConfig(QuantizationConfig):
         cfg = hf_quant_config or {}
         require_checkpoint_method(cfg, "gptq", "a GPTQ checkpoint")
         self.settings = settings or GPTQSettings()
-        self.base = {"bits": 4, "group_size": 128, "desc_act": False, "sym": True,
-                     **_read_overrides(cfg, "quantization_config")}
+        given = _read_overrides(cfg, "quantization_config")
+        for key in ("bits", "group_size"):  # (as vLLM: a guess would fail later, naming the wrong cause)
+            if key not in given:
+                raise ValueError(f"quantization_config.{key}: missing; a GPTQ checkpoint's config states it")
+        for key, default in (("desc_act", False), ("sym", True)):
+            if key not in given:
+                log.warning("gptq: quantization_config.%s missing; assuming %s", key, str(default).lower())
+        self.base = {"desc_act": False, "sym": True, **given}
         _check_params(self.base, "")
         fmt = cfg.get("checkpoint_format") or cfg.get("format") or "gptq"
         if fmt not in ("gptq", "gptq_v2"):

@@ -88,12 +88,26 @@ def _load_input_scale(param: torch.nn.Parameter, t: torch.Tensor, shard: int | N
     param.loaded_shards.add(shard)
 
 
-def quantize_weight(w: torch.Tensor, qdtype: torch.dtype, per_channel: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_weight(w: torch.Tensor, qdtype: torch.dtype, per_channel: bool,
+                    param: torch.nn.Parameter | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric round-to-nearest weight quantization. ``w`` [N, K] float -> (q [N, K] ``qdtype``,
-    scale fp32 [N] or [1]); ``scale = max|w| / QMAX`` per row or per tensor."""
+    scale fp32 [N] or [1]); ``scale = max|w| / QMAX`` per row or per tensor.
+
+    Raises:
+        ValueError: ``w`` holds NaN or Inf (its scale would too, and so every product with it),
+            naming the checkpoint tensor (``param``'s shard holding the first bad row) and the row.
+    """
     qmax = qmax_of(qdtype)
     wf = w.float()
     amax = wf.abs().amax(dim=1) if per_channel else wf.abs().amax().reshape(1)
+    if not bool(torch.isfinite(amax).all()):  # (one check of N maxima, not of the weight)
+        rows = (~torch.isfinite(wf).all(dim=1)).nonzero().flatten()
+        row, name = int(rows[0]), "weight"
+        if param is not None:  # the fused shard holding the row, and the row within it
+            shard = max(i for i, off in enumerate(param.shard_offsets[:-1]) if off <= row)
+            row, name = row - param.shard_offsets[shard], param.tensor_names[shard]
+        raise ValueError(f"checkpoint tensor {name!r} has non-finite values (first in row {row}; {rows.numel()} "
+                         "rows of the layer); it cannot be quantized online (a corrupt checkpoint?)")
     scale = amax.clamp_min(1e-12) / qmax
     y = (wf / (scale[:, None] if per_channel else scale)).clamp(-qmax, qmax)
     if qdtype == torch.int8:
@@ -143,7 +157,7 @@ class W8A8LinearMethod(LinearMethod):
 
     def process_weights_after_loading(self, layer):
         if not self.from_checkpoint:
-            q, s = quantize_weight(layer.weight.data, self.qdtype, self.online_per_channel)
+            q, s = quantize_weight(layer.weight.data, self.qdtype, self.online_per_channel, layer.weight)
             layer.weight = torch.nn.Parameter(q, requires_grad=False)
             layer.weight_scale = torch.nn.Parameter(s, requires_grad=False)
             return

@@ -102,9 +102,12 @@ async def create_chat_completion(ctx: sc.ServerContext, req: ChatCompletionReque
     """Handle one chat completions request; returns a JSON or SSE response."""
     ctx.check_model(req.model)
     rid = sc.request_id(raw, req.request_id, "chatcmpl")
-    if req.tool_choice == "auto" and ctx.tool_call_parser is None:  # (vLLM's rule; asked for, it would be ignored)
-        raise OpenAIError("tool_choice: 'auto' needs the server started with --enable-auto-tool-choice and "
-                          "--tool-call-parser", 400, param="tool_choice")
+    # vLLM's rule: 'auto', also as the default when tools are given, needs a parser (else the tools
+    # would be rendered into the prompt and any call the model writes returned as plain text)
+    if (req.tool_choice == "auto" or (req.tools and req.tool_choice is None)) and ctx.tool_call_parser is None:
+        raise OpenAIError("tool_choice: 'auto' (the default when tools are given) needs the server started with "
+                          "--enable-auto-tool-choice and --tool-call-parser; or pass tool_choice 'none', "
+                          "'required' or a named function", 400, param="tool_choice")
     prompt = await ctx.run_render(render_chat, ctx, req.messages, req.add_generation_prompt,
                                   req.continue_final_message, request_template(ctx, req),
                                   req.tools if req.tool_choice != "none" else None, req.chat_template_kwargs)

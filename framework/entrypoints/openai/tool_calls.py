@@ -10,7 +10,8 @@
   with ``--enable-auto-tool-choice --tool-call-parser P``): generation is free and the answer is
   parsed in the model family's format P (``hermes``, ``llama3_json``, ``mistral``, ``pythonic``;
   :mod:`kvforge.entrypoints.openai.tool_parsers`): each call found becomes one, the rest the content.
-* ``"none"``, or tools without a parser: plain text.
+* ``"none"``: plain text. ``"auto"``, given or by default, on a server without a parser is refused
+  (400), as vLLM does.
 
 Forced calls have no free whitespace (``disable_any_whitespace``): arguments are read by programs, and
 free whitespace is where a constrained model can loop until max_tokens. Streamed, a named call's
@@ -74,7 +75,7 @@ def mode(req: Any, parser: str | None) -> str | None:
         return "required"
     if isinstance(req.tool_choice, dict):
         return "named"
-    return "auto" if parser else None  # (unset: auto with a parser, else plain text)
+    return "auto" if parser else None  # (the server refuses auto without a parser before this)
 
 
 def constraint(req: Any) -> dict[str, Any] | None:
