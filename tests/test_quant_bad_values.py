@@ -319,3 +319,23 @@ def test_quantization_config_of_the_wrong_type_named(value, tmp_path):
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=r"quantization_config: expected an object, got "):
         _engine(d)
+
+
+def test_static_activation_scales_under_a_dynamic_scheme_explained(fp8_dir, tmp_path):
+    # the fixture is static (input_scale tensors): a config saying dynamic disagrees with them
+    d = _rewrite(fp8_dir, tmp_path / "bad", edit_qc=lambda qc: qc.update(activation_scheme="dynamic"))
+    with pytest.raises(ValueError, match=r"no parameter 'input_scale' .*activation_scheme"):
+        _engine(d)
+
+
+def test_fused_shards_quantized_differently_explained(tmp_path):
+    """compressed-tensors: gate_proj alone on the ignore list splits the fused gate|up layer; the
+    error says what each shard got in the config's words."""
+    pytest.importorskip("compressed_tensors")
+    from test_quant_compressed_tensors import build_ct
+    src, _ = build_ct(tmp_path / "ct", "int8_w8a8")
+    d = _rewrite(src, tmp_path / "bad", edit_qc=lambda qc: qc.update(ignore=[*qc.get("ignore", []),
+                                                                              "model.layers.0.mlp.gate_proj"]))
+    with pytest.raises(ValueError, match=re.escape("model.layers.0.mlp.gate_proj: not quantized (ignored or no group "
+                                                   "targets it), model.layers.0.mlp.up_proj: config_groups[")):
+        _engine(d)

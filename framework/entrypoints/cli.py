@@ -263,6 +263,9 @@ def _add_serve_parsers(sub) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvforge", description="kvforge: plugin-based LLM inference")
+    parser.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default=None,
+                        help="print kvforge's log records from this level on to stderr (info: the plugins chosen, "
+                             "the weights' memory, the KV blocks); before the command: kvforge --log-level info generate ...")
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate text for prompts")
     _add_engine_flags(g)
@@ -297,6 +300,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.log_level:
+        import logging
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        root = logging.getLogger("kvforge")
+        root.addHandler(handler)
+        root.setLevel(args.log_level.upper())
     try:
         return args.func(args)
     except ValidationError as e:  # one line per field, as the other input errors read

@@ -105,8 +105,9 @@ def shard_names(prefix: str, num_shards: int | None = None) -> list[str]:
     return [f"{prefix}#{i}" for i in range(num_shards)]
 
 
-def decide_per_shard(prefix: str, decide) -> object:
+def decide_per_shard(prefix: str, decide, describe=str) -> object:
     """Evaluate ``decide(hf_module_name)`` for each shard of ``prefix``; all must agree.
+    ``describe(result)``: the words for one answer in the error (default ``str``).
 
     Raises:
         ValueError: the shards of one fused kvforge layer get different answers (e.g.
@@ -115,7 +116,7 @@ def decide_per_shard(prefix: str, decide) -> object:
     names = shard_names(prefix)
     results = [decide(n) for n in names]
     if any(r != results[0] for r in results[1:]):
-        detail = ", ".join(f"{n}: {r}" for n, r in zip(names, results))
+        detail = ", ".join(f"{n}: {describe(r)}" for n, r in zip(names, results))
         raise ValueError(f"{prefix}: the fused projections get different quantization settings ({detail}); "
                          "kvforge runs them as one GEMM, so they must be quantized alike")
     return results[0]

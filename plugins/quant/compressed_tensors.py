@@ -83,7 +83,9 @@ class CompressedTensorsConfig(QuantizationConfig):
             raise ValueError("compressed-tensors: sparse checkpoints (sparsity_config) are not supported")
         self.ignore = check_module_patterns(cfg.get("ignore"), "quantization_config.ignore")
         self.groups: list[tuple[list[str], LinearMethod, bool]] = []
+        self.group_names: list[str] = []
         for gname, group in (cfg.get("config_groups") or {}).items():
+            self.group_names.append(gname)
             targets = check_module_patterns(group.get("targets"),
                                             f"quantization_config.config_groups[{gname!r}].targets")
             self.groups.append((targets, *self._method(gname, group, cfg.get("format"))))
@@ -137,7 +139,8 @@ class CompressedTensorsConfig(QuantizationConfig):
                 if _targets(name, targets):
                     return i
             return None
-        i = decide_per_shard(prefix, pick)
+        i = decide_per_shard(prefix, pick, lambda r: "not quantized (ignored or no group targets it)" if r is None
+                             else f"config_groups[{self.group_names[r]!r}]")
         return self._dense if i is None else self.groups[i][1]
 
     def validate(self, dtype: torch.dtype, device: torch.device) -> list[str]:

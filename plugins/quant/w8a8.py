@@ -137,6 +137,13 @@ class W8A8LinearMethod(LinearMethod):
         self._torch_failed: set[tuple] = set()
         self._no_fast_accum: set[tuple] = set()  # shapes cuBLASLt has no fast-accumulation algorithm for
 
+    def unknown_param_hint(self, param_name: str) -> str:
+        if param_name == "input_scale" and self.from_checkpoint and not self.static_input:
+            return (" (the checkpoint's config quantizes activations dynamically, per token, which needs no "
+                    "input_scale: its activation scheme (fp8: activation_scheme; compressed-tensors: "
+                    "input_activations.dynamic) disagrees with its tensors)")
+        return ""
+
     def create_weights(self, layer, input_size, output_sizes, params_dtype):
         n = sum(output_sizes)
         if not self.from_checkpoint:
