@@ -189,3 +189,26 @@ def test_tp_quant_config_errors_before_workers_start(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="awq: 3-bit weights are not supported"):
         LLM(model=str(d), num_gpu_blocks=32, dtype="float32", tensor_parallel_size=2)
     assert not started
+
+
+def test_tp_load_errors_read_as_on_one_rank(tmp_path, caplog):
+    """A checkpoint tensor the workers refuse while loading (online fp8 of a NaN weight) is raised
+    once, as a ValueError naming the tensor; no worker traceback or executor error is logged at
+    WARNING or above (they read as noise around a bad-input message)."""
+    import re
+
+    from kvforge import LLM
+    from test_quant_fixtures import STORIES
+    from test_quant_formats import _rewrite
+    name = "model.layers.1.self_attn.k_proj.weight"
+
+    def edit(st):
+        t = st[name].clone()
+        t[2, 3] = float("nan")
+        st[name] = t
+    d = _rewrite(STORIES, tmp_path / "nan", edit_tensors=edit)
+    with caplog.at_level("WARNING"):
+        with pytest.raises(ValueError, match=re.escape(f"checkpoint tensor '{name}' has non-finite values (first in "
+                                                       "row 2;")):
+            LLM(model=str(d), num_gpu_blocks=32, dtype="float32", quantization="fp8", tensor_parallel_size=2)
+    assert "Traceback" not in caplog.text and "distributed executor failed" not in caplog.text, caplog.text

@@ -249,7 +249,9 @@ class DistributedExecutor(Executor):
     def _mark_dead(self, exc: BaseException) -> None:
         if self.dead is None:
             self.dead = exc
-            log.error("distributed executor failed: %s: %s; stopping its workers", type(exc).__name__, exc)
+            # (a ValueError is bad input met while loading: the caller reports it, once)
+            log.log(logging.INFO if isinstance(exc, ValueError) else logging.ERROR,
+                    "distributed executor failed: %s: %s; stopping its workers", type(exc).__name__, exc)
             try:
                 self._kill_workers()
             except Exception:  # noqa: BLE001

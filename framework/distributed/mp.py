@@ -243,9 +243,11 @@ class MultiprocExecutor(DistributedExecutor):
                     dead = self._dead_peer(by_sentinel) if etype != "ValueError" else None
                     if dead is not None:  # a collective failed because a peer died: report the death
                         raise self._died(dead)
-                    log.error("worker rank %d failed in %s:\n%s", rank, method, tb)
-                    if method == "load_model" and etype == "ValueError":
+                    if method == "load_model" and etype == "ValueError":  # bad input (a checkpoint
+                        # tensor, a config field): its message says it all, as on one rank
+                        log.debug("worker rank %d failed in %s:\n%s", rank, method, tb)
                         raise ValueError(emsg)
+                    log.error("worker rank %d failed in %s:\n%s", rank, method, tb)
                     raise WorkerError(f"worker rank {rank} failed in {method}: {etype}: {emsg}")
                 results[rank] = reply[1]
                 del pending[rank]

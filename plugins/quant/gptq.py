@@ -45,7 +45,7 @@ from .common import WeightOnlySettings, decide_per_shard, require_checkpoint_met
 from .unquantized import UnquantizedLinearMethod
 from .weight_only import WNA16LinearMethod
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("kvforge.quant")
 
 KVFORGE_HOOK_API = "1"
 _OVERRIDABLE = ("bits", "group_size", "desc_act", "sym")
