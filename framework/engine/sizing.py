@@ -145,7 +145,6 @@ def model_weight_bytes(model: torch.nn.Module, *, step_reads: bool = False) -> i
     return sum(sizes.values())
 
 
-
 def format_bytes(n: int) -> str:
     """``n`` bytes in the largest binary unit that keeps the figure >= 1 (B, KiB, MiB, GiB), so a
     260K-parameter model's weights do not print as 0.000 GiB."""
