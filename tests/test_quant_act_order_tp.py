@@ -161,7 +161,8 @@ def test_tp2_act_order_stories_matches_tp1(tmp_path):
     every o_proj is row-parallel on TP=2; prompt logits agree with TP=1 to float rounding."""
     from kvforge import LLM
     d = build_gptq(tmp_path / "gptq4_act", 4, 32, sym=False, desc_act=True, skip_regex=".*mlp.*")
-    common = dict(model=str(d), num_gpu_blocks=32, max_num_batched_tokens=64, dtype="float32")
+    # (gloo ranks on the CPU: a one-GPU machine cannot hold TP = 2 on CUDA)
+    common = dict(model=str(d), num_gpu_blocks=32, max_num_batched_tokens=64, dtype="float32", device="cpu")
     ref = LLM(**common)
     llm = LLM(**common, tensor_parallel_size=2)
     try:
@@ -187,7 +188,7 @@ def test_tp_quant_config_errors_before_workers_start(tmp_path, monkeypatch):
     started = []
     monkeypatch.setattr(launch, "build_parallel_parts", lambda *a, **k: started.append(1))
     with pytest.raises(ValueError, match="awq: 3-bit weights are not supported"):
-        LLM(model=str(d), num_gpu_blocks=32, dtype="float32", tensor_parallel_size=2)
+        LLM(model=str(d), num_gpu_blocks=32, dtype="float32", device="cpu", tensor_parallel_size=2)
     assert not started
 
 
@@ -210,5 +211,6 @@ def test_tp_load_errors_read_as_on_one_rank(tmp_path, caplog):
     with caplog.at_level("WARNING"):
         with pytest.raises(ValueError, match=re.escape(f"checkpoint tensor '{name}' has non-finite values (first in "
                                                        "row 2;")):
-            LLM(model=str(d), num_gpu_blocks=32, dtype="float32", quantization="fp8", tensor_parallel_size=2)
+            LLM(model=str(d), num_gpu_blocks=32, dtype="float32", device="cpu", quantization="fp8",
+                tensor_parallel_size=2)
     assert "Traceback" not in caplog.text and "distributed executor failed" not in caplog.text, caplog.text
