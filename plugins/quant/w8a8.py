@@ -88,14 +88,15 @@ def _load_input_scale(param: torch.nn.Parameter, t: torch.Tensor, shard: int | N
     param.loaded_shards.add(shard)
 
 
-def quantize_weight(w: torch.Tensor, qdtype: torch.dtype, per_channel: bool,
-                    param: torch.nn.Parameter | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_weight(w: torch.Tensor, qdtype: torch.dtype, per_channel: bool, param: torch.nn.Parameter | None = None,
+                    shard_starts: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric round-to-nearest weight quantization. ``w`` [N, K] float -> (q [N, K] ``qdtype``,
     scale fp32 [N] or [1]); ``scale = max|w| / QMAX`` per row or per tensor.
 
     Raises:
         ValueError: ``w`` holds NaN or Inf (its scale would too, and so every product with it),
-            naming the checkpoint tensor (``param``'s shard holding the first bad row) and the row.
+            naming the checkpoint tensor (``param``'s shard holding the first bad row) and the row
+            in it (``shard_starts``: each shard's first checkpoint row on this tensor-parallel rank).
     """
     qmax = qmax_of(qdtype)
     wf = w.float()
@@ -105,7 +106,8 @@ def quantize_weight(w: torch.Tensor, qdtype: torch.dtype, per_channel: bool,
         row, name = int(rows[0]), "weight"
         if param is not None:  # the fused shard holding the row, and the row within it
             shard = max(i for i, off in enumerate(param.shard_offsets[:-1]) if off <= row)
-            row, name = row - param.shard_offsets[shard], param.tensor_names[shard]
+            row = row - param.shard_offsets[shard] + (shard_starts[shard] if shard_starts else 0)
+            name = param.tensor_names[shard]
         raise ValueError(f"checkpoint tensor {name!r} has non-finite values (first in row {row}; {rows.numel()} "
                          "rows of the layer); it cannot be quantized online (a corrupt checkpoint?)")
     scale = amax.clamp_min(1e-12) / qmax
@@ -164,7 +166,8 @@ class W8A8LinearMethod(LinearMethod):
 
     def process_weights_after_loading(self, layer):
         if not self.from_checkpoint:
-            q, s = quantize_weight(layer.weight.data, self.qdtype, self.online_per_channel, layer.weight)
+            q, s = quantize_weight(layer.weight.data, self.qdtype, self.online_per_channel, layer.weight,
+                                   [start for start, _ in getattr(layer, "shard_slices", ())])
             layer.weight = torch.nn.Parameter(q, requires_grad=False)
             layer.weight_scale = torch.nn.Parameter(s, requires_grad=False)
             return
