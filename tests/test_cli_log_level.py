@@ -28,6 +28,12 @@ def test_log_level_info_shows_the_load_report(capsys, restore_kvforge_logger):
     assert "INFO" not in out.out and out.out.startswith("Once upon")
 
 
+def test_log_level_twice_in_one_process_prints_each_record_once(capsys, restore_kvforge_logger):
+    for _ in range(2):
+        assert cli_main(["--log-level", "info", "generate", "--model", STORIES_MODEL, "--max-tokens", "2", "x"]) == 0
+    assert capsys.readouterr().err.count("kvforge engine: ") == 2  # one per run, not 1 + 2
+
+
 def test_no_log_level_keeps_stderr_free_of_records(capsys, restore_kvforge_logger):
     rc = cli_main(["generate", "--model", STORIES_MODEL, "--max-tokens", "3", "Once upon"])
     out = capsys.readouterr()

@@ -249,7 +249,7 @@ class DistributedExecutor(Executor):
     def _mark_dead(self, exc: BaseException) -> None:
         if self.dead is None:
             self.dead = exc
-            # (a ValueError is bad input met while loading: the caller reports it, once)
+            # (a ValueError is bad input, e.g. a checkpoint tensor a worker refused: the caller reports it, once)
             log.log(logging.INFO if isinstance(exc, ValueError) else logging.ERROR,
                     "distributed executor failed: %s: %s; stopping its workers", type(exc).__name__, exc)
             try:

@@ -302,10 +302,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.log_level:
         import logging
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
         root = logging.getLogger("kvforge")
-        root.addHandler(handler)
+        if not any(getattr(h, "kvforge_cli", False) for h in root.handlers):  # (main may run twice in a process)
+            handler = logging.StreamHandler(sys.stderr)
+            handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+            handler.kvforge_cli = True
+            root.addHandler(handler)
         root.setLevel(args.log_level.upper())
     try:
         return args.func(args)
