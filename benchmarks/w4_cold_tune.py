@@ -46,7 +46,7 @@ import quant_tuning as qt  # noqa: E402
 from bench_quant import GROUP  # noqa: E402
 from w4_floor import copies, graph_time  # noqa: E402
 
-GRIDS = ("all", "small-ctas", "xs-deep", "cur", "cols")  # candidates(): every grid, or one of four (and the table's rows)
+GRIDS = ("all", "small-ctas", "xs-deep", "cur", "cols", "wst")  # candidates(): every grid, or one of five (and the table's rows)
 KEYS_NOT_COMPILED = ("waves", "split_k")  # launch-time only: candidates differing in these share a module
 
 
@@ -56,8 +56,11 @@ def candidates(m: int, gpu: str, prenorm: bool = False, grid: str = "all") -> li
     ``quant_tuning.small_cta_mma_candidates`` and the table's entries; "xs-deep": only
     ``quant_tuning.xs_deep_mma_candidates`` and the table's entries; "cur": the CUR 1 twins (chunk
     addresses from per-warp bases) of every grid's register-path configs, and the table's entries;
-    "cols": only ``quant_tuning.columns_mma_candidates`` and the table's entries.
-    In "all", each register-path config (CPA 0, no XR) is timed with CUR 0 and 1. ``prenorm``: for the
+    "cols": only ``quant_tuning.columns_mma_candidates`` and the table's entries; "wst": the WST 1
+    twins (WG 2 consumers in trips of CPA chunks), with the config's MINB and with MINB 4 (WST's
+    unrolled trips can take registers that cost a CTA per SM), of every grid's and row's WG 2 configs.
+    In "all", each register-path config (CPA 0, no XR) is timed with CUR 0 and 1, each WG 2 config
+    with WST 0 and 1. ``prenorm``: for the
     RMSNorm-prologue kernel, which keeps x in shared memory (XS 1) and so has no XR / WG tiles:
     those are left out, and configs that differ only in XS count once."""
     from kvforge_plugins.quant.kernels import w4_mma
@@ -66,7 +69,7 @@ def candidates(m: int, gpu: str, prenorm: bool = False, grid: str = "all") -> li
         raise ValueError(f"grid must be one of {GRIDS}, got {grid!r}")
     grids = {"xs-deep": qt.xs_deep_mma_candidates, "cols": qt.columns_mma_candidates}.get(
         grid, qt.small_cta_mma_candidates)(m)
-    if grid in ("all", "cur"):
+    if grid in ("all", "cur", "wst"):
         grids += qt.mma_candidates(m) + qt.cluster_mma_candidates(m) + qt.xs_deep_mma_candidates(m)
         if m <= 16:
             grids += qt.wide_mma_candidates(m)
@@ -83,6 +86,10 @@ def candidates(m: int, gpu: str, prenorm: bool = False, grid: str = "all") -> li
     if grid in ("all", "cur"):  # the register path's configs (CPA 0, no XR), also with CUR 1
         twins = [{**c, "CUR": 1} for c in grids + rows if not c.get("CPA") and not c.get("XR")]
         grids = twins if grid == "cur" else grids + twins + qt.columns_mma_candidates(m)  # (already CUR 1)
+    if grid in ("all", "wst"):  # WG 2 configs also in WST's trips, at their MINB and at 4 CTAs per SM
+        wst = [{**c, "WST": 1, **mb} for c in grids + rows if c.get("WG") == 2 and not c.get("WST")
+               for mb in ({}, {"MINB": 4})]
+        grids = wst if grid == "wst" else grids + wst
     grids += rows
     seen, out = set(), []
     for c in grids:

@@ -189,6 +189,12 @@ GPU_CONFIGS = [dict(split_k=1), dict(WARPS=1, TW=1, S=3, XS=1), dict(WARPS=2, TW
                # WG 2: a producer warp's bulk copies through mbarrier-guarded stages (dead warpgroups)
                dict(TW=1, WARPS=16, CPA=4, XR=1, WG=2, SCALE_A=True),
                dict(TW=1, WARPS=4, CPA=8, XR=1, WG=2, SCALE_A=True, split_k=2),
+               # WG 2's consumers in trips of CPA chunks (WST): with a pair of chunks after the
+               # trips, at 4 CTAs per SM (96 registers), a cluster sum; and CPA 6 (group 256: the
+               # usual loop). The table's WST + MINB 4 + cluster rows run in w4_table_check.py
+               dict(TW=1, WARPS=4, CPA=4, XR=1, WG=2, SCALE_A=True, split_k=1, WST=1, MINB=4),
+               dict(TW=1, WARPS=4, CPA=4, XR=1, WG=2, SCALE_A=True, split_k=2, CLU=1, WST=1),
+               dict(TW=1, WARPS=8, CPA=6, XR=1, WG=2, SCALE_A=True, WST=1),
                # split K summed inside a thread block cluster (CLU): WG 2, WG, and KW sums first
                dict(TW=1, WARPS=4, CPA=8, XR=1, WG=2, SCALE_A=True, split_k=2, CLU=1),
                dict(TW=1, WARPS=8, CPA=3, XR=1, WG=1, SCALE_A=True, split_k=3, CLU=1),

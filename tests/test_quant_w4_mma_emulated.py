@@ -58,6 +58,10 @@ EMULATED = [
     (576, 128, 64, 7, dict(NB=1, TW=1, WARPS=4, CPA=8, XR=1, WG=2, SCALE_A=True, split_k=1)),
     # CLU: split K summed in a thread block cluster (no workspace); 1 group, 1 split: global path
     (768, 320, 128, 40, dict(NB=8, TW=1, WARPS=4, CPA=4, XR=1, WG=2, SCALE_A=True, split_k=3, CLU=1)),
+    # WST: WG 2's consumers in trips of CPA chunks (trips only; trips and a pair; an odd count)
+    (768, 320, 128, 40, dict(NB=8, TW=1, WARPS=4, CPA=4, XR=1, WG=2, SCALE_A=True, split_k=3, CLU=1, WST=1)),
+    (640, 192, 128, 13, dict(NB=2, TW=1, WARPS=8, CPA=4, XR=1, WG=2, SCALE_A=True, split_k=1, WST=1)),
+    (576, 128, 64, 7, dict(NB=1, TW=1, WARPS=4, CPA=8, XR=1, WG=2, SCALE_A=True, split_k=1, WST=1)),
     (640, 192, 64, 9, dict(TW=4, WARPS=4, KW=2, SCALE_A=True, split_k=5, CLU=1)),
     (512, 128, 512, 3, dict(TW=2, WARPS=4, split_k=2, CLU=1)),
 ]

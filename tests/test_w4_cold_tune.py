@@ -102,6 +102,16 @@ def test_columns_grid_is_part_of_the_full_grid(m):
         assert {c["XS"] for c in grid} == {0, 1}
 
 
+@pytest.mark.parametrize("m", [1, 16, 64])
+def test_wst_grid_is_part_of_the_full_grid(m):
+    # --grid wst: WG 2 configs with their consumers in trips of CPA chunks, at the config's MINB
+    # and at 4 CTAs per SM
+    grid = _grid_beyond_table(m, "wst")
+    assert len(grid) >= 6
+    assert all(c["WG"] == 2 and c["WST"] == 1 for c in grid)
+    assert 4 in {c["MINB"] for c in grid} and len({c["MINB"] for c in grid}) > 1
+
+
 def test_prenorm_candidates_are_the_kernels_it_has():
     # the RMSNorm-prologue kernel keeps x in shared memory: no XR ring, no warpgroup MMAs, and
     # XS 0 / 1 are one kernel; its own table rows are among the candidates

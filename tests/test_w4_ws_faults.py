@@ -22,19 +22,29 @@ FAULTS = [
     ('"r"(sz + 128 + 8 * g + 4 * (tile >> 1))', '"r"(sz + 8 * g + 4 * (tile >> 1))'),  # zeros read from the scales
     ("cur.z[0] = z >> (8 * (tile & 1));", "cur.z[0] = z;"),  # odd tiles take their even neighbour's zeros
     ('"r"(sz + 128 + 8 * g + 4 * (tile >> 1))', '"r"(sz + 128 + 8 * g)'),  # tiles 2, 3 take 0, 1's zeros
-    ("mbar_arrive(EMPTY((j - 1) % CPA));", "mbar_arrive(EMPTY((j) % CPA));"),  # released while in flight
+    ("j > 0 ? (j - 1) % CPA : -1, fc, fp);", "j > 0 ? j % CPA : -1, fc, fp);"),  # released while in flight
     ("mbar_wait(EMPTY(s), (j / CPA - 1) & 1);", "mbar_wait(EMPTY(s), (j / CPA) & 1);"),  # waits a phase ahead
-    ("mbar_wait(FULL(s), (j / CPA) & 1);", "mbar_wait(FULL(s), (j / CPA + 1) & 1);"),  # reads before the copies
+    ("run(j % CPA, (j / CPA) & 1,", "run(j % CPA, (j / CPA + 1) & 1,"),  # reads before the copies
     ("compute_chunk_wg(A, cur, gs, st, fc, fp);", "compute_chunk_wg(A, cur, gs, st + WS_W, fc, fp);"),  # x slot
 ]
 CASE = (640, 320, 64, 21, dict(NB=4, TW=1, WARPS=8, CPA=3, XR=1, WG=2, SCALE_A=True, split_k=2))
+# WST's trips of CPA chunks: 10 chunks of groups of 2 in one split, so two trips of 4, then a
+# generic pair; the second CTA has one live block
+WST_FAULTS = [
+    ("run(u, r & 1,", "run(u, (r + 1) & 1,"),  # a trip reads before the copies
+    ("u ? u - 1 : (r ? CPA - 1 : -1)", "u ? u - 1 : -1"),  # a trip's first chunk never frees the last stage
+    ("run(u + 1, r & 1, (u + 1) % GCC == 0, u,", "run(u + 1, r & 1, (u + 1) % GCC == 0, u + 1,"),  # freed in flight
+    ("run(u + 1, r & 1, (u + 1) % GCC == 0,", "run(u + 1, r & 1, u % GCC == 0,"),  # scale group opened late
+    ("run(u + 1, r & 1,", "run(u, r & 1,"),  # a chunk read from its neighbour's stage
+]
+WST_CASE = (640, 320, 128, 21, dict(NB=4, TW=1, WARPS=8, CPA=4, XR=1, WG=2, SCALE_A=True, WST=1, split_k=1))
 
 
-def _emulated_error(monkeypatch, gen, source: str) -> float:
+def _emulated_error(monkeypatch, gen, source: str, case=CASE) -> float:
     import w4_mma_emulate
     monkeypatch.setattr(w4_mma_jit, "SOURCE", source)
     w4_mma_emulate.install(monkeypatch)
-    k, n, group, m, cfg = CASE
+    k, n, group, m, cfg = case
     q, s, z, w_ref = _quant(k, n, group, gen)
     ps, pz = pack_mma_groups(s, z)
     x = torch.randn(m, k, generator=gen).bfloat16()
@@ -56,4 +66,20 @@ def test_planted_fault_is_caught(fault, monkeypatch, gen):
         err = _emulated_error(monkeypatch, gen, w4_mma_jit.SOURCE.replace(good, bad))
     except AssertionError:
         return  # the emulation's checks caught it
+    assert not err <= BOUND[torch.bfloat16], f"planted fault not caught: {bad} (error {err})"
+
+
+def test_unmodified_source_passes_with_wst(monkeypatch, gen):
+    assert _emulated_error(monkeypatch, gen, w4_mma_jit.SOURCE, WST_CASE) <= BOUND[torch.bfloat16]
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("fault", range(len(WST_FAULTS)))
+def test_planted_wst_fault_is_caught(fault, monkeypatch, gen):
+    good, bad = WST_FAULTS[fault]
+    assert w4_mma_jit.SOURCE.count(good) == 1, good
+    try:
+        err = _emulated_error(monkeypatch, gen, w4_mma_jit.SOURCE.replace(good, bad), WST_CASE)
+    except AssertionError:
+        return
     assert not err <= BOUND[torch.bfloat16], f"planted fault not caught: {bad} (error {err})"

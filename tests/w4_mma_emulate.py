@@ -63,6 +63,7 @@ def gemm_emu(cfg, dtype, x_bits, M, stride_x, wq, sc, zp, N, KC, gc_rt, cps, spl
     XR = int(cfg.get("XR", 0))  # x through the CTA's ring of CPA chunk slots
     assert not XR or (CPA and not XS and not NORM), "XR needs CPA, and not XS or NORM"
     WG = int(cfg.get("WG", 0))  # warpgroup MMAs: x from the ring by descriptor
+    WST = int(cfg.get("WST", 0))  # WG 2 consumers in trips of CPA chunks (when CPA, GCC and the count allow)
     assert not WG or (XR and TW == 1 and int(cfg.get("KW", 1)) == 1 and WARPS % 4 == 0 and SA and NB in (1, 2, 4, 8)
                       and CPA >= 3)
     if XR and WG != 2:  # the ring's constants as the kernel source has them, and its schedule proved safe
@@ -135,7 +136,8 @@ def gemm_emu(cfg, dtype, x_bits, M, stride_x, wq, sc, zp, N, KC, gc_rt, cps, spl
                 nb = max(0, min(WARPS // 4, NBLK - blk0))  # live blocks: the producer copies theirs only
                 seed = random.getrandbits(32)
                 try:
-                    check_ws_protocol(CPA, ngrp * GC, nb, random.Random(seed), proto)
+                    check_ws_protocol(CPA, ngrp * GC, nb, random.Random(seed), proto, GC=GC,
+                                      wst=WST and GCC > 0 and CPA % 2 == 0 and CPA % GCC == 0 and ngrp * GC % 2 == 0)
                 except AssertionError as e:
                     raise AssertionError(f"interleaving seed {seed}: {e}") from e
                 arrays = {"xt": X.a.view(np.uint8), "wq": W.a.view(np.uint8), "sc": SC.a.view(np.uint8),

@@ -20,11 +20,45 @@ from w4_mma_emulate_sched import _one
 ELEM_BYTES = {"xt": 2, "wq": 16, "sc": 2, "zp": 4}  # ws_loop's global operands: dt, uint4, fp16 bits, words
 
 
+def _ternary(text: str) -> str:
+    """C's ``a ? b : c`` (nested, right-associative) as Python's ``(b if a else c)``."""
+    text = text.strip()
+    depth, q = 0, -1
+    for i, ch in enumerate(text):
+        depth += ch == "("
+        depth -= ch == ")"
+        if ch == "?" and depth == 0:
+            q = i
+            break
+    if q < 0:  # none at the top level: one parenthesized whole may hold one
+        if text.startswith("(") and text.endswith(")") and "?" in text:
+            depth = 0
+            for i, ch in enumerate(text):
+                depth += ch == "("
+                depth -= ch == ")"
+                if depth == 0 and i < len(text) - 1:
+                    return text  # (a) op (b): not one group
+            return f"({_ternary(text[1:-1])})"
+        return text
+    depth, nested = 0, 0
+    for i in range(q + 1, len(text)):
+        ch = text[i]
+        depth += ch == "("
+        depth -= ch == ")"
+        if depth == 0 and ch == "?":
+            nested += 1
+        elif depth == 0 and ch == ":":
+            if nested == 0:
+                return f"(({_ternary(text[q + 1:i])}) if ({_ternary(text[:q])}) else ({_ternary(text[i + 1:])}))"
+            nested -= 1
+    raise ValueError(f"unbalanced ternary: {text}")
+
+
 def _py(text: str) -> str:
     """A C integer expression of the kernel as Python (casts dropped, ``/`` on non-negative
-    ints, the one ternary form ``(a ? b : c)``)."""
+    ints, ``?:`` as a conditional expression)."""
     text = text.replace("(size_t)", "").replace("/", "//")
-    return re.sub(r"\((\w+) \? ([^:()]+) : ([^()]+)\)", r"(\2 if \1 else \3)", text)
+    return _ternary(re.sub(r"\((\w+) \? ([^:()]+) : ([^()]+)\)", r"(\2 if \1 else \3)", text))
 
 
 def _c_expr(text: str, **names):
@@ -59,8 +93,15 @@ def ws_protocol(src: "str | None" = None) -> dict:
     body = src[src.index("void ws_loop("):src.index("extern \"C\" __global__ void w4_x_tiles")]
     producer = body[body.index("if (warp == WARPS) {"):body.index("const int wb = warp >> 2")]
     empty = _one(r"if \(j >= CPA\) mbar_wait\(EMPTY\(s\), ([^;]*)\);", body, "producer's empty wait")
-    full = _one(r"mbar_wait\(FULL\(s\), ([^;]*)\);", body, "consumer's full wait")
-    rel = _one(r"if \(j > 0 && lane == 0\) mbar_arrive\(EMPTY\(\(([^;]*)\) % CPA\)\);", body, "consumer's release")
+    # the consumer's chunk (run): its stage, full-barrier parity, group start and the stage it
+    # releases, as the generic step and WST's trips pass them
+    _one(r"auto run = \[&\]\(int s, unsigned parity, bool gs, int prev,", body, "consumer's chunk")
+    _one(r"mbar_wait\(FULL\(s\), parity\);", body, "consumer's full wait")
+    _one(r"if \(prev >= 0 && lane == 0\) mbar_arrive\(EMPTY\(prev\)\);", body, "consumer's release")
+    step = _one(r"run\(([^,]+), ([^,]+), ([^,]+), ([^,]+), fc, fp\);", body, "generic step").groups()
+    wst = body[body.index("#if WST"):body.index("#endif", body.index("#if WST"))]
+    trip = [m.groups() for m in re.finditer(r"run\((u|u \+ 1), ([^,]+), ([^,]+), ([^,]+), fr[AB], fr[AB]\);", wst)]
+    assert [t[0] for t in trip] == ["u", "u + 1"], f"WST trip: expected runs of u and u + 1, found {trip}"
     align = _one(r"ws_loop\([^;]*\(smem_u32\(smem_raw\) \+ (\d+)\) & ~(\d+)u", src, "WG 2 stage alignment")
     per_block, gs_only = producer.index("for (int b = 0; b < nb; ++b)"), producer.index("if (gs) {")
     copies = [dict(dst=m.group(1), arr=m.group(2), src=m.group(3), bytes=m.group(4),
@@ -69,7 +110,7 @@ def ws_protocol(src: "str | None" = None) -> dict:
     return dict(
         full_init=_one(r"mbar_init\(bars \+ 8 \* s, ([^;]*)\);", src, "full barrier init").group(1),
         empty_init=_one(r"mbar_init\(bars \+ 8 \* \(CPA \+ s\), ([^;]*)\);", src, "empty barrier init").group(1),
-        empty_parity=empty.group(1), full_parity=full.group(1), released=rel.group(1),
+        empty_parity=empty.group(1), step=step, trip=trip,
         align=int(align.group(1)) + 1 if align.group(1) == align.group(2) else None,
         wait_depth=int(_one(r"wgmma\.wait_group\.sync\.aligned (\d+);",
                             src[src.index("void compute_chunk_wg("):src.index("void wg_drain(")],
@@ -84,13 +125,26 @@ def ws_protocol(src: "str | None" = None) -> dict:
         x_at=_one(r"compute_chunk_wg\(A, cur, gs, ([^,]*), fc, fp\);", body, "x slot").group(1))
 
 
-def check_ws_protocol(CPA: int, nloc: int, nb: int, rng, proto: "dict | None" = None) -> None:
+def consumer_chunk(proto: dict, j: int, CPA: int, GC: int, nloc: int, wst: bool) -> tuple:
+    """(stage, full-barrier parity, group start, released stage or -1) of a consumer's chunk
+    ``j``: WST's trips (chunks below the last multiple of CPA, when ``wst``) or the generic step."""
+    nmain = nloc - nloc % CPA
+    if wst and j < nmain:
+        u, r = j % CPA, j // CPA
+        names = dict(u=u - u % 2, r=r, CPA=CPA, GCC=GC)  # (the loop's u steps by 2: u, then u + 1)
+        return tuple(_c_expr(e, **names) for e in proto["trip"][u % 2])
+    return tuple(_c_expr(e, j=j, CPA=CPA, GC=GC) for e in proto["step"])
+
+
+def check_ws_protocol(CPA: int, nloc: int, nb: int, rng, proto: "dict | None" = None, GC: int = 1,
+                      wst: bool = False) -> None:
     """Replay WG 2's producer and the 4 * ``nb`` warps of its live consumer warpgroups over
     ``nloc`` chunks in a random interleaving, with mbarrier semantics (a phase completes when
     the init count of arrivals is in; a wait on parity P passes once the phase of parity P has
-    completed). Asserts that each consumer reads chunk j from a stage holding chunk j, that no
-    stage is refilled while a warp may still read it (its wgmmas retire ``wait_depth`` steps
-    later) and that nothing deadlocks."""
+    completed). ``wst``: the consumers run WST's trips of CPA chunks (w4_wgmma_ws.cuh). Asserts
+    that each consumer reads chunk j from a stage holding chunk j, opens a scale group where the
+    producer copied one (every GC chunks), that no stage is refilled while a warp may still read
+    it (its wgmmas retire ``wait_depth`` steps later) and that nothing deadlocks."""
     proto = proto or ws_protocol()
     warps = 4 * nb
     phase = {("full", s): 0 for s in range(CPA)} | {("empty", s): 0 for s in range(CPA)}
@@ -100,6 +154,7 @@ def check_ws_protocol(CPA: int, nloc: int, nb: int, rng, proto: "dict | None" = 
     holds = [None] * CPA  # the chunk a stage holds
     reading = [set() for _ in range(CPA)]  # (warp, chunk) whose reads of the stage may be in flight
     nxt_p, nxt_c = 0, [0] * warps
+    chunk = [consumer_chunk(proto, j, CPA, GC, nloc, wst) for j in range(nloc)]
 
     def arrive(bar):
         count[bar] += 1
@@ -117,7 +172,7 @@ def check_ws_protocol(CPA: int, nloc: int, nb: int, rng, proto: "dict | None" = 
                 movers.append("p")
         for w in range(warps):
             j = nxt_c[w]
-            if j < nloc and passes(("full", j % CPA), _c_expr(proto["full_parity"], j=j, CPA=CPA)):
+            if j < nloc and passes(("full", chunk[j][0]), chunk[j][1]):
                 movers.append(w)
         assert movers, f"CPA {CPA}: deadlock (producer at {nxt_p}, consumers at {nxt_c})"
         who = movers[rng.randrange(len(movers))]
@@ -129,15 +184,15 @@ def check_ws_protocol(CPA: int, nloc: int, nb: int, rng, proto: "dict | None" = 
             nxt_p += 1
         else:
             j = nxt_c[who]
-            s = j % CPA
+            s, _, gs, rel = chunk[j]
             assert holds[s] == j, f"CPA {CPA}: warp {who} reads chunk {j} from a stage holding {holds[s]}"
+            assert bool(gs) == (j % GC == 0), f"CPA {CPA}: chunk {j} opens a group: {bool(gs)}, copied as {j % GC == 0}"
             reading[s].add((who, j))
             for st in reading:  # the wait retires all but the last wait_depth chunks' wgmmas
                 st.difference_update({(who, c) for c in range(j - proto["wait_depth"] + 1)})
-            if j > 0:
-                r = _c_expr(proto["released"], j=j)
-                assert all((who, r) not in st for st in reading), "a stage released while its wgmmas are in flight"
-                arrive(("empty", r % CPA))
+            if rel >= 0:
+                assert not any(w == who for w, _ in reading[rel]), "a stage released while its wgmmas are in flight"
+                arrive(("empty", rel))
             nxt_c[who] += 1
 
 

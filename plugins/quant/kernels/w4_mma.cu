@@ -31,7 +31,10 @@
 // CLU (0: split K's partials go through global memory, below; else the split count, when the
 // splits of a column block are one thread block cluster and sum in distributed shared memory:
 // w4_cluster.cuh), CUR (1, with CPA 0: chunk addresses from per-warp bases, Cursor in w4_mma_ops.cuh;
-// fewer loop instructions but more registers, so a tuning choice: BENCHMARKS.md session 32).
+// fewer loop instructions but more registers, so a tuning choice: BENCHMARKS.md session 32),
+// WST (1, with WG 2: the consumers run trips of CPA chunks, each chunk's stage, barrier parity and
+// group position compile-time constants: ~16% fewer loop instructions, more registers, so a
+// tuning choice, often with MINB 4: BENCHMARKS.md session 34).
 //
 // Layout (w4_mma.py has the packer): 64-row blocks of N ("nblk"), 64-wide chunks of K. Chunk
 // c of nblk is 512 int32 words, [tile T (16 rows)][lane][MMA i]: lane = 4g + t holds, for the
@@ -328,7 +331,15 @@ w4_mma_gemm(const dt* __restrict__ x, int M, long long stride_x, const uint4* __
     const bool owner = live;
 #endif
     // accumulator f of (tile a, token block b): row nbase + 16a + 8 * (f >> 1), token 8b + 2t + (f & 1)
+#if WG == 2 && WST  // the warp's rows again from the block index (a volatile read: not folded back):
+    // nblk and tile0 kept live across WST's trips are what spills at 96 registers (4 CTAs per SM)
+    unsigned bx;
+    asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(bx));
+    const int unit_e = (int)bx * (WARPS / KW) + warp / KW;
+    const int nbase = unit_e / (TILES_PER_BLK / TW) * 64 + (unit_e % (TILES_PER_BLK / TW)) * TW * 16 + g;
+#else
     const int nbase = nblk * 64 + tile0 * 16 + g;
+#endif
 #define FRAG_TOK (8 * b + 2 * t + (f & 1))
 #define FRAG_ROW (nbase + 16 * a + 8 * (f >> 1))
 #if CLU  // gridDim.y == CLU: the splits' sums meet in the cluster's shared memory

@@ -17,7 +17,7 @@ def x_bytes(cfg: dict, m: int, k: int, cps: int, esize: int) -> int:
 
 #: Launch-config keys: the kernel's compile-time constants (GCC is set per call) and the split rule.
 CONFIG_KEYS = ("NB", "TW", "WARPS", "S", "XS", "SCALE_A", "MINB", "LDW", "CPA", "KW", "XR", "WG", "CLU", "CUR",
-               "waves", "split_k")
+               "WST", "waves", "split_k")
 
 
 def check_config_keys(cfg: dict) -> None:
@@ -43,9 +43,11 @@ def check_config(cfg: dict, m: int) -> None:
     splits through global memory), CUR 0 or 1 (1: the register path's chunk addresses from per-warp
     bases; needs CPA 0); XR needs CPA and excludes XS; WG (1, or 2: with a producer warp) needs
     XR, TW 1, KW 1, WARPS a multiple of 4, SCALE_A, NB in 1, 2, 4, 8 (wgmma's N = 8 * NB) and
-    CPA >= 3; WG 2 adds a producer warp, so WARPS <= 28 there."""
+    CPA >= 3; WG 2 adds a producer warp, so WARPS <= 28 there. WST 0 or 1 (1: WG 2's consumers
+    in trips of CPA chunks, where CPA is even and a multiple of the group's chunks and a split's
+    chunk count is even; other calls run the usual loop) needs WG 2."""
     check_config_keys(cfg)
-    flags = all(int(cfg.get(key, 0)) in (0, 1) for key in ("XS", "SCALE_A", "LDW", "XR", "CLU", "CUR")) and cfg.get("WG", 0) in (0, 1, 2)
+    flags = all(int(cfg.get(key, 0)) in (0, 1) for key in ("XS", "SCALE_A", "LDW", "XR", "CLU", "CUR", "WST")) and cfg.get("WG", 0) in (0, 1, 2)
     if cfg.get("CUR") and cfg.get("CPA"):
         raise ValueError(f"w4 mma GEMM: config {cfg}: CUR (the register path's chunk addresses) needs CPA 0")
     if cfg.get("XR") and (not cfg.get("CPA") or cfg.get("XS")):
@@ -54,6 +56,9 @@ def check_config(cfg: dict, m: int) -> None:
                               and cfg.get("SCALE_A") and cfg["NB"] in (1, 2, 4, 8) and cfg["CPA"] >= 3):
         raise ValueError(f"w4 mma GEMM: config {cfg}: WG (warpgroup MMAs) needs XR, TW 1, KW 1, WARPS a multiple "
                          "of 4, SCALE_A, NB in 1, 2, 4, 8 and CPA >= 3 (one chunk's MMAs stay in flight)")
+    if cfg.get("WST") and cfg.get("WG") != 2:
+        raise ValueError(f"w4 mma GEMM: config {cfg}: WST (trips of CPA chunks) is a way to run WG 2's consumers: "
+                         "it needs WG 2")
     if cfg.get("WG") == 2 and cfg["WARPS"] > 28:
         raise ValueError(f"w4 mma GEMM: config {cfg}: WG 2 launches WARPS + 1 warps (the producer): WARPS <= 28 "
                          "(1024 threads)")
@@ -64,7 +69,7 @@ def check_config(cfg: dict, m: int) -> None:
         raise ValueError(f"w4 mma GEMM: config {cfg} does not cover M {m} or cannot launch (needs M <= 8 * NB <= "
                          f"{MAX_FUSED_M}, TW in 1/2/4, 1 <= WARPS <= 32, S >= 1, XS / SCALE_A / LDW 0 or 1, "
                          "MINB >= 1, CPA 0 or 2..8, KW >= 1 dividing WARPS, split_k >= 0, waves > 0, XR / CLU 0 or 1, "
-                         "WG 0, 1 or 2, CUR 0 or 1)")
+                         "WG 0, 1 or 2, CUR / WST 0 or 1)")
 
 
 def stage_bytes(cfg: dict) -> int:

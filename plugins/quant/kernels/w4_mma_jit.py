@@ -25,7 +25,7 @@ SOURCE = "\n".join(Path(__file__).with_name(f).read_text()
                    for f in ("w4_mma_ops.cuh", "w4_mma_stages.cuh", "w4_wgmma.cuh", "w4_wgmma_ws.cuh", "w4_mma_io.cuh",
                              "w4_cluster.cuh", "w4_mma.cu"))
 _LOCK = threading.Lock()
-_DEFINES = (("NB", 1), ("TW", 4), ("WARPS", 4), ("S", 2), ("XS", 0), ("SCALE_A", 0), ("MINB", 1), ("LDW", 0), ("GCC", 0), ("CPA", 0), ("KW", 1), ("ACT", 0), ("PDL", 0), ("PDLP", -1), ("NORM", 0), ("ROPE", 0), ("XR", 0), ("WG", 0), ("CLU", 0), ("CUR", 0))
+_DEFINES = (("NB", 1), ("TW", 4), ("WARPS", 4), ("S", 2), ("XS", 0), ("SCALE_A", 0), ("MINB", 1), ("LDW", 0), ("GCC", 0), ("CPA", 0), ("KW", 1), ("ACT", 0), ("PDL", 0), ("PDLP", -1), ("NORM", 0), ("ROPE", 0), ("XR", 0), ("WG", 0), ("CLU", 0), ("CUR", 0), ("WST", 0))
 
 
 def nvrtc_options(dtype: torch.dtype, cfg: "dict | None" = None) -> tuple[str, ...]:

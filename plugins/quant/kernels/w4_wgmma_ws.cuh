@@ -10,7 +10,8 @@
 // stage by descriptor); once a chunk's wgmmas have retired (the next chunk's wait_group 1)
 // each warp arrives on that stage's "empty" barrier, which the producer waits on before
 // refilling it. Warpgroups never wait for each other: only the data and the free stages order
-// them. Compiled after w4_wgmma.cuh.
+// them. WST (a tuning choice): the consumers' loop in trips of CPA chunks, so that a chunk's
+// stage, parity, group start and released stage are constants. Compiled after w4_wgmma.cuh.
 //
 // x comes from the host in tiles (``w4_mma_orders.wg_x_tiles``): chunk c is M rows of 128
 // bytes, each in the layout's K order with its 16-byte units already at their 128-byte-swizzle
@@ -91,11 +92,11 @@ __device__ __forceinline__ void ws_loop(Acc& A, const dt* xt, int M, const uint4
     const int wb = warp >> 2, tile = warp & 3, g = lane >> 2;
     if (wb >= nb) return;  // a block past N: the producer copies nothing for it and counts it out
     unsigned frA[4][4] = {}, frB[4][4] = {};  // A fragments of the chunk in flight and the next
-    auto step = [&](int j, unsigned (&fc)[4][4], unsigned (&fp)[4][4]) {
-        const int s = j % CPA;
+    // one chunk from stage s (its full barrier's phase ``parity``); gs: it opens a scale group;
+    // prev >= 0: the stage of the previous chunk, whose wgmmas this chunk's wait_group 1 retires
+    auto run = [&](int s, unsigned parity, bool gs, int prev, unsigned (&fc)[4][4], unsigned (&fp)[4][4]) {
         const unsigned st = stages + s * WS_STAGE;
-        mbar_wait(FULL(s), (j / CPA) & 1);
-        const bool gs = j % GC == 0;
+        mbar_wait(FULL(s), parity);
         Stage cur;
         cur.w[0] = lds128(st + WS_W + wb * 2048 + (tile * 32 + lane) * 16);
         if (gs) {  // this lane's rows of the (group, block) record: entries 8g + 2 * tile + r
@@ -108,9 +109,32 @@ __device__ __forceinline__ void ws_loop(Acc& A, const dt* xt, int M, const uint4
             cur.z[0] = z >> (8 * (tile & 1));
         }
         compute_chunk_wg(A, cur, gs, st, fc, fp);
-        // its wait_group 1 retired chunk j - 1's wgmmas: that stage may be refilled
-        if (j > 0 && lane == 0) mbar_arrive(EMPTY((j - 1) % CPA));
+        // its wait_group 1 retired the previous chunk's wgmmas: that stage may be refilled
+        if (prev >= 0 && lane == 0) mbar_arrive(EMPTY(prev));
     };
+    auto step = [&](int j, unsigned (&fc)[4][4], unsigned (&fp)[4][4]) {
+        run(j % CPA, (j / CPA) & 1, j % GC == 0, j > 0 ? (j - 1) % CPA : -1, fc, fp);
+    };
+#if WST && GCC && (CPA % 2 == 0) && (CPA % GCC == 0)
+    // WST: trips of CPA chunks, so each chunk's stage, group position and neighbour are constants
+    // (fewer issued instructions per chunk); an even count's last nloc % CPA chunks in pairs after
+    if (!(nloc & 1)) {
+        const int trips = nloc / CPA;
+        for (int r = 0; r < trips; ++r) {
+#pragma unroll
+            for (int u = 0; u < CPA; u += 2) {
+                run(u, r & 1, u % GCC == 0, u ? u - 1 : (r ? CPA - 1 : -1), frA, frB);
+                run(u + 1, r & 1, (u + 1) % GCC == 0, u, frB, frA);
+            }
+        }
+        for (int j = trips * CPA; j < nloc; j += 2) {
+            step(j, frA, frB);
+            step(j + 1, frB, frA);
+        }
+        wg_drain(A, frA, frB);
+        return;
+    }
+#endif
     // two chunks per trip, so each fragment buffer is a fixed set of registers; an odd count's
     // first chunk before the loop (a conditional step inside it, ptxas serializes all wgmmas: C7513)
     if (nloc & 1) step(0, frB, frA);
