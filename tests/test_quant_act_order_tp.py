@@ -215,3 +215,22 @@ def test_tp_load_errors_read_as_on_one_rank(tmp_path, caplog):
             LLM(model=str(d), num_gpu_blocks=32, dtype="float32", device="cpu", quantization="fp8",
                 tensor_parallel_size=2)
     assert "Traceback" not in caplog.text and "distributed executor failed" not in caplog.text, caplog.text
+
+
+def test_tp_config_warnings_print_once(tmp_path, caplog, capfd):
+    """A quantizer's config warning (GPTQ without ``desc_act``: assumed false) is logged once, by
+    the driver's config check, not again by each worker that rebuilds the same config."""
+    import json
+
+    from kvforge import LLM
+    d = build_gptq(tmp_path / "gptq4", 4, 32, sym=False, desc_act=False, skip_regex=".*mlp.*")
+    cfg = json.loads((d / "config.json").read_text())
+    del cfg["quantization_config"]["desc_act"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    msg = "quantization_config.desc_act missing"
+    with caplog.at_level("WARNING"):
+        llm = LLM(model=str(d), num_gpu_blocks=32, dtype="float32", device="cpu", tensor_parallel_size=2)
+        llm.llm_engine.executor.shutdown()
+    workers = capfd.readouterr().err  # (worker processes log to their stderr, this test's fd 2)
+    assert caplog.text.count(msg) == 1, caplog.text
+    assert msg not in workers, workers

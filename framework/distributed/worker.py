@@ -117,7 +117,8 @@ class Worker:
                                   quant_method=cfg.quantization.method, quant_settings=cfg.quantization.settings,
                                   load_format=cfg.model.load_format, seed=cfg.model.seed,
                                   kv_cache_dtype=cfg.cache.kv_cache_dtype,
-                                  calculate_kv_scales=cfg.cache.calculate_kv_scales)
+                                  calculate_kv_scales=cfg.cache.calculate_kv_scales,
+                                  quant_config_checked=True)  # (the driver's check logged its warnings)
         self.model, self.backend, self.stack = stack.model, stack.backend, stack
         if self.state.expert_parallel and not self.state.ep_asked:  # (it would only turn CUDA graphs off)
             raise ValueError(f"enable_expert_parallel: model {arch!r} ({model_spec.name}) has no layer that splits "

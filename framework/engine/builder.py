@@ -2,6 +2,7 @@
 backends, build the model, size (``sizing.py``) and allocate the KV cache."""
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -137,6 +138,17 @@ def _share_parameters(model: torch.nn.Module, source: torch.nn.Module) -> None:
         setattr(model.get_submodule(owner_path) if owner_path else model, pname, other)
 
 
+@contextlib.contextmanager
+def _quiet():
+    """No log record at WARNING or below in this process meanwhile (errors still raise)."""
+    before = logging.root.manager.disable
+    logging.disable(logging.WARNING)
+    try:
+        yield
+    finally:
+        logging.disable(before)
+
+
 def build_quant_config(registry: Registry, hf_config, quant_method: str, quant_settings, dtype: torch.dtype,
                        device: torch.device) -> tuple[PluginSpec, QuantizationConfig]:
     """(spec, config) of the quantizer a model is built with (``quant_method`` "auto": the checkpoint's
@@ -163,7 +175,8 @@ def build_model_stack(registry: Registry, hf_config, model_spec: PluginSpec, mod
                       dtype: torch.dtype, device: torch.device, block_size: int, attention,
                       quant_method: str, quant_settings: dict[str, Any], load_format: str, seed: int,
                       kv_cache_dtype: str = "auto", calculate_kv_scales: bool = False,
-                      num_layers: int | None = None, share_from: Model | None = None) -> ModelStack:
+                      num_layers: int | None = None, share_from: Model | None = None,
+                      quant_config_checked: bool = False) -> ModelStack:
     """Pick the quantizer and attention backend for ``hf_config``, build the model on
     ``device`` and fill its weights (used for the target and for draft models).
 
@@ -175,6 +188,9 @@ def build_model_stack(registry: Registry, hf_config, model_spec: PluginSpec, mod
         num_layers: keep only the first N decoder layers (a truncated draft); checkpoint
             tensors of later layers are skipped.
         share_from: reuse this model's parameters by name instead of loading weights.
+        quant_config_checked: the driver already built this quantizer config and logged its
+            warnings (tensor / pipeline parallel workers): this rebuild logs none at WARNING or
+            below, so each prints once, not once per rank.
 
     Raises:
         ValueError: unknown or unusable quantizer/backend, bad settings, bad checkpoint.
@@ -183,7 +199,9 @@ def build_model_stack(registry: Registry, hf_config, model_spec: PluginSpec, mod
     """
     if num_layers is not None:
         hf_config = _truncate_layers(hf_config, num_layers)
-    quant_spec, quant_config = build_quant_config(registry, hf_config, quant_method, quant_settings, dtype, device)
+    with _quiet() if quant_config_checked else contextlib.nullcontext():
+        quant_spec, quant_config = build_quant_config(registry, hf_config, quant_method, quant_settings, dtype,
+                                                      device)
 
     num_heads = hf_config.num_attention_heads
     num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
