@@ -102,7 +102,7 @@ def ws_protocol(src: "str | None" = None) -> dict:
     wst = body[body.index("#if WST"):body.index("#endif", body.index("#if WST"))]
     trip = [m.groups() for m in re.finditer(r"run\((u|u \+ 1), ([^,]+), ([^,]+), ([^,]+), fr[AB], fr[AB]\);", wst)]
     assert [t[0] for t in trip] == ["u", "u + 1"], f"WST trip: expected runs of u and u + 1, found {trip}"
-    align = _one(r"ws_loop\([^;]*\(smem_u32\(smem_raw\) \+ (\d+)\) & ~(\d+)u", src, "WG 2 stage alignment")
+    align = _one(r"ws_loop\([^;]*\(smem \+ (\d+)\) & ~(\d+)u", src, "WG 2 stage alignment")
     per_block, gs_only = producer.index("for (int b = 0; b < nb; ++b)"), producer.index("if (gs) {")
     copies = [dict(dst=m.group(1), arr=m.group(2), src=m.group(3), bytes=m.group(4),
                    per_block=m.start() > per_block, gs_only=m.start() > gs_only)

@@ -176,20 +176,7 @@ w4_mma_gemm(const dt* __restrict__ x, int M, long long stride_x, const uint4* __
     fill_x(xs, x, M, stride_x, xpitch, cbeg, cend);  // every thread: it ends in a CTA barrier
 #endif
 #if WG == 2  // a producer warp's bulk copies through mbarrier-guarded stages (w4_wgmma_ws.cuh)
-    {
-        __shared__ __align__(8) unsigned long long ws_bars[2 * CPA];
-        const unsigned bars = smem_u32(ws_bars);
-        const int blk0 = blockIdx.x * WS_WGS, nb = max(0, min(WS_WGS, NBLK - blk0));
-        if (threadIdx.x == 0) {  // full: the producer's one arrival + the bytes; empty: each live consumer warp
-            for (int s = 0; s < CPA; ++s) {
-                mbar_init(bars + 8 * s, 1);
-                mbar_init(bars + 8 * (CPA + s), 4 * nb);
-            }
-            asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-        }
-        __syncthreads();
-        ws_loop(A, x, M, wq, sc, zp, KC, NBLK, cbeg, nloc, GC, blk0, nb, (smem_u32(smem_raw) + 1023) & ~1023u, bars);
-    }
+    ws_gemm(A, x, M, wq, sc, zp, KC, NBLK, cbeg, nloc, GC, smem_u32(smem_raw));
 #elif XR  // x through the CTA's ring, weights through each thread's stages, one commit group per chunk
     {
 #if WG  // the swizzle is anchored on address bits 7-9: 1024-byte aligned slots (the host adds 1 KB)
@@ -331,12 +318,8 @@ w4_mma_gemm(const dt* __restrict__ x, int M, long long stride_x, const uint4* __
     const bool owner = live;
 #endif
     // accumulator f of (tile a, token block b): row nbase + 16a + 8 * (f >> 1), token 8b + 2t + (f & 1)
-#if WG == 2 && WST  // the warp's rows again from the block index (a volatile read: not folded back):
-    // nblk and tile0 kept live across WST's trips are what spills at 96 registers (4 CTAs per SM)
-    unsigned bx;
-    asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(bx));
-    const int unit_e = (int)bx * (WARPS / KW) + warp / KW;
-    const int nbase = unit_e / (TILES_PER_BLK / TW) * 64 + (unit_e % (TILES_PER_BLK / TW)) * TW * 16 + g;
+#if WG == 2 && WST
+    const int nbase = ws_nbase(warp, g);  // (not kept live across WST's trips: w4_wgmma_ws.cuh)
 #else
     const int nbase = nblk * 64 + tile0 * 16 + g;
 #endif

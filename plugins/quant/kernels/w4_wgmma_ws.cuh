@@ -146,6 +146,35 @@ __device__ __forceinline__ void ws_loop(Acc& A, const dt* xt, int M, const uint4
 #undef FULL
 #undef EMPTY
 }
+
+// The CTA's WG 2 part: its mbarriers, then ws_loop over the stages, 1024-aligned from ``smem``
+// (the dynamic shared memory's address; the host adds 1 KB for the alignment).
+__device__ __forceinline__ void ws_gemm(Acc& A, const dt* xt, int M, const uint4* wq, const unsigned short* sc,
+                                        const unsigned* zp, int KC, int NBLK, int cbeg, int nloc, int GC,
+                                        unsigned smem) {
+    __shared__ __align__(8) unsigned long long ws_bars[2 * CPA];
+    const unsigned bars = smem_u32(ws_bars);
+    const int blk0 = blockIdx.x * WS_WGS, nb = max(0, min(WS_WGS, NBLK - blk0));
+    if (threadIdx.x == 0) {  // full: the producer's one arrival + the bytes; empty: each live consumer warp
+        for (int s = 0; s < CPA; ++s) {
+            mbar_init(bars + 8 * s, 1);
+            mbar_init(bars + 8 * (CPA + s), 4 * nb);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+    ws_loop(A, xt, M, wq, sc, zp, KC, NBLK, cbeg, nloc, GC, blk0, nb, (smem + 1023) & ~1023u, bars);
+}
+
+// The warp's first output row (the epilogue's nbase) from a fresh, volatile read of the block
+// index: nblk and tile0 kept live from the prologue across WST's trips are what spills at 96
+// registers (MINB 4: 4 CTAs per SM).
+__device__ __forceinline__ int ws_nbase(int warp, int g) {
+    unsigned bx;
+    asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(bx));
+    const int unit = (int)bx * (WARPS / KW) + warp / KW;
+    return unit / (TILES_PER_BLK / TW) * 64 + (unit % (TILES_PER_BLK / TW)) * TW * 16 + g;
+}
 #endif
 
 // WG 2's x tiles (w4_mma_orders.wg_x_tiles, which is the reference): out [K / 64][M][64] from x
