@@ -57,10 +57,11 @@ def candidates(m: int, gpu: str, prenorm: bool = False, grid: str = "all") -> li
     ``quant_tuning.xs_deep_mma_candidates`` and the table's entries; "cur": the CUR 1 twins (chunk
     addresses from per-warp bases) of every grid's register-path configs, and the table's entries;
     "cols": only ``quant_tuning.columns_mma_candidates`` and the table's entries; "wst": the WST 1
-    twins (WG 2 consumers in trips of CPA chunks), with the config's MINB and with MINB 4 (WST's
-    unrolled trips can take registers that cost a CTA per SM), of every grid's and row's WG 2 configs.
-    In "all", each register-path config (CPA 0, no XR) is timed with CUR 0 and 1, each WG 2 config
-    with WST 0 and 1. ``prenorm``: for the
+    twins (WG 2 consumers in trips of CPA chunks) of every grid's and row's WG 2 config with an
+    even CPA, at the config's MINB and, for 4 consumer warps (5 with the producer), at MINB 4
+    (WST's unrolled trips can take registers that cost a CTA per SM; 4 CTAs of 5 warps fit 96
+    registers each), and the table's entries. In "all", each register-path config (CPA 0, no XR)
+    is timed with CUR 0 and 1, each such WG 2 config also with WST 1. ``prenorm``: for the
     RMSNorm-prologue kernel, which keeps x in shared memory (XS 1) and so has no XR / WG tiles:
     those are left out, and configs that differ only in XS count once."""
     from kvforge_plugins.quant.kernels import w4_mma
@@ -88,7 +89,7 @@ def candidates(m: int, gpu: str, prenorm: bool = False, grid: str = "all") -> li
         grids = twins if grid == "cur" else grids + twins + qt.columns_mma_candidates(m)  # (already CUR 1)
     if grid in ("all", "wst"):  # WG 2 configs also in WST's trips, at their MINB and at 4 CTAs per SM
         wst = [{**c, "WST": 1, **mb} for c in grids + rows if c.get("WG") == 2 and not c.get("WST")
-               for mb in ({}, {"MINB": 4})]
+               and c["CPA"] % 2 == 0 for mb in ({}, {"MINB": 4}) if not mb or c["WARPS"] == 4]
         grids = wst if grid == "wst" else grids + wst
     grids += rows
     seen, out = set(), []
@@ -260,7 +261,7 @@ def main(argv=None) -> int:
     p.add_argument("--grid", choices=GRIDS, default="all",
                    help="candidates: every grid, or only small CTAs with K split across them, or only deep register "
                         "pipelines with x in shared memory, or only CUR 1 register-path configs, or only CTAs of several "
-                        "columns of warps (and the table's rows)")
+                        "columns of warps, or only WST 1 twins of the WG 2 configs (and the table's rows)")
     a = p.parse_args(argv)
     from kvforge_plugins.quant.kernels import w4_mma
     from kvforge_plugins.quant.kernels.choices import key, write_table

@@ -60,6 +60,7 @@ def test_gemm_refuses_bad_groups_and_configs(gen):
                      (dict(WG=2, XR=1, CPA=3, TW=1, WARPS=32, SCALE_A=True), "WARPS <= 28"),
                      # WST is a way to run WG 2's consumers: elsewhere it would be silently ignored
                      (dict(WG=1, XR=1, CPA=4, TW=1, WARPS=4, SCALE_A=True, WST=1), "WST .* needs WG 2"),
+                     (dict(WG=2, XR=1, CPA=3, TW=1, WARPS=4, SCALE_A=True, WST=1), "WST .* an even CPA"),
                      (dict(WG=2, XR=1, CPA=4, TW=1, WARPS=4, SCALE_A=True, WST=2), "CUR / WST 0 or 1")):
         with pytest.raises(ValueError, match=msg):
             w4_mma.mma_gemm(x, words, ps, pz, group_size=64, n=64, config=bad)

@@ -106,9 +106,12 @@ def test_columns_grid_is_part_of_the_full_grid(m):
 def test_wst_grid_is_part_of_the_full_grid(m):
     # --grid wst: WG 2 configs with their consumers in trips of CPA chunks, at the config's MINB
     # and at 4 CTAs per SM
+    # (an even CPA: WST's trips alternate two fragment buffers; MINB 4 only where 4 CTAs of 5
+    # warps are what it asks)
     grid = _grid_beyond_table(m, "wst")
-    assert len(grid) >= 6
-    assert all(c["WG"] == 2 and c["WST"] == 1 for c in grid)
+    assert len(grid) >= 4
+    assert all(c["WG"] == 2 and c["WST"] == 1 and c["CPA"] % 2 == 0 for c in grid)
+    assert all(c["WARPS"] == 4 for c in grid if c["MINB"] == 4)
     assert 4 in {c["MINB"] for c in grid} and len({c["MINB"] for c in grid}) > 1
 
 

@@ -140,9 +140,10 @@ def _share_parameters(model: torch.nn.Module, source: torch.nn.Module) -> None:
 
 @contextlib.contextmanager
 def _quiet():
-    """No log record at WARNING or below in this process meanwhile (errors still raise)."""
+    """No log record at WARNING or below in this process meanwhile (errors still raise; a level
+    disabled already stays disabled)."""
     before = logging.root.manager.disable
-    logging.disable(logging.WARNING)
+    logging.disable(max(before, logging.WARNING))
     try:
         yield
     finally:
@@ -150,10 +151,12 @@ def _quiet():
 
 
 def build_quant_config(registry: Registry, hf_config, quant_method: str, quant_settings, dtype: torch.dtype,
-                       device: torch.device) -> tuple[PluginSpec, QuantizationConfig]:
+                       device: torch.device, repeat: bool = False) -> tuple[PluginSpec, QuantizationConfig]:
     """(spec, config) of the quantizer a model is built with (``quant_method`` "auto": the checkpoint's
     ``quantization_config.quant_method``, else unquantized), checked against the checkpoint,
-    ``dtype`` and ``device``; reads no weights.
+    ``dtype`` and ``device``; reads no weights. ``repeat``: the driver built this same config
+    already and logged what its construction warns of (a tensor / pipeline parallel worker), so
+    the construction logs nothing at WARNING or below; ``validate`` on this rank's device still does.
 
     Raises:
         ValueError: an unknown method, bad settings, a checkpoint of another format, or a
@@ -164,7 +167,8 @@ def build_quant_config(registry: Registry, hf_config, quant_method: str, quant_s
     qname = resolve_quant_method(quant_method, hf_quant)
     quant_spec = registry.get("quantizer", qname)
     quant_settings = validate_plugin_settings(quant_spec, quant_settings, "quantization.settings")
-    quant_config: QuantizationConfig = build_plugin(quant_spec, hf_quant, quant_settings)
+    with _quiet() if repeat else contextlib.nullcontext():
+        quant_config: QuantizationConfig = build_plugin(quant_spec, hf_quant, quant_settings)
     reasons = quant_config.validate(dtype, device)
     if reasons:
         raise ValueError(f"quantization.method {qname!r} cannot run here: {'; '.join(reasons)}")
@@ -189,8 +193,9 @@ def build_model_stack(registry: Registry, hf_config, model_spec: PluginSpec, mod
             tensors of later layers are skipped.
         share_from: reuse this model's parameters by name instead of loading weights.
         quant_config_checked: the driver already built this quantizer config and logged its
-            warnings (tensor / pipeline parallel workers): this rebuild logs none at WARNING or
-            below, so each prints once, not once per rank.
+            construction's warnings (tensor / pipeline parallel workers): its rebuild here logs
+            none at WARNING or below, so each prints once, not once per rank
+            (``build_quant_config``'s ``repeat``).
 
     Raises:
         ValueError: unknown or unusable quantizer/backend, bad settings, bad checkpoint.
@@ -199,9 +204,8 @@ def build_model_stack(registry: Registry, hf_config, model_spec: PluginSpec, mod
     """
     if num_layers is not None:
         hf_config = _truncate_layers(hf_config, num_layers)
-    with _quiet() if quant_config_checked else contextlib.nullcontext():
-        quant_spec, quant_config = build_quant_config(registry, hf_config, quant_method, quant_settings, dtype,
-                                                      device)
+    quant_spec, quant_config = build_quant_config(registry, hf_config, quant_method, quant_settings, dtype, device,
+                                                  repeat=quant_config_checked)
 
     num_heads = hf_config.num_attention_heads
     num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads

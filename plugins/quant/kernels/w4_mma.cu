@@ -32,9 +32,10 @@
 // splits of a column block are one thread block cluster and sum in distributed shared memory:
 // w4_cluster.cuh), CUR (1, with CPA 0: chunk addresses from per-warp bases, Cursor in w4_mma_ops.cuh;
 // fewer loop instructions but more registers, so a tuning choice: BENCHMARKS.md session 32),
-// WST (1, with WG 2: the consumers run trips of CPA chunks, each chunk's stage, barrier parity and
-// group position compile-time constants: ~16% fewer loop instructions, more registers, so a
-// tuning choice, often with MINB 4: BENCHMARKS.md session 34).
+// WST (1, with WG 2 and an even CPA: the consumers run trips of CPA chunks, each chunk's stage,
+// barrier parity and group position compile-time constants, where the group's chunks divide CPA
+// and a split's chunk count is even, else the usual loop: ~16% fewer loop instructions, more
+// registers, so a tuning choice, often with MINB 4: BENCHMARKS.md session 34).
 //
 // Layout (w4_mma.py has the packer): 64-row blocks of N ("nblk"), 64-wide chunks of K. Chunk
 // c of nblk is 512 int32 words, [tile T (16 rows)][lane][MMA i]: lane = 4g + t holds, for the

@@ -56,8 +56,9 @@ DTYPES = (torch.float16, torch.bfloat16)
 #: CPA: x through a CTA-wide ring of CPA chunk slots in shared memory, read half a chunk at a time),
 #: WG (with XR, TW 1, KW 1, WARPS a multiple of 4: Hopper warpgroup MMAs reading x from the ring;
 #: on another GPU the same tiles run on mma.sync); CUR (with CPA 0: chunk addresses from per-warp
-#: bases, no per-chunk bounds test where S divides a group's chunks); WST (with WG 2: the
-#: consumers in trips of CPA chunks, their stage and barrier arithmetic compile-time);
+#: bases, no per-chunk bounds test where S divides a group's chunks); WST (with WG 2, an even
+#: CPA: the consumers in trips of CPA chunks, their stage and barrier arithmetic compile-time,
+#: where a call's group chunks divide CPA; else the usual loop);
 #: ``waves``: split K until about waves x SMs CTAs; GCC (chunks per group) is set per call.
 #: Tuned entries (choices table kind "w4_mma", timed cold by ``benchmarks/w4_cold_tune.py``;
 #: ``bench_quant.py --tune-mma`` times warm) override these; an M = 1 entry also serves M = 2..8 (the

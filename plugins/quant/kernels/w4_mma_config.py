@@ -44,8 +44,8 @@ def check_config(cfg: dict, m: int) -> None:
     bases; needs CPA 0); XR needs CPA and excludes XS; WG (1, or 2: with a producer warp) needs
     XR, TW 1, KW 1, WARPS a multiple of 4, SCALE_A, NB in 1, 2, 4, 8 (wgmma's N = 8 * NB) and
     CPA >= 3; WG 2 adds a producer warp, so WARPS <= 28 there. WST 0 or 1 (1: WG 2's consumers
-    in trips of CPA chunks, where CPA is even and a multiple of the group's chunks and a split's
-    chunk count is even; other calls run the usual loop) needs WG 2."""
+    in trips of CPA chunks) needs WG 2 and an even CPA; a call whose group's chunks do not divide
+    CPA (or groups over 512), or whose split holds an odd chunk count, runs the usual loop."""
     check_config_keys(cfg)
     flags = all(int(cfg.get(key, 0)) in (0, 1) for key in ("XS", "SCALE_A", "LDW", "XR", "CLU", "CUR", "WST")) and cfg.get("WG", 0) in (0, 1, 2)
     if cfg.get("CUR") and cfg.get("CPA"):
@@ -56,9 +56,9 @@ def check_config(cfg: dict, m: int) -> None:
                               and cfg.get("SCALE_A") and cfg["NB"] in (1, 2, 4, 8) and cfg["CPA"] >= 3):
         raise ValueError(f"w4 mma GEMM: config {cfg}: WG (warpgroup MMAs) needs XR, TW 1, KW 1, WARPS a multiple "
                          "of 4, SCALE_A, NB in 1, 2, 4, 8 and CPA >= 3 (one chunk's MMAs stay in flight)")
-    if cfg.get("WST") and cfg.get("WG") != 2:
+    if cfg.get("WST") and (cfg.get("WG") != 2 or cfg.get("CPA", 0) % 2):
         raise ValueError(f"w4 mma GEMM: config {cfg}: WST (trips of CPA chunks) is a way to run WG 2's consumers: "
-                         "it needs WG 2")
+                         "it needs WG 2 and an even CPA (its trips alternate two fragment buffers)")
     if cfg.get("WG") == 2 and cfg["WARPS"] > 28:
         raise ValueError(f"w4 mma GEMM: config {cfg}: WG 2 launches WARPS + 1 warps (the producer): WARPS <= 28 "
                          "(1024 threads)")

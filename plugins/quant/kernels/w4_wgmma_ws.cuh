@@ -10,8 +10,9 @@
 // stage by descriptor); once a chunk's wgmmas have retired (the next chunk's wait_group 1)
 // each warp arrives on that stage's "empty" barrier, which the producer waits on before
 // refilling it. Warpgroups never wait for each other: only the data and the free stages order
-// them. WST (a tuning choice): the consumers' loop in trips of CPA chunks, so that a chunk's
-// stage, parity, group start and released stage are constants. Compiled after w4_wgmma.cuh.
+// them. WST (a tuning choice; an even CPA): the consumers' loop in trips of CPA chunks, so that a
+// chunk's stage, parity, group start and released stage are constants, where the group's chunks
+// (GCC) divide CPA and the chunk count is even; else the usual loop. Compiled after w4_wgmma.cuh.
 //
 // x comes from the host in tiles (``w4_mma_orders.wg_x_tiles``): chunk c is M rows of 128
 // bytes, each in the layout's K order with its 16-byte units already at their 128-byte-swizzle
