@@ -21,37 +21,16 @@ ELEM_BYTES = {"xt": 2, "wq": 16, "sc": 2, "zp": 4}  # ws_loop's global operands:
 
 
 def _ternary(text: str) -> str:
-    """C's ``a ? b : c`` (nested, right-associative) as Python's ``(b if a else c)``."""
-    text = text.strip()
-    depth, q = 0, -1
+    """A top-level C ``a ? b : c`` as Python's ``(b if a else c)``; ``c`` may hold another
+    (right-associative). Parenthesized ones are ``_py``'s regex's."""
+    depth, q = 0, None
     for i, ch in enumerate(text):
-        depth += ch == "("
-        depth -= ch == ")"
-        if ch == "?" and depth == 0:
+        depth += (ch == "(") - (ch == ")")
+        if depth == 0 and ch == "?" and q is None:
             q = i
-            break
-    if q < 0:  # none at the top level: one parenthesized whole may hold one
-        if text.startswith("(") and text.endswith(")") and "?" in text:
-            depth = 0
-            for i, ch in enumerate(text):
-                depth += ch == "("
-                depth -= ch == ")"
-                if depth == 0 and i < len(text) - 1:
-                    return text  # (a) op (b): not one group
-            return f"({_ternary(text[1:-1])})"
-        return text
-    depth, nested = 0, 0
-    for i in range(q + 1, len(text)):
-        ch = text[i]
-        depth += ch == "("
-        depth -= ch == ")"
-        if depth == 0 and ch == "?":
-            nested += 1
-        elif depth == 0 and ch == ":":
-            if nested == 0:
-                return f"(({_ternary(text[q + 1:i])}) if ({_ternary(text[:q])}) else ({_ternary(text[i + 1:])}))"
-            nested -= 1
-    raise ValueError(f"unbalanced ternary: {text}")
+        elif depth == 0 and ch == ":" and q is not None:
+            return f"(({text[q + 1:i].strip()}) if ({text[:q].strip()}) else ({_ternary(text[i + 1:]).strip()}))"
+    return text
 
 
 def _py(text: str) -> str:
